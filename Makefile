@@ -1,0 +1,27 @@
+# Two entry points (README): `make check` runs the main job, `make test` runs the test suite.
+# Both create .venv on first use. torch is pinned to the CPU build (an unpinned torch pulls CUDA).
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: check test bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+check: $(STAMP)
+	$(BIN)/lockstep check
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+bench: $(STAMP)
+	$(BIN)/lockstep bench
+
+clean:
+	rm -rf $(VENV) src/*.egg-info .pytest_cache

@@ -1,0 +1,119 @@
+"""The `lockstep` command line: `check` (accuracy + invariance) and `bench` (speed ratios)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+
+import torch
+
+from . import contract
+from .backend import available_backends
+
+
+def _fmt(x: float | None) -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, float) and math.isinf(x):
+        return "inf"
+    return f"{x:.2e}"
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
+    line = "  ".join(h.ljust(w) for h, w in zip(header, widths))
+    out = [line, "  ".join("-" * w for w in widths)]
+    out += ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
+    return "\n".join(out)
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    from .harness import check as harness
+    from .harness.specs import SPECS
+
+    ops = args.ops or list(SPECS)
+    for op in ops:
+        if op not in SPECS:
+            print(f"lockstep check: op: unknown op {op!r}; expected one of {sorted(SPECS)}", file=sys.stderr)
+            return 2
+    if args.backend not in available_backends():
+        print(f"lockstep check: backend: unknown backend {args.backend!r}; expected one of {available_backends()}",
+              file=sys.stderr)
+        return 2
+    try:
+        dtypes = [contract.parse_dtype(d) for d in args.dtype.split(",")]
+    except ValueError as e:
+        print(f"lockstep check: {e}", file=sys.stderr)
+        return 2
+
+    reports, rows, failed = [], [], 0
+    started = time.time()
+    for op in ops:
+        for dtype in dtypes:
+            r = harness.check_op(op, dtype, backend=args.backend, grad=not args.no_grad, seed=args.seed)
+            if args.large and SPECS[op].large:
+                r.sweeps.append(harness.check_large(op, dtype, backend=args.backend, seed=args.seed))
+            reports.append(r)
+            a = r.accuracy
+            fail = r.first_failure
+            inv = "pass" if r.invariant else f"FAIL {fail.sweep}: max diff {_fmt(fail.max_diff)}"
+            acc = "pass" if a.passed else "FAIL"
+            rows.append([op, r.dtype, _fmt(a.forward_max_abs), _fmt(a.forward_max_rel), _fmt(a.gradient_max_abs),
+                         f"{a.ratio_vs_eager:.2f}" if math.isfinite(a.ratio_vs_eager) else "inf",
+                         acc, f"{sum(s.passed for s in r.sweeps)}/{len(r.sweeps)}", inv])
+            failed += not r.passed
+            if args.verbose:
+                for s in r.sweeps:
+                    print(f"  {op} {r.dtype} {s.sweep}: {'pass' if s.passed else 'FAIL'} "
+                          f"(rows {s.compared}, max diff {_fmt(s.max_diff)}) {s.detail}")
+    print(f"lockstep check: backend={args.backend} threads={torch.get_num_threads()} torch={torch.__version__}")
+    print(_table(["op", "dtype", "fwd max abs", "fwd max rel", "grad max abs", "err/eager", "accuracy",
+                  "sweeps", "invariance"], rows))
+    print(f"\n{len(reports) - failed} passed, {failed} failed ({time.time() - started:.1f}s)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"backend": args.backend, "torch": torch.__version__,
+                       "reports": [r.to_dict() for r in reports]}, f, indent=1, default=str)
+    return 1 if failed else 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from . import bench
+
+    return bench.main(args.ops, quick=args.quick, out=args.markdown)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="lockstep", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    c = sub.add_parser("check", help="accuracy against float64 and bitwise invariance sweeps for each op")
+    c.add_argument("ops", nargs="*", help="ops to check (default: all)")
+    c.add_argument("--dtype", default="fp32,bf16,fp16", help="comma-separated dtypes (fp32, bf16, fp16, fp64)")
+    c.add_argument("--backend", default="portable", help="backend under test (portable, eager, ...)")
+    c.add_argument("--no-grad", action="store_true", help="forward only")
+    c.add_argument("--no-large", dest="large", action="store_false",
+                   help="skip the LLM-width sweep (65,536 columns, 152k vocabulary)")
+    c.add_argument("--seed", type=int, default=0, help="seed of the generated inputs")
+    c.add_argument("--json", metavar="PATH", help="also write the full report as JSON")
+    c.add_argument("-v", "--verbose", action="store_true", help="print every sweep")
+    c.set_defaults(func=cmd_check)
+
+    b = sub.add_parser("bench", help="time ops against eager PyTorch and print ratios")
+    b.add_argument("ops", nargs="*", help="ops to time (default: all)")
+    b.add_argument("--quick", action="store_true", help="fewer shapes and repeats")
+    b.add_argument("--markdown", metavar="PATH", help="append the table to a markdown file")
+    b.set_defaults(func=cmd_bench)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,19 @@
+"""lockstep's operators: batch-invariant and deterministic, forward and backward.
+
+Every op validates its arguments here and then runs the implementation chosen by the backend
+registry (`lockstep.use_backend`), so callers never change when a backend does.
+"""
+
+from .cross_entropy import cross_entropy
+from .embedding import embedding
+from .linear import linear
+from .log_softmax import log_softmax
+from .rms_norm import rms_norm
+from .rope import Llama3RopeScaling, rope, rope_inv_freq
+from .selected_logprobs import selected_logprobs
+from .silu_mul import silu_mul
+
+__all__ = [
+    "cross_entropy", "embedding", "linear", "log_softmax", "rms_norm", "rope", "rope_inv_freq",
+    "Llama3RopeScaling", "selected_logprobs", "silu_mul",
+]

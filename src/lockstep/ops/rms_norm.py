@@ -1,0 +1,31 @@
+"""rms_norm: x / rms(x) * (offset + weight), one row at a time."""
+
+from __future__ import annotations
+
+import math
+
+from torch import Tensor
+
+from ..backend import resolve
+from . import _checks as c
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float = 1e-6, offset: float = 0.0) -> Tensor:
+    """y = x * rsqrt(mean(x^2) + eps) * (offset + weight); offset=1.0 is Gemma's form.
+
+    x: [..., H] float; weight: [H] of x's dtype. Returns [..., H] in x's dtype; fp32 inside.
+    """
+    c.float_tensor("x", x)
+    c.at_least_1d("x", x)
+    c.float_tensor("weight", weight)
+    c.same_dtype("weight", weight, "x", x)
+    c.same_device("weight", weight, "x", x)
+    if tuple(weight.shape) != (x.shape[-1],):
+        raise ValueError(f"weight: expected shape [{x.shape[-1]}] to match x's last dimension, got {tuple(weight.shape)}")
+    if not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps <= 0:
+        raise ValueError(f"eps: expected a positive finite number, got {eps!r}")
+    if not isinstance(offset, (int, float)) or not math.isfinite(offset):
+        raise ValueError(f"offset: expected a finite number, got {offset!r}")
+    rows = x.reshape(-1, x.shape[-1])
+    y = resolve("rms_norm", x.device)(rows, weight, float(eps), float(offset))
+    return y.reshape(x.shape)

@@ -1,0 +1,33 @@
+"""selected_logprobs: the LM head fused with log p(target), chunked over the vocabulary."""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from ..backend import resolve
+from . import _checks as c
+
+
+def selected_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor) -> Tensor:
+    """log softmax(hidden @ weight.T)[target] without materialising the full logits.
+
+    hidden: [..., D] float; weight: [V, D] of hidden's dtype (the LM head); targets: [...] int in [0, V).
+    Returns [...] float32. The vocabulary is processed in fixed-size chunks with an online
+    log-sum-exp, forward and backward, so memory is O(tokens x chunk), not O(tokens x V).
+    """
+    c.float_tensor("hidden", hidden)
+    c.at_least_1d("hidden", hidden)
+    c.float_tensor("weight", weight)
+    c.ndim("weight", weight, 2, "a 2-D LM head [vocab, hidden]")
+    c.same_dtype("weight", weight, "hidden", hidden)
+    c.same_device("weight", weight, "hidden", hidden)
+    if weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(f"weight: expected shape [V, {hidden.shape[-1]}] to match hidden's last dimension, got {tuple(weight.shape)}")
+    c.int_tensor("targets", targets)
+    c.same_device("targets", targets, "hidden", hidden)
+    if tuple(targets.shape) != tuple(hidden.shape[:-1]):
+        raise ValueError(f"targets: expected shape {tuple(hidden.shape[:-1])} (hidden without its last dimension), got {tuple(targets.shape)}")
+    c.in_range("targets", targets, weight.shape[0])
+    out = resolve("selected_logprobs", hidden.device)(
+        hidden.reshape(-1, hidden.shape[-1]), weight, targets.reshape(-1).long())
+    return out.reshape(targets.shape)

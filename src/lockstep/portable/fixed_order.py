@@ -1,0 +1,168 @@
+"""Fixed-order building blocks of the portable backend.
+
+Every reduction the portable backend performs goes through one of three functions here, so the
+order of floating-point additions is decided in one place and depends only on the reduced length,
+never on how many rows share the call, their order, the memory layout or the thread count:
+
+- `row_sum`: a sum over the last dimension built only from elementwise adds (exact per element in
+  every code path), in a shape that depends on the row length alone.
+- `matmul_rows`: a GEMM whose row dimension is cut into fixed-shape tiles, so the BLAS library sees
+  the same problem shape whatever the batch size (docs/adr/0001-fixed-tiles-and-reduction-order.md).
+- `sum_over_rows`: the order in which weight gradients reduce over rows: fixed blocks of
+  `ROW_BLOCK` rows, each block's partial produced by a fixed-shape kernel, partials added in block
+  order. Zero rows appended at the end (padding) add exact zeros and change no bit.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+# Rows per GEMM call in the bulk of a batch, and in the tail. Both shapes go through the same
+# M-blocked BLAS kernel, whose reduction order over K depends on K alone (ADR 0001); the small tail
+# tile keeps decode (one row) from paying for a full 128-row tile.
+ROW_TILE = 128
+TAIL_TILE = 32
+# Width of the sequential stage of `row_sum`; the remaining WIDTH lanes are folded pairwise.
+SUM_WIDTH = 512
+# Rows per block in weight-gradient reductions.
+ROW_BLOCK = 128
+
+
+def accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
+    """fp32 accumulation for 16- and 32-bit floats; float64 passes through."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def row_sum(x: Tensor) -> Tensor:
+    """Sum over the last dimension in a fixed order that depends only on its length.
+
+    x: [..., L] float tensor (any layout). Returns [...] of x's dtype.
+
+    The row is cut into consecutive chunks of SUM_WIDTH lanes (the last one zero-padded); the chunks
+    are added lane by lane in order, then the SUM_WIDTH lanes are folded pairwise (lane i with lane
+    i + w/2). Only elementwise adds are used, and an elementwise add is exact IEEE arithmetic in the
+    vectorised and the scalar loop alike, so no thread split or tail handling can change a bit.
+    """
+    length = x.shape[-1]
+    if length == 0:
+        return x.new_zeros(x.shape[:-1])
+    width = SUM_WIDTH if length >= SUM_WIDTH else 1 << (length - 1).bit_length()
+    padded = -(-length // width) * width
+    if padded != length:
+        x = torch.nn.functional.pad(x, (0, padded - length))
+    acc = x[..., 0:width]
+    for start in range(width, padded, width):
+        acc = acc + x[..., start:start + width]
+    while width > 1:
+        width //= 2
+        acc = acc[..., :width] + acc[..., width:2 * width]
+    return acc[..., 0]
+
+
+def row_max(x: Tensor) -> Tensor:
+    """Max over the last dimension. Max is exact in any order, so torch's own kernel is invariant.
+
+    NaN propagates (torch.amax returns NaN for a row holding one)."""
+    return torch.amax(x, dim=-1)
+
+
+def matmul_rows(a: Tensor, b: Tensor, bias: Tensor | None = None) -> Tensor:
+    """a @ b (+ bias) with a [M, K], b [K, N] (b may be a transposed view), bias [N]; row-invariant.
+
+    The rows of `a` are processed in tiles of exactly ROW_TILE rows, the tail in tiles of exactly
+    TAIL_TILE rows (zero-padded), so each BLAS call has one of two fixed shapes and a row's result
+    never depends on M or on its position. bf16 runs natively (fp32 accumulation in oneDNN);
+    fp16 is computed in fp32 because CPUs without fp16 arithmetic are faster and exact that way.
+    The bias is added inside the GEMM (addmm) so the result is rounded once. Returns [M, N] in a's
+    dtype.
+    """
+    out_dtype = a.dtype
+    if a.dtype == torch.float16 and a.device.type == "cpu":
+        a, b = a.float(), b.float()
+        bias = None if bias is None else bias.float()
+
+    def gemm(rows: Tensor, out: Tensor | None = None) -> Tensor:
+        if bias is None:
+            return torch.mm(rows, b, out=out)
+        return torch.addmm(bias, rows, b, out=out)
+
+    a = a.contiguous()
+    m, k = a.shape
+    n = b.shape[1]
+    out = a.new_empty((m, n))
+    full = (m // ROW_TILE) * ROW_TILE
+    for start in range(0, full, ROW_TILE):
+        gemm(a[start:start + ROW_TILE], out=out[start:start + ROW_TILE])
+    rest = m - full
+    if rest:
+        padded = -(-rest // TAIL_TILE) * TAIL_TILE
+        tail = a.new_zeros((padded, k))
+        tail[:rest] = a[full:]
+        for start in range(0, padded, TAIL_TILE):
+            part = gemm(tail[start:start + TAIL_TILE])
+            stop = min(start + TAIL_TILE, rest)
+            if stop > start:
+                out[full + start:full + stop] = part[: stop - start]
+    return out.to(out_dtype)
+
+
+def sum_over_rows(rows: int, block_partial: Callable[[int, int], Tensor]) -> Tensor:
+    """Sum of per-row contributions in the documented fixed order.
+
+    block_partial(start, stop) returns the fixed-shape partial of rows [start, stop) of one block of
+    ROW_BLOCK rows (the caller zero-pads the block). Partials are added in block order, starting
+    from the first block. Returns the accumulated tensor (the caller's accumulation dtype).
+    """
+    total = None
+    for start in range(0, max(rows, 1), ROW_BLOCK):
+        part = block_partial(start, min(start + ROW_BLOCK, rows))
+        total = part if total is None else total + part
+    return total
+
+
+def padded_block(x: Tensor, start: int, stop: int) -> Tensor:
+    """Rows [start, stop) of a 2-D tensor, zero-padded to ROW_BLOCK rows."""
+    block = x[start:stop]
+    if stop - start == ROW_BLOCK:
+        return block
+    out = x.new_zeros((ROW_BLOCK,) + tuple(x.shape[1:]))
+    out[: stop - start] = block
+    return out
+
+
+def weight_grad(grad_out: Tensor, inp: Tensor) -> Tensor:
+    """sum over rows of grad_out[r]^T inp[r], in fixed row blocks: [M, N], [M, K] -> [N, K] fp32.
+
+    Each block's partial is one GEMM of fixed shape [N, ROW_BLOCK] @ [ROW_BLOCK, K] in the
+    accumulation dtype; partials are added in block order.
+    """
+    acc = accumulate_dtype(grad_out.dtype)
+    g = grad_out.to(acc)
+    x = inp.to(acc)
+
+    def block(start: int, stop: int) -> Tensor:
+        return torch.mm(padded_block(g, start, stop).t(), padded_block(x, start, stop))
+
+    return sum_over_rows(g.shape[0], block)
+
+
+def column_sum(x: Tensor) -> Tensor:
+    """sum over rows of x [M, N] -> [N] in the accumulation dtype, in fixed row blocks.
+
+    Within a block the ROW_BLOCK rows are folded pairwise with elementwise adds (exact in every code
+    path); blocks are added in order.
+    """
+    x = x.to(accumulate_dtype(x.dtype))
+
+    def block(start: int, stop: int) -> Tensor:
+        b = padded_block(x, start, stop)
+        width = ROW_BLOCK
+        while width > 1:
+            width //= 2
+            b = b[:width] + b[width:2 * width]
+        return b[0]
+
+    return sum_over_rows(x.shape[0], block)

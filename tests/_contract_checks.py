@@ -1,0 +1,21 @@
+"""Shared assertions: an op's full contract (every sweep bitwise, accuracy from contract.toml)."""
+
+import torch
+
+from lockstep.harness.check import check_op
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def assert_op_contract(op: str, dtype: torch.dtype, backend: str = "portable") -> None:
+    report = check_op(op, dtype, backend=backend)
+    failures = [f"{s.sweep}: {s.detail} (max diff {s.max_diff:.3e})" for s in report.sweeps if not s.passed]
+    assert not failures, f"{op} {dtype} invariance failures: {failures}"
+    assert all(s.compared > 0 for s in report.sweeps), "a sweep compared no rows"
+    expected = {"batch=1 (row 0)", "batch=2", "batch=7", "batch=133", "permutation", "pad left", "pad right",
+                "NaN/Inf rows", "strided", "repeat (determinism)", "threads=1 vs 2"}
+    assert expected <= {s.sweep for s in report.sweeps}
+    a = report.accuracy
+    assert a.forward_excess <= 0, f"forward error {a.forward_max_abs:.3e} outside the contract"
+    assert a.gradient_excess is None or a.gradient_excess <= 0, f"gradient error {a.gradient_max_abs:.3e} outside the contract"
+    assert a.relative_ok, f"error {a.forward_max_abs:.3e} more than 2x eager PyTorch's {a.eager_forward_max_abs:.3e}"

@@ -1,0 +1,30 @@
+import pytest
+import torch
+
+
+def pytest_collection_modifyitems(config, items):
+    """GPU tests run wherever CUDA is present; elsewhere they are deselected and counted aloud."""
+    if torch.cuda.is_available():
+        return
+    gpu = [item for item in items if "gpu" in item.keywords]
+    if gpu:
+        items[:] = [item for item in items if "gpu" not in item.keywords]
+        config.hook.pytest_deselected(items=gpu)
+        config._lockstep_gpu_deselected = len(gpu)
+
+
+def pytest_report_header(config):
+    return f"lockstep: torch {torch.__version__}, CUDA available: {torch.cuda.is_available()}"
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    n = getattr(config, "_lockstep_gpu_deselected", 0)
+    if n:
+        terminalreporter.write_line(f"lockstep: {n} GPU tests deselected (no CUDA device on this machine)")
+
+
+@pytest.fixture(autouse=True)
+def _restore_threads():
+    n = torch.get_num_threads()
+    yield
+    torch.set_num_threads(n)

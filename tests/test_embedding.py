@@ -1,0 +1,48 @@
+import pytest
+import torch
+
+from lockstep import ops
+from lockstep.portable.embedding import embedding_weight_grad
+
+from _contract_checks import DTYPES, assert_op_contract
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_embedding_contract(dtype):
+    assert_op_contract("embedding", dtype)
+
+
+def test_embedding_weight_grad_adds_occurrences_in_position_order():
+    ids = torch.tensor([3, 1, 3, 3, 0, 1])
+    grad = torch.tensor([[1e8], [1.0], [1.0], [-1e8], [2.0], [5.0]])
+    dw = embedding_weight_grad(ids, grad, 5)
+    # In position order: ((1e8 + 1) - 1e8) = 0 in fp32; any other order gives a different value.
+    assert dw[3, 0] == (torch.tensor(1e8) + 1.0) - 1e8
+    assert dw[1, 0] == 6.0 and dw[0, 0] == 2.0 and dw[2, 0] == 0.0 and dw[4, 0] == 0.0
+
+
+def test_embedding_weight_grad_unchanged_by_zero_grad_rows_anywhere():
+    torch.manual_seed(0)
+    ids = torch.randint(0, 20, (100,))
+    grad = torch.randn(100, 8)
+    base = embedding_weight_grad(ids, grad, 20)
+    pad_ids = torch.randint(0, 20, (30,))
+    mixed_ids = torch.cat([pad_ids[:10], ids[:50], pad_ids[10:], ids[50:]])
+    mixed_grad = torch.cat([torch.zeros(10, 8), grad[:50], torch.zeros(20, 8), grad[50:]])
+    assert torch.equal(embedding_weight_grad(mixed_ids, mixed_grad, 20), base)
+
+
+def test_embedding_shapes_and_int32_ids():
+    w = torch.randn(10, 4)
+    ids = torch.tensor([[1, 2, 3], [9, 0, 0]], dtype=torch.int32)
+    assert torch.equal(ops.embedding(ids, w), w[ids.long()])
+
+
+@pytest.mark.parametrize("ids, message", [
+    (torch.tensor([0, 10]), r"ids: expected values in \[0, 10\), found 10"),
+    (torch.tensor([-1]), r"ids: expected values in \[0, 10\), found -1"),
+    (torch.tensor([0.0]), "ids: expected an int64 or int32 tensor"),
+])
+def test_embedding_bad_ids(ids, message):
+    with pytest.raises((TypeError, ValueError), match=message):
+        ops.embedding(ids, torch.randn(10, 4))

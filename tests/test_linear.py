@@ -1,0 +1,67 @@
+import pytest
+import torch
+
+import lockstep
+from lockstep import ops, reference
+from lockstep.portable.fixed_order import ROW_TILE, TAIL_TILE
+
+from _contract_checks import DTYPES, assert_op_contract
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_linear_contract(dtype):
+    assert_op_contract("linear", dtype)
+
+
+def test_linear_one_row_equals_row_of_many_at_every_tile_boundary():
+    torch.manual_seed(0)
+    x = torch.randn(2 * ROW_TILE + TAIL_TILE + 3, 96)
+    w = torch.randn(64, 96) / 96 ** 0.5
+    full = ops.linear(x, w)
+    for i in (0, TAIL_TILE - 1, TAIL_TILE, ROW_TILE - 1, ROW_TILE, 2 * ROW_TILE, x.shape[0] - 1):
+        assert torch.equal(ops.linear(x[i:i + 1], w)[0], full[i])
+
+
+def test_eager_linear_is_not_batch_invariant():
+    """The check this library exists for: stock PyTorch picks a different kernel for one row."""
+    torch.manual_seed(0)
+    x = torch.randn(64, 1024)
+    w = torch.randn(1024, 1024) / 32
+    with lockstep.use_backend("eager"):
+        assert not torch.equal(ops.linear(x[:1], w)[0], ops.linear(x, w)[0])
+
+
+def test_linear_leading_dims_and_float64():
+    x = torch.randn(2, 3, 5, 8, dtype=torch.float64)
+    w = torch.randn(4, 8, dtype=torch.float64)
+    b = torch.randn(4, dtype=torch.float64)
+    y = ops.linear(x, w, b)
+    assert y.shape == (2, 3, 5, 4) and y.dtype == torch.float64
+    torch.testing.assert_close(y, reference.linear(x, w, b))
+
+
+def test_linear_weight_grad_unchanged_by_appended_zero_grad_rows():
+    torch.manual_seed(1)
+    x = torch.randn(200, 48)
+    pad = torch.randn(70, 48)
+    w = torch.randn(16, 48, requires_grad=True)
+    dy = torch.randn(200, 16)
+    ops.linear(x, w).backward(dy)
+    g1 = w.grad.clone()
+    w.grad = None
+    ops.linear(torch.cat([x, pad]), w).backward(torch.cat([dy, torch.zeros(70, 16)]))
+    assert torch.equal(w.grad, g1)
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda: ops.linear(torch.randn(2, 3), torch.randn(4, 5)), "weight: expected shape [N, 3]"),
+    (lambda: ops.linear(torch.randn(2, 3), torch.randn(4, 3).double()), "weight: expected dtype torch.float32"),
+    (lambda: ops.linear(torch.randn(2, 3), torch.randn(4, 3), torch.randn(5)), "bias: expected shape [4]"),
+    (lambda: ops.linear(torch.randn(2, 3).long(), torch.randn(4, 3)), "x: expected dtype float32"),
+    (lambda: ops.linear([1.0], torch.randn(4, 3)), "x: expected a torch.Tensor"),
+    (lambda: ops.linear(torch.randn(2, 3), torch.randn(3)), "weight: expected a 2-D weight"),
+])
+def test_linear_bad_input(make, message):
+    with pytest.raises((TypeError, ValueError)) as e:
+        make()
+    assert message in str(e.value)

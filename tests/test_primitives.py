@@ -1,0 +1,60 @@
+"""Guards for what the portable backend assumes of the machine's PyTorch build.
+
+If one of these fails on a platform, the portable backend's invariance does not hold there, and
+this test says which primitive broke it.
+"""
+
+import pytest
+import torch
+
+from lockstep.portable.fixed_order import ROW_TILE, TAIL_TILE, column_sum, matmul_rows, row_sum
+
+PRIMITIVES = {
+    "exp": (torch.exp, 30.0),
+    "log": (torch.log, None),
+    "sin": (torch.sin, 1e4),
+    "cos": (torch.cos, 1e4),
+    "rsqrt": (torch.rsqrt, None),
+    "reciprocal": (torch.reciprocal, None),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("name", list(PRIMITIVES))
+def test_primitive_same_bits_in_vector_and_scalar_paths(name, dtype):
+    fn, scale = PRIMITIVES[name]
+    gen = torch.Generator().manual_seed(0)
+    n = 1 << 20
+    x = torch.randn(2 * n, generator=gen, dtype=dtype) * scale if scale else torch.rand(2 * n, generator=gen, dtype=dtype) * 100
+    strided = fn(x[::2])               # TensorIterator's scalar loop
+    contiguous = fn(x[::2].contiguous())  # vectorised loop with a scalar tail
+    assert torch.equal(strided, contiguous)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_gemm_row_tiles_agree_with_tail_tiles_and_threads(dtype):
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(ROW_TILE + TAIL_TILE + 7, 300, generator=gen).to(dtype)
+    b = (torch.randn(300, 77, generator=gen) / 17).to(dtype)
+    torch.set_num_threads(2)
+    full = matmul_rows(a, b)
+    for i in range(0, a.shape[0], 11):
+        assert torch.equal(matmul_rows(a[i:i + 1], b)[0], full[i]), i
+    torch.set_num_threads(1)
+    assert torch.equal(matmul_rows(a, b), full)
+
+
+def test_row_sum_order_depends_only_on_length():
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(9, 70001, generator=gen)
+    full = row_sum(x)
+    assert torch.equal(row_sum(x[4:5])[0], full[4])
+    assert torch.equal(row_sum(x[:, :70001].t().contiguous().t()), full)
+    torch.testing.assert_close(full.double(), x.double().sum(-1), atol=1e-3, rtol=1e-5)
+
+
+def test_column_sum_appended_zero_rows_change_nothing():
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(301, 33, generator=gen)
+    assert torch.equal(column_sum(torch.cat([x, torch.zeros(200, 33)])), column_sum(x))
+    torch.testing.assert_close(column_sum(x).double(), x.double().sum(0), atol=1e-4, rtol=1e-5)

@@ -1,0 +1,50 @@
+import pytest
+import torch
+
+from lockstep import ops, reference
+from lockstep.ops import Llama3RopeScaling
+
+from _contract_checks import DTYPES, assert_op_contract
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_rope_contract(dtype):
+    assert_op_contract("rope", dtype)
+
+
+@pytest.mark.parametrize("style", ["neox", "gptj"])
+@pytest.mark.parametrize("scaling", [None, Llama3RopeScaling(factor=8.0, original_max_position_embeddings=64)])
+def test_rope_styles_and_scaling_match_reference(style, scaling):
+    torch.manual_seed(0)
+    x = torch.randn(50, 4, 64)
+    pos = torch.randint(0, 5000, (50,))
+    got = ops.rope(x, pos, theta=10000.0, style=style, scaling=scaling)
+    want = reference.rope(x, pos, theta=10000.0, style=style, scaling=scaling)
+    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+
+
+def test_rope_gradient_is_inverse_rotation():
+    x = torch.randn(7, 2, 16, dtype=torch.float64, requires_grad=True)
+    pos = torch.arange(7) * 13
+    assert torch.autograd.gradcheck(lambda t: ops.rope(t, pos, style="gptj"), (x,))
+
+
+def test_rope_token_depends_only_on_its_position():
+    x = torch.randn(10, 2, 32)
+    pos = torch.tensor([5, 0, 9999, 3, 3, 70000, 1, 2, 8, 4])
+    full = ops.rope(x, pos)
+    assert torch.equal(ops.rope(x[5:6], pos[5:6])[0], full[5])
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda: ops.rope(torch.randn(3, 2, 8), torch.arange(4)), r"positions: expected shape \[3\]"),
+    (lambda: ops.rope(torch.randn(3, 2, 7), torch.arange(3)), "x: expected an even head_dim"),
+    (lambda: ops.rope(torch.randn(3, 8), torch.arange(3)), "x: expected a 3-D tensor"),
+    (lambda: ops.rope(torch.randn(3, 2, 8), torch.arange(3), style="llama"), "style: expected one of"),
+    (lambda: ops.rope(torch.randn(3, 2, 8), torch.arange(3) - 1), "positions: expected values >= 0"),
+    (lambda: ops.rope(torch.randn(3, 2, 8), torch.arange(3).float()), "positions: expected an int64"),
+    (lambda: ops.rope(torch.randn(3, 2, 8), torch.arange(3), theta=0.5), "theta: expected a finite number > 1"),
+])
+def test_rope_bad_input(call, message):
+    with pytest.raises((TypeError, ValueError), match=message):
+        call()

@@ -1,0 +1,56 @@
+import pytest
+import torch
+
+import lockstep
+from lockstep import ops, reference
+from lockstep.harness.check import check_large
+from lockstep.portable import selected_logprobs as portable_slp
+
+from _contract_checks import DTYPES, assert_op_contract
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_selected_logprobs_contract(dtype):
+    assert_op_contract("selected_logprobs", dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_selected_logprobs_152k_vocab_one_row_vs_many(dtype):
+    result = check_large("selected_logprobs", dtype)
+    assert result.passed and result.compared > 0, result
+
+
+def test_selected_logprobs_never_builds_full_logits(monkeypatch):
+    """Every GEMM the op runs has at most VOCAB_CHUNK output columns, forward and backward."""
+    seen = []
+    real = portable_slp.matmul_rows
+
+    def spy(a, b, bias=None):
+        seen.append(b.shape[1] if b.shape[0] == a.shape[1] and b.shape[1] != a.shape[1] else b.shape[0])
+        return real(a, b, bias)
+
+    monkeypatch.setattr(portable_slp, "matmul_rows", spy)
+    vocab = 3 * portable_slp.VOCAB_CHUNK + 17
+    h = torch.randn(5, 16, requires_grad=True)
+    w = (torch.randn(vocab, 16) / 4).requires_grad_()
+    t = torch.randint(0, vocab, (5,))
+    with lockstep.use_backend("portable"):
+        ops.selected_logprobs(h, w, t).sum().backward()
+    assert seen and max(seen) <= portable_slp.VOCAB_CHUNK
+    want = reference.selected_logprobs(h.detach(), w.detach(), t)
+    torch.testing.assert_close(ops.selected_logprobs(h, w, t).double(), want, atol=1e-5, rtol=0)
+
+
+def test_selected_logprobs_returns_float32_for_bf16():
+    h = torch.randn(3, 8).bfloat16()
+    w = torch.randn(20, 8).bfloat16()
+    assert ops.selected_logprobs(h, w, torch.tensor([1, 2, 3])).dtype == torch.float32
+
+
+@pytest.mark.parametrize("targets, message", [
+    (torch.tensor([0, 20, 1]), r"targets: expected values in \[0, 20\), found 20"),
+    (torch.tensor([0, 1]), r"targets: expected shape \(3,\)"),
+])
+def test_selected_logprobs_bad_targets(targets, message):
+    with pytest.raises(ValueError, match=message):
+        ops.selected_logprobs(torch.randn(3, 8), torch.randn(20, 8), targets)
