@@ -32,12 +32,14 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
 
 def cmd_check(args: argparse.Namespace) -> int:
     from .harness import check as harness
+    from .harness.attention_check import check_attention
     from .harness.specs import SPECS
 
-    ops = args.ops or list(SPECS)
+    known = list(SPECS) + ["attention"]
+    ops = args.ops or known
     for op in ops:
-        if op not in SPECS:
-            print(f"lockstep check: op: unknown op {op!r}; expected one of {sorted(SPECS)}", file=sys.stderr)
+        if op not in known:
+            print(f"lockstep check: op: unknown op {op!r}; expected one of {sorted(known)}", file=sys.stderr)
             return 2
     if args.backend not in available_backends():
         print(f"lockstep check: backend: unknown backend {args.backend!r}; expected one of {available_backends()}",
@@ -53,8 +55,11 @@ def cmd_check(args: argparse.Namespace) -> int:
     started = time.time()
     for op in ops:
         for dtype in dtypes:
-            r = harness.check_op(op, dtype, backend=args.backend, grad=not args.no_grad, seed=args.seed)
-            if args.large and SPECS[op].large:
+            if op == "attention":
+                r = check_attention(dtype, backend=args.backend, grad=not args.no_grad, seed=args.seed)
+            else:
+                r = harness.check_op(op, dtype, backend=args.backend, grad=not args.no_grad, seed=args.seed)
+            if args.large and op in SPECS and SPECS[op].large:
                 r.sweeps.append(harness.check_large(op, dtype, backend=args.backend, seed=args.seed))
             reports.append(r)
             a = r.accuracy

@@ -44,7 +44,7 @@ class Tolerance:
 
     def excess(self, got: torch.Tensor, ref: torch.Tensor) -> float:
         """max(|got - ref| - (atol + rtol |ref|)); <= 0 means within the contract. NaN counts as a miss."""
-        got64, ref64 = got.double(), ref.double()
+        got64, ref64 = got.detach().double(), ref.detach().double()
         both_nan = got64.isnan() & ref64.isnan()
         diff = (got64 - ref64).abs()
         allowed = self.atol + self.rtol * ref64.abs()

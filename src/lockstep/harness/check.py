@@ -252,7 +252,7 @@ def _reference_run(pool: Pool) -> Run:
 
 
 def _max_abs(a: Tensor, b: Tensor) -> float:
-    d = (a.double() - b.double()).abs()
+    d = (a.detach().double() - b.detach().double()).abs()
     d = torch.where(d.isnan(), torch.full_like(d, math.inf), d)
     return float(d.max()) if d.numel() else 0.0
 

@@ -4,6 +4,7 @@ Every op validates its arguments here and then runs the implementation chosen by
 registry (`lockstep.use_backend`), so callers never change when a backend does.
 """
 
+from .attention import attention, paged_attention, write_kv
 from .cross_entropy import cross_entropy
 from .embedding import embedding
 from .linear import linear
@@ -14,6 +15,6 @@ from .selected_logprobs import selected_logprobs
 from .silu_mul import silu_mul
 
 __all__ = [
-    "cross_entropy", "embedding", "linear", "log_softmax", "rms_norm", "rope", "rope_inv_freq",
+    "attention", "paged_attention", "write_kv", "cross_entropy", "embedding", "linear", "log_softmax", "rms_norm", "rope", "rope_inv_freq",
     "Llama3RopeScaling", "selected_logprobs", "silu_mul",
 ]

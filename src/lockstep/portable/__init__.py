@@ -1,3 +1,3 @@
 """The portable backend: PyTorch ops in fixed tile shapes and fixed reduction orders, any device."""
 
-from . import cross_entropy, embedding, linear, log_softmax, rms_norm, rope, selected_logprobs, silu_mul  # noqa: F401
+from . import attention, cross_entropy, embedding, linear, log_softmax, rms_norm, rope, selected_logprobs, silu_mul  # noqa: F401

@@ -70,42 +70,45 @@ def row_max(x: Tensor) -> Tensor:
 
 
 def matmul_rows(a: Tensor, b: Tensor, bias: Tensor | None = None) -> Tensor:
-    """a @ b (+ bias) with a [M, K], b [K, N] (b may be a transposed view), bias [N]; row-invariant.
+    """a @ b (+ bias), row-invariant: a [M, K], b [K, N] (may be a transposed view), bias [N];
+    or batched: a [B, M, K], b [B, K, N].
 
     The rows of `a` are processed in tiles of exactly ROW_TILE rows, the tail in tiles of exactly
     TAIL_TILE rows (zero-padded), so each BLAS call has one of two fixed shapes and a row's result
     never depends on M or on its position. bf16 runs natively (fp32 accumulation in oneDNN);
     fp16 is computed in fp32 because CPUs without fp16 arithmetic are faster and exact that way.
-    The bias is added inside the GEMM (addmm) so the result is rounded once. Returns [M, N] in a's
-    dtype.
+    The bias is added inside the GEMM (addmm) so the result is rounded once. Returns [(B,) M, N]
+    in a's dtype.
     """
     out_dtype = a.dtype
     if a.dtype == torch.float16 and a.device.type == "cpu":
         a, b = a.float(), b.float()
         bias = None if bias is None else bias.float()
+    batched = a.dim() == 3
 
     def gemm(rows: Tensor, out: Tensor | None = None) -> Tensor:
+        if batched:
+            return torch.bmm(rows, b, out=out)
         if bias is None:
             return torch.mm(rows, b, out=out)
         return torch.addmm(bias, rows, b, out=out)
 
     a = a.contiguous()
-    m, k = a.shape
-    n = b.shape[1]
-    out = a.new_empty((m, n))
+    m, k = a.shape[-2], a.shape[-1]
+    lead = a.shape[:-2]
+    out = a.new_empty(lead + (m, b.shape[-1]))
     full = (m // ROW_TILE) * ROW_TILE
     for start in range(0, full, ROW_TILE):
-        gemm(a[start:start + ROW_TILE], out=out[start:start + ROW_TILE])
+        gemm(a[..., start:start + ROW_TILE, :], out=out[..., start:start + ROW_TILE, :])
     rest = m - full
     if rest:
         padded = -(-rest // TAIL_TILE) * TAIL_TILE
-        tail = a.new_zeros((padded, k))
-        tail[:rest] = a[full:]
-        for start in range(0, padded, TAIL_TILE):
-            part = gemm(tail[start:start + TAIL_TILE])
+        tail = a.new_zeros(lead + (padded, k))
+        tail[..., :rest, :] = a[..., full:, :]
+        for start in range(0, rest, TAIL_TILE):
+            part = gemm(tail[..., start:start + TAIL_TILE, :])
             stop = min(start + TAIL_TILE, rest)
-            if stop > start:
-                out[full + start:full + stop] = part[: stop - start]
+            out[..., full + start:full + stop, :] = part[..., : stop - start, :]
     return out.to(out_dtype)
 
 
@@ -124,29 +127,34 @@ def sum_over_rows(rows: int, block_partial: Callable[[int, int], Tensor]) -> Ten
 
 
 def padded_block(x: Tensor, start: int, stop: int) -> Tensor:
-    """Rows [start, stop) of a 2-D tensor, zero-padded to ROW_BLOCK rows."""
-    block = x[start:stop]
+    """Rows [start, stop) of the second-to-last dimension (the first for 1-D/2-D tensors),
+    zero-padded to ROW_BLOCK rows."""
+    dim = 0 if x.dim() <= 2 else x.dim() - 2
+    block = x.narrow(dim, start, stop - start)
     if stop - start == ROW_BLOCK:
         return block
-    out = x.new_zeros((ROW_BLOCK,) + tuple(x.shape[1:]))
-    out[: stop - start] = block
+    shape = list(x.shape)
+    shape[dim] = ROW_BLOCK
+    out = x.new_zeros(shape)
+    out.narrow(dim, 0, stop - start).copy_(block)
     return out
 
 
 def weight_grad(grad_out: Tensor, inp: Tensor) -> Tensor:
-    """sum over rows of grad_out[r]^T inp[r], in fixed row blocks: [M, N], [M, K] -> [N, K] fp32.
+    """sum over rows r of grad_out[r]^T inp[r], in fixed row blocks: [M, N], [M, K] -> [N, K];
+    batched: [B, M, N], [B, M, K] -> [B, N, K]. In the accumulation dtype.
 
-    Each block's partial is one GEMM of fixed shape [N, ROW_BLOCK] @ [ROW_BLOCK, K] in the
-    accumulation dtype; partials are added in block order.
+    Each block's partial is one GEMM of fixed shape [N, ROW_BLOCK] @ [ROW_BLOCK, K]; partials are
+    added in block order.
     """
     acc = accumulate_dtype(grad_out.dtype)
     g = grad_out.to(acc)
     x = inp.to(acc)
 
     def block(start: int, stop: int) -> Tensor:
-        return torch.mm(padded_block(g, start, stop).t(), padded_block(x, start, stop))
+        return torch.matmul(padded_block(g, start, stop).transpose(-1, -2), padded_block(x, start, stop))
 
-    return sum_over_rows(g.shape[0], block)
+    return sum_over_rows(g.shape[-2], block)
 
 
 def column_sum(x: Tensor) -> Tensor:

@@ -1,0 +1,8 @@
+"""Benchmark: embedding against eager PyTorch on this machine (ratios, same run). Usage: python benchmarks/bench_embedding.py [--quick]"""
+
+import sys
+
+from lockstep import bench
+
+if __name__ == "__main__":
+    sys.exit(bench.main(["embedding"], quick="--quick" in sys.argv))

@@ -1,0 +1,8 @@
+"""Benchmark: linear against eager PyTorch on this machine (ratios, same run). Usage: python benchmarks/bench_linear.py [--quick]"""
+
+import sys
+
+from lockstep import bench
+
+if __name__ == "__main__":
+    sys.exit(bench.main(["linear"], quick="--quick" in sys.argv))

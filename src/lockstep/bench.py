@@ -1,0 +1,189 @@
+"""Speed of lockstep's ops against eager PyTorch, measured in the same run and reported as ratios.
+
+Each case times the forward and forward+backward of one op at one shape on the chosen backend and
+on "eager", taking the median of several repeats after a warm-up. `lockstep bench` prints the table;
+benchmarks/bench_<op>.py run one op each.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from . import ops
+from .backend import use_backend
+
+
+@dataclass
+class Case:
+    op: str
+    shape: str
+    dtype: torch.dtype
+    make: Callable[[], tuple[Callable[[], torch.Tensor], list[torch.Tensor]]]  # (run, leaves)
+    backward: bool = True
+
+
+def _time(fn: Callable[[], object], repeats: int) -> float:
+    fn()
+    samples = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - t)
+    return statistics.median(samples) * 1e3
+
+
+def _leaf(*shape: int, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+    return (torch.randn(*shape) * scale).to(dtype).requires_grad_()
+
+
+def cases(quick: bool = False) -> list[Case]:
+    out: list[Case] = []
+    rows_list = (1, 16, 256) if quick else (1, 16, 256, 2048)
+    widths = (1024,) if quick else (1024, 4096)
+    for dtype in (torch.float32, torch.bfloat16):
+        for k in widths:
+            for m in rows_list:
+                def lin(m=m, k=k, dtype=dtype):
+                    x, w = _leaf(m, k, dtype=dtype), _leaf(k, k, dtype=dtype, scale=k ** -0.5)
+                    return (lambda: ops.linear(x, w)), [x, w]
+                out.append(Case("linear", f"M={m} N=K={k}", dtype, lin))
+
+                def rms(m=m, k=k, dtype=dtype):
+                    x, w = _leaf(m, k, dtype=dtype), _leaf(k, dtype=dtype)
+                    return (lambda: ops.rms_norm(x, w)), [x, w]
+                out.append(Case("rms_norm", f"rows={m} H={k}", dtype, rms))
+        for m in rows_list[-2:]:
+            def silu(m=m, dtype=dtype):
+                g, u = _leaf(m, 4096, dtype=dtype), _leaf(m, 4096, dtype=dtype)
+                return (lambda: ops.silu_mul(g, u)), [g, u]
+            out.append(Case("silu_mul", f"rows={m} F=4096", dtype, silu))
+
+            def rope(m=m, dtype=dtype):
+                x, pos = _leaf(m, 32, 128, dtype=dtype), torch.arange(m)
+                return (lambda: ops.rope(x, pos)), [x]
+            out.append(Case("rope", f"tokens={m} 32x128", dtype, rope))
+
+            def emb(m=m, dtype=dtype):
+                ids, w = torch.randint(0, 32000, (m,)), _leaf(32000, 1024, dtype=dtype)
+                return (lambda: ops.embedding(ids, w)), [w]
+            out.append(Case("embedding", f"tokens={m} V=32000 D=1024", dtype, emb))
+        for m in (16, 256):
+            def lsm(m=m, dtype=dtype):
+                x = _leaf(m, 32000, dtype=dtype)
+                return (lambda: ops.log_softmax(x)), [x]
+            out.append(Case("log_softmax", f"rows={m} V=32000", dtype, lsm))
+
+            def ce(m=m, dtype=dtype):
+                x, t = _leaf(m, 32000, dtype=dtype), torch.randint(0, 32000, (m,))
+                return (lambda: ops.cross_entropy(x, t)), [x]
+            out.append(Case("cross_entropy", f"rows={m} V=32000", dtype, ce))
+        vocabs = (32000,) if quick else (32000, 152064)
+        for v in vocabs:
+            for m in (16, 256):
+                def slp(m=m, v=v, dtype=dtype):
+                    h, w = _leaf(m, 1024, dtype=dtype), _leaf(v, 1024, dtype=dtype, scale=1024 ** -0.5)
+                    t = torch.randint(0, v, (m,))
+                    return (lambda: ops.selected_logprobs(h, w, t)), [h, w]
+                out.append(Case("selected_logprobs", f"tokens={m} D=1024 V={v}", dtype, slp))
+    return out
+
+
+def run_case(case: Case, backend: str, repeats: int) -> tuple[float, float | None]:
+    torch.manual_seed(0)
+    fn, leaves = case.make()
+    with use_backend(backend):
+        with torch.no_grad():
+            fwd = _time(fn, repeats)
+        both = None
+        if case.backward:
+            def step():
+                for t in leaves:
+                    t.grad = None
+                fn().float().sum().backward()
+            both = _time(step, repeats)
+    return fwd, both
+
+
+def peak_rss_mib(fn: Callable[[], object]) -> float | None:
+    """Peak resident memory growth while fn runs (Linux: resets VmHWM through clear_refs)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        before = _status("VmRSS")
+        fn()
+        return (_status("VmHWM") - before) / 1024
+    except OSError:
+        return None
+
+
+def _status(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise OSError(field)
+
+
+def memory_case(tokens: int = 1024, hidden: int = 1024, vocab: int = 152064) -> dict[str, float | None]:
+    """Peak memory of selected_logprobs against log_softmax over the full logits, forward+backward."""
+    torch.manual_seed(0)
+    h = torch.randn(tokens, hidden).requires_grad_()
+    w = (torch.randn(vocab, hidden) / hidden ** 0.5).requires_grad_()
+    t = torch.randint(0, vocab, (tokens,))
+
+    def fused():
+        ops.selected_logprobs(h, w, t).sum().backward()
+
+    def full():
+        with use_backend("eager"):
+            ops.log_softmax(ops.linear(h, w)).gather(1, t[:, None]).sum().backward()
+
+    return {"selected_logprobs": peak_rss_mib(fused), "log_softmax(full logits)": peak_rss_mib(full)}
+
+
+def machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    return f"{cpu}, {os.cpu_count()} cores, {torch.get_num_threads()} threads, torch {torch.__version__}"
+
+
+def main(selected: list[str] | None = None, quick: bool = False, out: str | None = None,
+         backend: str = "portable") -> int:
+    repeats = 3 if quick else 5
+    rows = []
+    header = f"| op | dtype | shape | fwd {backend} ms | fwd eager ms | fwd ratio | fwd+bwd {backend} ms | fwd+bwd eager ms | fwd+bwd ratio |"
+    print(f"machine: {machine()}")
+    print(header)
+    print("|" + "---|" * 9)
+    for case in cases(quick):
+        if selected and case.op not in selected:
+            continue
+        f_l, b_l = run_case(case, backend, repeats)
+        f_e, b_e = run_case(case, "eager", repeats)
+        dt = str(case.dtype).removeprefix("torch.")
+        line = (f"| {case.op} | {dt} | {case.shape} | {f_l:.2f} | {f_e:.2f} | {f_l / f_e:.2f} | "
+                f"{b_l:.2f} | {b_e:.2f} | {b_l / b_e:.2f} |")
+        print(line, flush=True)
+        rows.append(line)
+    mem = None
+    if not selected or "selected_logprobs" in selected:
+        mem = memory_case(tokens=256 if quick else 1024)
+        print(f"\npeak memory growth, fwd+bwd, 152k vocab: {mem}")
+    if out:
+        with open(out, "a") as f:
+            f.write(f"\nMachine: {machine()}\n\n{header}\n|" + "---|" * 9 + "\n")
+            f.write("\n".join(rows) + "\n")
+            if mem:
+                f.write(f"\nPeak memory growth, fwd+bwd, 152k vocab: {mem}\n")
+    return 0

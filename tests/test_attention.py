@@ -1,0 +1,138 @@
+import pytest
+import torch
+
+import lockstep
+from lockstep import ops, reference
+from lockstep.harness.attention_check import AttnSizes, check_attention
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+ALL_SWEEPS = {"reversed order", "next to NaN/Inf sequences", "padding rows", "strided", "repeat (determinism)",
+              "chunked prefill 1", "chunked prefill 7", "chunked prefill 16", "chunked prefill 100",
+              "paged decode (staggered arrivals)", "threads=1 vs 2"}
+
+
+def _assert_report(report, with_accuracy=True):
+    failures = [f"{s.sweep}: {s.detail} ({s.max_diff:.3e})" for s in report.sweeps if not s.passed]
+    assert not failures, failures
+    assert all(s.compared > 0 for s in report.sweeps)
+    assert ALL_SWEEPS <= {s.sweep for s in report.sweeps}
+    if with_accuracy:
+        a = report.accuracy
+        assert a.forward_excess <= 0 and a.gradient_excess <= 0, a
+        assert a.relative_ok, a
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_attention_contract(dtype):
+    _assert_report(check_attention(dtype))
+
+
+@pytest.mark.parametrize("head_dim, q_heads, kv_heads", [(80, 4, 4), (96, 3, 1), (128, 8, 2), (256, 2, 1)])
+def test_attention_head_dims_gqa_mqa(head_dim, q_heads, kv_heads):
+    sizes = AttnSizes(lens=(70, 1, 129), q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim, chunks=(1, 7, 16, 100))
+    _assert_report(check_attention(torch.float32, sizes=sizes))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_attention_sliding_window(dtype):
+    sizes = AttnSizes(lens=(150, 3, 90), window=40)
+    _assert_report(check_attention(dtype, sizes=sizes))
+
+
+def test_eager_sdpa_is_not_split_invariant():
+    report = check_attention(torch.float32, backend="eager", with_accuracy=False)
+    failed = {s.sweep for s in report.sweeps if not s.passed}
+    assert "chunked prefill 1" in failed or "paged decode (staggered arrivals)" in failed
+
+
+def test_attention_non_causal_and_custom_scale_match_reference():
+    torch.manual_seed(0)
+    q, k, v = torch.randn(10, 2, 32), torch.randn(25, 1, 32), torch.randn(25, 1, 32)
+    cq, ck = torch.tensor([0, 4, 10]), torch.tensor([0, 5, 25])
+    got = ops.attention(q, k, v, cq, ck, scale=0.3, causal=False)
+    torch.testing.assert_close(got.double(), reference.attention(q, k, v, cq, ck, scale=0.3, causal=False),
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_attention_gradcheck_float64():
+    torch.manual_seed(0)
+    q = torch.randn(6, 2, 8, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(9, 1, 8, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(9, 1, 8, dtype=torch.float64, requires_grad=True)
+    cq, ck = torch.tensor([0, 2, 6]), torch.tensor([0, 5, 9])
+    assert torch.autograd.gradcheck(lambda a, b, c: ops.attention(a, b, c, cq, ck, window=3), (q, k, v))
+
+
+def test_paged_attention_equals_packed_attention_bitwise():
+    torch.manual_seed(0)
+    k_cache = torch.randn(10, 4, 2, 16)
+    v_cache = torch.randn(10, 4, 2, 16)
+    table = torch.tensor([[7, 2, 9], [0, 5, 0]])
+    lens = torch.tensor([11, 6])
+    q = torch.randn(3, 4, 16)
+    cq = torch.tensor([0, 2, 3])
+    got = ops.paged_attention(q, k_cache, v_cache, table, lens, cq)
+    k = torch.cat([k_cache[[7, 2, 9]].reshape(-1, 2, 16)[:11], k_cache[[0, 5]].reshape(-1, 2, 16)[:6]])
+    v = torch.cat([v_cache[[7, 2, 9]].reshape(-1, 2, 16)[:11], v_cache[[0, 5]].reshape(-1, 2, 16)[:6]])
+    assert torch.equal(got, ops.attention(q, k, v, cq, torch.tensor([0, 11, 17])))
+
+
+def _qkv():
+    return torch.randn(4, 4, 8), torch.randn(6, 2, 8), torch.randn(6, 2, 8)
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda q, k, v: ops.attention(q, k, v, torch.tensor([0, 3, 2]), torch.tensor([0, 3, 6])),
+     "cu_seqlens_q: expected non-decreasing offsets"),
+    (lambda q, k, v: ops.attention(q, k, v, torch.tensor([0, 4]), torch.tensor([0, 3])),
+     "cu_seqlens_q: sequence 0 has 4 queries but only 3 keys"),
+    (lambda q, k, v: ops.attention(q, k, v, torch.tensor([0, 4]), torch.tensor([0, 7])),
+     "cu_seqlens_k: last offset 7 exceeds the 6 rows of k"),
+    (lambda q, k, v: ops.attention(q, k, v, torch.tensor([1, 4]), torch.tensor([0, 6])),
+     "cu_seqlens_q: expected to start at 0"),
+    (lambda q, k, v: ops.attention(q, k, v, torch.tensor([0, 4]), torch.tensor([0, 3, 6])),
+     "cu_seqlens_k: expected 2 entries"),
+    (lambda q, k, v: ops.attention(q, torch.randn(6, 3, 8), torch.randn(6, 3, 8), torch.tensor([0, 4]),
+                                   torch.tensor([0, 6])), "k: expected a number of kv heads that divides q's 4 heads"),
+    (lambda q, k, v: ops.attention(q, torch.randn(6, 2, 4), torch.randn(6, 2, 4), torch.tensor([0, 4]),
+                                   torch.tensor([0, 6])), "k: expected head_dim 8"),
+    (lambda q, k, v: ops.attention(q, k, v.half(), torch.tensor([0, 4]), torch.tensor([0, 6])),
+     "v: expected dtype torch.float32"),
+    (lambda q, k, v: ops.attention(q, k, v, torch.tensor([0, 4]), torch.tensor([0, 6]), window=0),
+     "window: expected a positive int"),
+    (lambda q, k, v: ops.attention(q, k, v, torch.tensor([0, 4.0]), torch.tensor([0, 6])),
+     "cu_seqlens_q: expected an int64 or int32 tensor"),
+])
+def test_attention_bad_input(call, message):
+    with pytest.raises((TypeError, ValueError), match=message):
+        call(*_qkv())
+
+
+def test_paged_attention_block_table_outside_cache():
+    cache = torch.zeros(3, 4, 1, 8)
+    with pytest.raises(ValueError, match="block_table: sequence 0 points at block 5, outside the cache's 3 blocks"):
+        ops.paged_attention(torch.randn(1, 1, 8), cache, cache, torch.tensor([[0, 5]]), torch.tensor([6]),
+                            torch.tensor([0, 1]))
+    with pytest.raises(ValueError, match="block_table: sequence 0 needs 3 blocks for 9 keys"):
+        ops.paged_attention(torch.randn(1, 1, 8), cache, cache, torch.tensor([[0, 1]]), torch.tensor([9]),
+                            torch.tensor([0, 1]))
+
+
+def test_write_kv_checks_slots():
+    cache = torch.zeros(2, 4, 1, 8)
+    k = torch.randn(2, 1, 8)
+    with pytest.raises(ValueError, match=r"slot_mapping: expected values in \[0, 8\), found 8"):
+        ops.write_kv(k, k, cache, cache.clone(), torch.tensor([0, 8]))
+    with pytest.raises(ValueError, match="slot_mapping: expected distinct slots"):
+        ops.write_kv(k, k, cache, cache.clone(), torch.tensor([3, 3]))
+    v_cache = cache.clone()
+    ops.write_kv(k, k * 2, cache, v_cache, torch.tensor([5, 0]))
+    assert torch.equal(cache[1, 1], k[0]) and torch.equal(v_cache[0, 0], 2 * k[1])
+
+
+def test_attention_backend_is_selected_through_the_registry():
+    q, k, v = _qkv()
+    cq, ck = torch.tensor([0, 4]), torch.tensor([0, 6])
+    with lockstep.use_backend("eager"):
+        eager = ops.attention(q, k, v, cq, ck)
+    torch.testing.assert_close(ops.attention(q, k, v, cq, ck), eager, atol=1e-5, rtol=1e-5)
