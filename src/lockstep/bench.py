@@ -92,6 +92,21 @@ def cases(quick: bool = False) -> list[Case]:
                     t = torch.randint(0, v, (m,))
                     return (lambda: ops.selected_logprobs(h, w, t)), [h, w]
                 out.append(Case("selected_logprobs", f"tokens={m} D=1024 V={v}", dtype, slp))
+    for dtype in (torch.float32, torch.bfloat16):
+        for seq in ((512,) if quick else (512, 2048)):
+            for d in ((64,) if quick else (64, 128)):
+                def attn(seq=seq, d=d, dtype=dtype):
+                    q, k, v = _leaf(seq, 8, d, dtype=dtype), _leaf(seq, 2, d, dtype=dtype), _leaf(seq, 2, d, dtype=dtype)
+                    cu = torch.tensor([0, seq])
+                    return (lambda: ops.attention(q, k, v, cu, cu)), [q, k, v]
+                out.append(Case("attention", f"prefill seq={seq} d={d} 8q:2kv", dtype, attn))
+
+        def decode(dtype=dtype):
+            ctx = 2048
+            q, k, v = _leaf(1, 8, 128, dtype=dtype), _leaf(ctx, 2, 128, dtype=dtype), _leaf(ctx, 2, 128, dtype=dtype)
+            cq, ck = torch.tensor([0, 1]), torch.tensor([0, ctx])
+            return (lambda: ops.attention(q, k, v, cq, ck)), [q, k, v]
+        out.append(Case("attention", "decode 1 query over 2048 keys d=128 8q:2kv", dtype, decode, backward=False))
     return out
 
 
@@ -172,8 +187,8 @@ def main(selected: list[str] | None = None, quick: bool = False, out: str | None
         f_l, b_l = run_case(case, backend, repeats)
         f_e, b_e = run_case(case, "eager", repeats)
         dt = str(case.dtype).removeprefix("torch.")
-        line = (f"| {case.op} | {dt} | {case.shape} | {f_l:.2f} | {f_e:.2f} | {f_l / f_e:.2f} | "
-                f"{b_l:.2f} | {b_e:.2f} | {b_l / b_e:.2f} |")
+        both = f"{b_l:.2f} | {b_e:.2f} | {b_l / b_e:.2f}" if b_l is not None else "- | - | -"
+        line = f"| {case.op} | {dt} | {case.shape} | {f_l:.2f} | {f_e:.2f} | {f_l / f_e:.2f} | {both} |"
         print(line, flush=True)
         rows.append(line)
     mem = None

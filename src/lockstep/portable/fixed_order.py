@@ -8,9 +8,9 @@ never on how many rows share the call, their order, the memory layout or the thr
   every code path), in a shape that depends on the row length alone.
 - `matmul_rows`: a GEMM whose row dimension is cut into fixed-shape tiles, so the BLAS library sees
   the same problem shape whatever the batch size (docs/adr/0001-fixed-tiles-and-reduction-order.md).
-- `sum_over_rows`: the order in which weight gradients reduce over rows: fixed blocks of
-  `ROW_BLOCK` rows, each block's partial produced by a fixed-shape kernel, partials added in block
-  order. Zero rows appended at the end (padding) add exact zeros and change no bit.
+- `weight_grad` and `column_sum`: the order in which weight gradients reduce over rows: fixed
+  blocks of `ROW_BLOCK` rows, each block's contribution produced by a fixed-shape kernel and added
+  in block order. Zero rows appended at the end (padding) add exact zeros and change no bit.
 """
 
 from __future__ import annotations
@@ -144,17 +144,22 @@ def weight_grad(grad_out: Tensor, inp: Tensor) -> Tensor:
     """sum over rows r of grad_out[r]^T inp[r], in fixed row blocks: [M, N], [M, K] -> [N, K];
     batched: [B, M, N], [B, M, K] -> [B, N, K]. In the accumulation dtype.
 
-    Each block's partial is one GEMM of fixed shape [N, ROW_BLOCK] @ [ROW_BLOCK, K]; partials are
-    added in block order.
+    Block by block from row 0, one GEMM of fixed shape [N, ROW_BLOCK] @ [ROW_BLOCK, K] adds into the
+    accumulator in place (addmm with beta = 1): out <- out + G_b^T X_b. The last block is
+    zero-padded, so zero-gradient rows appended to the batch add exact zeros.
     """
     acc = accumulate_dtype(grad_out.dtype)
-    g = grad_out.to(acc)
-    x = inp.to(acc)
-
-    def block(start: int, stop: int) -> Tensor:
-        return torch.matmul(padded_block(g, start, stop).transpose(-1, -2), padded_block(x, start, stop))
-
-    return sum_over_rows(g.shape[-2], block)
+    rows = grad_out.shape[-2]
+    out = grad_out.new_zeros(tuple(grad_out.shape[:-2]) + (grad_out.shape[-1], inp.shape[-1]), dtype=acc)
+    for start in range(0, rows, ROW_BLOCK):
+        stop = min(start + ROW_BLOCK, rows)
+        g = padded_block(grad_out, start, stop).to(acc).transpose(-1, -2)
+        x = padded_block(inp, start, stop).to(acc)
+        if out.dim() == 3:
+            torch.baddbmm(out, g, x, out=out)
+        else:
+            torch.addmm(out, g, x, out=out)
+    return out
 
 
 def column_sum(x: Tensor) -> Tensor:

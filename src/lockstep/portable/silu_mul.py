@@ -15,7 +15,8 @@ from .fixed_order import accumulate_dtype
 
 
 def _sigmoid(x: Tensor) -> Tensor:
-    return 1.0 / (1.0 + torch.exp(-x))
+    # In place after the first op: the same arithmetic, without a full-size temporary per step.
+    return torch.exp(-x).add_(1.0).reciprocal_()
 
 
 class _SiluMul(torch.autograd.Function):
@@ -24,7 +25,7 @@ class _SiluMul(torch.autograd.Function):
         acc = accumulate_dtype(gate.dtype)
         g = gate.to(acc)
         ctx.save_for_backward(gate, up)
-        return ((g * _sigmoid(g)) * up.to(acc)).to(gate.dtype)
+        return _sigmoid(g).mul_(g).mul_(up.to(acc)).to(gate.dtype)
 
     @staticmethod
     def backward(ctx, grad_y: Tensor):
@@ -32,9 +33,12 @@ class _SiluMul(torch.autograd.Function):
         acc = accumulate_dtype(gate.dtype)
         g, u, dy = gate.to(acc), up.to(acc), grad_y.contiguous().to(acc)
         s = _sigmoid(g)
-        dgate = (dy * u) * (s * (1.0 + g * (1.0 - s)))
-        dup = dy * (g * s)
-        return dgate.to(gate.dtype), dup.to(up.dtype)
+        gs = g * s
+        dup = (dy * gs).to(up.dtype)
+        # d silu / d g = s * (1 + g * (1 - s)) = s + gs * (1 - s)
+        dsilu = (1.0 - s).mul_(gs).add_(s)
+        dgate = (dy * u).mul_(dsilu).to(gate.dtype)
+        return dgate, dup
 
 
 @register("portable", "silu_mul")
