@@ -12,8 +12,24 @@ def _load_eager() -> None:
     from . import eager  # noqa: F401
 
 
+def _load_reference() -> None:
+    from . import reference_backend  # noqa: F401
+
+
 register_loader("portable", _load_portable)
 register_loader("eager", _load_eager)
+register_loader("reference", _load_reference)
+
+
+def __getattr__(name: str):
+    # The model side imports lazily, so `import lockstep` stays light for op-only users.
+    if name in ("load_model", "logprobs", "Transformer", "ModelConfig"):
+        from . import model
+
+        return getattr(model, name)
+    raise AttributeError(f"module 'lockstep' has no attribute {name!r}")
+
 
 __version__ = "0.1.0"
-__all__ = ["ops", "use_backend", "current_backend", "available_backends", "__version__"]
+__all__ = ["ops", "use_backend", "current_backend", "available_backends", "load_model", "logprobs",
+           "Transformer", "ModelConfig", "__version__"]

@@ -85,6 +85,38 @@ def cmd_check(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+def cmd_check_model(args: argparse.Namespace) -> int:
+    from .harness.model_check import check_model, prompt_set
+    from .model import ModelConfig, Transformer, load_model
+
+    try:
+        dtypes = [contract.parse_dtype(d) for d in args.dtype.split(",")]
+    except ValueError as e:
+        print(f"lockstep check-model: {e}", file=sys.stderr)
+        return 2
+    failed, rows = 0, []
+    for dtype in dtypes:
+        if args.model == "tiny":
+            model = Transformer.from_config(ModelConfig.tiny(args.family), seed=args.seed, dtype=dtype)
+        else:
+            try:
+                model = load_model(args.model, dtype=dtype)
+            except (OSError, ValueError) as e:
+                print(f"lockstep check-model: {e}", file=sys.stderr)
+                return 2
+        report = check_model(model, prompt_set(model.config.vocab_size, args.seed))
+        fail = next((s for s in report.sweeps if not s.passed), None)
+        rows.append([report.dtype, f"{sum(s.passed for s in report.sweeps)}/{len(report.sweeps)}",
+                     "pass" if fail is None else f"FAIL {fail.sweep}: max diff {_fmt(fail.max_diff)}",
+                     _fmt(report.max_abs_dlogp_vs_float64), _fmt(report.tolerance),
+                     "pass" if report.passed else "FAIL"])
+        failed += not report.passed
+    print(f"lockstep check-model: {args.model} ({args.family if args.model == 'tiny' else 'checkpoint'})")
+    print(_table(["dtype", "sweeps", "invariance", "max |dlogp| vs float64", "contract", "result"], rows))
+    print(f"\n{len(rows) - failed} passed, {failed} failed")
+    return 1 if failed else 0
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from . import bench
 
@@ -106,6 +138,13 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--json", metavar="PATH", help="also write the full report as JSON")
     c.add_argument("-v", "--verbose", action="store_true", help="print every sweep")
     c.set_defaults(func=cmd_check)
+
+    m = sub.add_parser("check-model", help="model-level invariance and the float64 chain on a checkpoint")
+    m.add_argument("model", help="a local Hugging Face checkpoint folder, or 'tiny' for a built-in random model")
+    m.add_argument("--family", default="llama", help="family of the tiny model (llama, qwen2, qwen3)")
+    m.add_argument("--dtype", default="fp32,bf16", help="comma-separated dtypes")
+    m.add_argument("--seed", type=int, default=0)
+    m.set_defaults(func=cmd_check_model)
 
     b = sub.add_parser("bench", help="time ops against eager PyTorch and print ratios")
     b.add_argument("ops", nargs="*", help="ops to time (default: all)")

@@ -87,3 +87,8 @@ def ulp(dtype: torch.dtype, magnitude: float) -> float:
 
 def coverage() -> dict[str, dict]:
     return dict(load()["coverage"])
+
+
+def chain_tolerance(dtype: torch.dtype) -> float:
+    """Max |dlogprob| allowed between lockstep and a float64 (or transformers) model (section 4)."""
+    return float(load()["chain"]["max_abs_dlogp_vs_float64"][dtype_name(dtype)])

@@ -1,0 +1,195 @@
+import json
+import os
+
+import pytest
+import torch
+
+from lockstep import contract, ops
+from lockstep.model import (ModelConfig, Transformer, load_model, logprobs, pack,
+                            positions_from_cu_seqlens)
+
+from lockstep.harness.model_check import cached_logprobs
+
+from _models import saved_hf_model
+
+FAMILIES = ["llama", "qwen2", "qwen3"]
+
+
+@pytest.fixture(scope="module")
+def hf_root(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("hf"))
+
+
+def _hf_logprobs(hf_model, seq):
+    with torch.no_grad():
+        logits = hf_model(seq[None]).logits[0].float()
+    return torch.log_softmax(logits, -1)[:-1].gather(1, seq[1:, None])[:, 0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_parity_with_transformers(family, dtype, hf_root):
+    from transformers import AutoModelForCausalLM
+
+    path = saved_hf_model(family, hf_root)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="eager").eval()
+    model = load_model(path, dtype=dtype)
+    gen = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(0, 300, (n,), generator=gen) for n in (23, 70, 2)]
+    ours = logprobs(model, seqs)
+    worst = max(float((_hf_logprobs(hf, s) - lp.detach()).abs().max()) for s, lp in zip(seqs, ours))
+    assert worst <= contract.chain_tolerance(dtype), worst
+    # Logits too, at the model's dtype.
+    ids, cu = pack(seqs[:1])
+    with torch.no_grad():
+        hf_logits = hf(seqs[0][None]).logits[0].float()
+        our_logits = model.logits(ids, cu).float()
+    assert float((hf_logits - our_logits).abs().max()) <= contract.chain_tolerance(dtype) * 4
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_save_is_read_by_transformers_and_load_model(family, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model = Transformer.from_config(ModelConfig.tiny(family, vocab_size=300), seed=3)
+    model.save(str(tmp_path))
+    again = load_model(str(tmp_path), dtype=torch.float32)
+    for (n, a), (_, b) in zip(model.named_parameters(), again.named_parameters()):
+        assert torch.equal(a, b), n
+    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32, attn_implementation="eager")
+    seq = torch.arange(1, 30)
+    assert float((_hf_logprobs(hf, seq) - logprobs(model, [seq])[0].detach()).abs().max()) <= 1e-5
+
+
+def test_sharded_checkpoint(tmp_path):
+    from safetensors.torch import save_file
+
+    model = Transformer.from_config(ModelConfig.tiny("llama"), seed=5)
+    model.save(str(tmp_path / "single"))
+    state = {n: p.detach().contiguous() for n, p in model.named_parameters()}
+    names = sorted(state)
+    half = len(names) // 2
+    folder = tmp_path / "sharded"
+    folder.mkdir()
+    shards = {"model-00001-of-00002.safetensors": names[:half], "model-00002-of-00002.safetensors": names[half:]}
+    for file, keys in shards.items():
+        save_file({k: state[k] for k in keys}, str(folder / file))
+    index = {"metadata": {}, "weight_map": {k: f for f, ks in shards.items() for k in ks}}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    (folder / "config.json").write_text((tmp_path / "single" / "config.json").read_text())
+    loaded = load_model(str(folder), dtype=torch.float32)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), loaded.parameters()))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_logprobs_invariant_to_batch_order_padding_and_kv_cache(family, dtype):
+    model = Transformer.from_config(ModelConfig.tiny(family), seed=1, dtype=dtype)
+    gen = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(0, 512, (n,), generator=gen) for n in (45, 1 + 1, 70, 9)]
+    alone = [logprobs(model, [s])[0] for s in seqs]
+    packed = logprobs(model, seqs)
+    reordered = logprobs(model, seqs[::-1])[::-1]
+    padded = logprobs(model, [seqs[2], torch.zeros(33, dtype=torch.long), seqs[0]])
+    for a, b, c in zip(alone, packed, reordered):
+        assert torch.equal(a, b) and torch.equal(a, c)
+    assert torch.equal(padded[0], alone[2]) and torch.equal(padded[2], alone[0])
+    for chunk in (1, 7, 16, 100):
+        assert torch.equal(cached_logprobs(model, seqs[2], chunk), alone[2]), chunk
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_input_embedding_gradient_alone_equals_batched(family):
+    model = Transformer.from_config(ModelConfig.tiny(family), seed=2)
+    gen = torch.Generator().manual_seed(1)
+    seqs = [torch.randint(0, 512, (n,), generator=gen) for n in (30, 12, 64)]
+
+    def embed_grad(batch, which):
+        ids, cu = pack(batch)
+        emb = model.embed(ids).detach().requires_grad_()
+        hidden = model(None, cu, inputs_embeds=emb)
+        a, b = int(cu[which]), int(cu[which + 1])
+        lp = ops.selected_logprobs(hidden[a:b - 1], model.lm_head_weight, ids[a + 1:b])
+        lp.sum().backward()
+        return emb.grad[a:b]
+
+    alone = embed_grad([seqs[1]], 0)
+    assert torch.equal(embed_grad(seqs, 1), alone)
+    assert torch.equal(embed_grad([seqs[2], seqs[1], seqs[0]], 1), alone)
+
+
+def test_positions_from_cu_seqlens():
+    assert positions_from_cu_seqlens(torch.tensor([0, 3, 3, 5])).tolist() == [0, 1, 2, 0, 1]
+
+
+def test_unknown_architecture_lists_supported(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    with pytest.raises(ValueError, match=r"unknown architecture model_type='gpt2'; supported: \['llama', 'qwen2', 'qwen3'\]"):
+        load_model(str(tmp_path))
+
+
+def _saved(tmp_path):
+    model = Transformer.from_config(ModelConfig.tiny("llama"), seed=0)
+    model.save(str(tmp_path))
+    from safetensors.torch import load_file
+    return load_file(str(tmp_path / "model.safetensors"))
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda s: s.pop("model.layers.1.mlp.up_proj.weight"), r"missing tensors \['model.layers.1.mlp.up_proj.weight'\]"),
+    (lambda s: s.__setitem__("model.layers.9.extra", torch.zeros(1)), r"unexpected tensors \['model.layers.9.extra'\]"),
+    (lambda s: s.__setitem__("model.norm.weight", torch.ones(63)), r"model.norm.weight: expected \[64\], got \[63\]"),
+])
+def test_bad_checkpoints_are_refused(tmp_path, edit, message):
+    from safetensors.torch import save_file
+
+    state = _saved(tmp_path)
+    edit(state)
+    save_file(state, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match=message):
+        load_model(str(tmp_path))
+
+
+def test_pickled_weights_are_never_loaded(tmp_path):
+    _saved(tmp_path)
+    os.remove(tmp_path / "model.safetensors")
+    (tmp_path / "pytorch_model.bin").write_bytes(b"not unpickled")
+    with pytest.raises(ValueError, match="never unpickles"):
+        load_model(str(tmp_path))
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (dict(num_kv_heads=3), "num_kv_heads: expected a divisor of num_heads=4"),
+    (dict(hidden_size=0), "hidden_size: expected a positive int"),
+    (dict(head_dim=15), "head_dim: expected an even number"),
+    (dict(family="gpt2"), "family: unknown architecture 'gpt2'"),
+])
+def test_config_out_of_range(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        ModelConfig(**overrides)
+
+
+def test_token_ids_beyond_vocabulary():
+    model = Transformer.from_config(ModelConfig.tiny("llama", vocab_size=100))
+    with pytest.raises(ValueError, match=r"input_ids: expected values in \[0, 100\), found 100"):
+        logprobs(model, [[1, 2, 100]])
+    with pytest.raises(ValueError, match="sequences: sequence 1 is empty"):
+        logprobs(model, [[1, 2], []])
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_check_model_cli_on_a_checkpoint(family, hf_root, capsys):
+    from lockstep import cli
+
+    assert cli.main(["check-model", saved_hf_model(family, hf_root), "--dtype", "fp32,bf16"]) == 0
+    out = capsys.readouterr().out
+    assert "2 passed, 0 failed" in out
+
+
+def test_check_model_reports_a_chain_failure(monkeypatch, capsys):
+    """The float64 chain check can fail: a contract of zero tolerance is missed by bf16."""
+    from lockstep import cli
+
+    monkeypatch.setattr(contract, "chain_tolerance", lambda dtype: 0.0)
+    assert cli.main(["check-model", "tiny", "--dtype", "bf16"]) == 1
+    assert "0 passed, 1 failed" in capsys.readouterr().out
