@@ -1,11 +1,11 @@
-# Two entry points (README): `make check` runs the main job, `make test` runs the test suite.
+# Two entry points (README): `make verify` runs the main job, `make test` runs the test suite.
 # Both create .venv on first use. torch is pinned to the CPU build (an unpinned torch pulls CUDA).
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: check test bench clean
+.PHONY: verify check test bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -13,6 +13,10 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q torch==2.13.0
 	$(BIN)/python -m pip install -q -e '.[test]'
 	touch $(STAMP)
+
+verify: $(STAMP)
+	$(BIN)/lockstep check
+	$(BIN)/lockstep verify
 
 check: $(STAMP)
 	$(BIN)/lockstep check

@@ -54,3 +54,22 @@ def test_selected_logprobs_returns_float32_for_bf16():
 def test_selected_logprobs_bad_targets(targets, message):
     with pytest.raises(ValueError, match=message):
         ops.selected_logprobs(torch.randn(3, 8), torch.randn(20, 8), targets)
+
+
+def test_selected_logprobs_temperature_matches_reference_with_gradient():
+    torch.manual_seed(0)
+    h = torch.randn(6, 16, dtype=torch.float64, requires_grad=True)
+    w = (torch.randn(5000, 16, dtype=torch.float64) / 4).requires_grad_()
+    t = torch.randint(0, 5000, (6,))
+    got = ops.selected_logprobs(h, w, t, temperature=0.7)
+    want = reference.selected_logprobs(h, w, t, temperature=0.7)
+    torch.testing.assert_close(got.double(), want)
+    g1 = torch.autograd.grad(got.sum(), (h, w))
+    g2 = torch.autograd.grad(want.sum(), (h, w))
+    for a, b in zip(g1, g2):
+        torch.testing.assert_close(a, b)
+
+
+def test_selected_logprobs_bad_temperature():
+    with pytest.raises(ValueError, match="temperature: expected a positive finite number"):
+        ops.selected_logprobs(torch.randn(3, 8), torch.randn(20, 8), torch.tensor([1, 2, 3]), temperature=0.0)

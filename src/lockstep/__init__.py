@@ -27,9 +27,17 @@ def __getattr__(name: str):
         from . import model
 
         return getattr(model, name)
+    if name in ("Engine", "RequestOutput"):
+        from . import engine
+
+        return getattr(engine, name)
+    if name == "SamplingParams":
+        from .sampling import SamplingParams
+
+        return SamplingParams
     raise AttributeError(f"module 'lockstep' has no attribute {name!r}")
 
 
 __version__ = "0.1.0"
 __all__ = ["ops", "use_backend", "current_backend", "available_backends", "load_model", "logprobs",
-           "Transformer", "ModelConfig", "__version__"]
+           "Transformer", "ModelConfig", "Engine", "SamplingParams", "RequestOutput", "__version__"]

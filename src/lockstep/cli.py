@@ -117,6 +117,38 @@ def cmd_check_model(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+def cmd_verify(args: argparse.Namespace) -> int:
+    from . import verify
+    from .model import ModelConfig, Transformer, load_model
+
+    try:
+        dtypes = [contract.parse_dtype(d) for d in args.dtype.split(",")]
+    except ValueError as e:
+        print(f"lockstep verify: {e}", file=sys.stderr)
+        return 2
+    if args.model == "tiny":
+        def make(dtype):
+            return Transformer.from_config(ModelConfig.tiny(args.family), seed=args.seed, dtype=dtype)
+        what = f"built-in tiny {args.family} model (random weights)"
+    else:
+        try:
+            load_model(args.model, dtype=torch.float32)
+        except (OSError, ValueError) as e:
+            print(f"lockstep verify: {e}", file=sys.stderr)
+            return 2
+
+        def make(dtype):
+            return load_model(args.model, dtype=dtype)
+        what = args.model
+    print(f"lockstep verify: {what}; engine logprobs vs trainer logprobs (lockstep.logprobs)")
+    report = verify.run(make, dtypes, max_new_tokens=args.max_new_tokens, seed=args.seed, with_eager=not args.no_eager)
+    if args.json:
+        verify.write_json(report, args.json)
+    print("\nlockstep: 0 / 0 / 0 and identical tokens in every setting" if report.passed else
+          "\nlockstep: FAILED (see the rows above)")
+    return 0 if report.passed else 1
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from . import bench
 
@@ -138,6 +170,16 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--json", metavar="PATH", help="also write the full report as JSON")
     c.add_argument("-v", "--verbose", action="store_true", help="print every sweep")
     c.set_defaults(func=cmd_check)
+
+    v = sub.add_parser("verify", help="the train-inference gate: engine logprobs == trainer logprobs, bitwise")
+    v.add_argument("model", nargs="?", default="tiny", help="a local checkpoint folder, or 'tiny' (default)")
+    v.add_argument("--family", default="llama", help="family of the tiny model (llama, qwen2, qwen3)")
+    v.add_argument("--dtype", default="fp32,bf16", help="comma-separated dtypes")
+    v.add_argument("--max-new-tokens", type=int, default=16)
+    v.add_argument("--seed", type=int, default=0)
+    v.add_argument("--no-eager", action="store_true", help="skip the plain-PyTorch comparison rows")
+    v.add_argument("--json", metavar="PATH", help="write the full report as JSON")
+    v.set_defaults(func=cmd_verify)
 
     m = sub.add_parser("check-model", help="model-level invariance and the float64 chain on a checkpoint")
     m.add_argument("model", help="a local Hugging Face checkpoint folder, or 'tiny' for a built-in random model")

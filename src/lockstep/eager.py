@@ -58,9 +58,9 @@ def log_softmax(x: Tensor) -> Tensor:
 
 
 @register("eager", "selected_logprobs")
-def selected_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor) -> Tensor:
+def selected_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float) -> Tensor:
     logits = F.linear(hidden, weight)
-    logits = logits.float() if logits.dtype != torch.float64 else logits
+    logits = (logits.float() if logits.dtype != torch.float64 else logits) / temperature
     return torch.log_softmax(logits, dim=-1).gather(-1, targets[:, None])[:, 0].float()
 
 

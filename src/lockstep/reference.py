@@ -68,8 +68,8 @@ def log_softmax(x: Tensor) -> Tensor:
     return x - m - torch.log(torch.exp(x - m).sum(dim=-1, keepdim=True))
 
 
-def selected_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor) -> Tensor:
-    logp = log_softmax(linear(hidden, weight))
+def selected_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float = 1.0) -> Tensor:
+    logp = log_softmax(linear(hidden, weight) / temperature)
     return logp.gather(-1, targets.long()[..., None])[..., 0]
 
 

@@ -43,8 +43,8 @@ def log_softmax(x):
 
 
 @register("reference", "selected_logprobs")
-def selected_logprobs(hidden, weight, targets):
-    return reference.selected_logprobs(hidden, weight, targets)
+def selected_logprobs(hidden, weight, targets, temperature):
+    return reference.selected_logprobs(hidden, weight, targets, temperature)
 
 
 @register("reference", "cross_entropy")

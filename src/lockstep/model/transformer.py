@@ -251,11 +251,12 @@ def pack(sequences: list, device: str | torch.device = "cpu") -> tuple[Tensor, T
     return torch.cat(ids), torch.tensor(cu, dtype=torch.int64, device=device)
 
 
-def logprobs(model: Transformer, sequences: list) -> list[Tensor]:
+def logprobs(model: Transformer, sequences: list, temperature: float = 1.0) -> list[Tensor]:
     """Per-token logprobs of each sequence: entry t-1 is log p(token t | tokens < t), float32.
 
     Runs one packed forward and `selected_logprobs` (never the full logits); differentiable.
-    Returns a list of [len - 1] tensors, one per sequence."""
+    temperature scales the logits as the engine's sampler did. Returns a list of [len - 1]
+    tensors, one per sequence."""
     ids, cu = pack(sequences, model.device)
     hidden = model(ids, cu)
     starts, ends = cu[:-1], cu[1:]
@@ -263,6 +264,6 @@ def logprobs(model: Transformer, sequences: list) -> list[Tensor]:
     keep[ends - 1] = False                       # the last token of a sequence predicts nothing
     rows = torch.nonzero(keep)[:, 0]
     targets = ids[rows + 1]
-    lp = ops.selected_logprobs(hidden[rows], model.lm_head_weight, targets)
+    lp = ops.selected_logprobs(hidden[rows], model.lm_head_weight, targets, temperature=temperature)
     sizes = (ends - starts - 1).tolist()
     return list(torch.split(lp, sizes))

@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
+import math
+
 from torch import Tensor
 
 from ..backend import resolve
 from . import _checks as c
 
 
-def selected_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor) -> Tensor:
-    """log softmax(hidden @ weight.T)[target] without materialising the full logits.
+def selected_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float = 1.0) -> Tensor:
+    """log softmax(hidden @ weight.T / temperature)[target] without materialising the full logits.
 
     hidden: [..., D] float; weight: [V, D] of hidden's dtype (the LM head); targets: [...] int in [0, V).
     Returns [...] float32. The vocabulary is processed in fixed-size chunks with an online
     log-sum-exp, forward and backward, so memory is O(tokens x chunk), not O(tokens x V).
+    temperature > 0 divides the fp32 logits (the distribution a sampler at that temperature uses).
     """
     c.float_tensor("hidden", hidden)
     c.at_least_1d("hidden", hidden)
@@ -28,6 +31,8 @@ def selected_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor) -> Tensor
     if tuple(targets.shape) != tuple(hidden.shape[:-1]):
         raise ValueError(f"targets: expected shape {tuple(hidden.shape[:-1])} (hidden without its last dimension), got {tuple(targets.shape)}")
     c.in_range("targets", targets, weight.shape[0])
+    if not isinstance(temperature, (int, float)) or not math.isfinite(temperature) or temperature <= 0:
+        raise ValueError(f"temperature: expected a positive finite number, got {temperature!r}")
     out = resolve("selected_logprobs", hidden.device)(
-        hidden.reshape(-1, hidden.shape[-1]), weight, targets.reshape(-1).long())
+        hidden.reshape(-1, hidden.shape[-1]), weight, targets.reshape(-1).long(), float(temperature))
     return out.reshape(targets.shape)

@@ -17,8 +17,9 @@ from .fixed_order import accumulate_dtype, matmul_rows, row_max, row_sum, weight
 VOCAB_CHUNK = 4096
 
 
-def _chunk_logits(hidden: Tensor, weight: Tensor, start: int, acc: torch.dtype) -> Tensor:
-    return matmul_rows(hidden, weight[start:start + VOCAB_CHUNK].t()).to(acc)
+def _chunk_logits(hidden: Tensor, weight: Tensor, start: int, acc: torch.dtype, temperature: float) -> Tensor:
+    logits = matmul_rows(hidden, weight[start:start + VOCAB_CHUNK].t()).to(acc)
+    return logits if temperature == 1.0 else logits / temperature
 
 
 def _select(logits: Tensor, targets: Tensor, start: int) -> tuple[Tensor, Tensor]:
@@ -28,12 +29,13 @@ def _select(logits: Tensor, targets: Tensor, start: int) -> tuple[Tensor, Tensor
     return inside, picked
 
 
-def selected_logprobs_forward(hidden: Tensor, weight: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
+def selected_logprobs_forward(hidden: Tensor, weight: Tensor, targets: Tensor,
+                              temperature: float = 1.0) -> tuple[Tensor, Tensor]:
     """Returns (log p(target) [T], log-sum-exp [T]), both in the accumulation dtype."""
     acc = accumulate_dtype(hidden.dtype)
     run_max = run_sum = target_logit = None
     for start in range(0, weight.shape[0], VOCAB_CHUNK):
-        logits = _chunk_logits(hidden, weight, start, acc)
+        logits = _chunk_logits(hidden, weight, start, acc, temperature)
         chunk_max = row_max(logits)
         if run_max is None:
             run_max = chunk_max
@@ -51,9 +53,10 @@ def selected_logprobs_forward(hidden: Tensor, weight: Tensor, targets: Tensor) -
 
 class _SelectedLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden: Tensor, weight: Tensor, targets: Tensor) -> Tensor:
-        out, lse = selected_logprobs_forward(hidden, weight, targets)
+    def forward(ctx, hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float) -> Tensor:
+        out, lse = selected_logprobs_forward(hidden, weight, targets, temperature)
         ctx.save_for_backward(hidden, weight, targets, lse)
+        ctx.temperature = temperature
         return out.to(torch.float32)
 
     @staticmethod
@@ -66,13 +69,13 @@ class _SelectedLogprobs(torch.autograd.Function):
         dw = torch.empty_like(weight) if need_w else None
         hidden_acc = hidden.to(acc) if need_w else None
         for start in range(0, weight.shape[0], VOCAB_CHUNK):
-            logits = _chunk_logits(hidden, weight, start, acc)
+            logits = _chunk_logits(hidden, weight, start, acc, ctx.temperature)
             # d log p(t) / d logit_j = [j == t] - p_j
             dlogits = -torch.exp(logits - lse[:, None])
             inside, _ = _select(logits, targets, start)
             local = (targets - start).clamp(0, logits.shape[1] - 1)[:, None]
             dlogits.scatter_(1, local, dlogits.gather(1, local) + inside[:, None].to(acc))
-            dlogits = dlogits * g[:, None]
+            dlogits = dlogits * (g / ctx.temperature)[:, None]
             stop = start + logits.shape[1]
             if need_h:
                 # bf16 runs the GEMM natively like the forward; other dtypes in the accumulation
@@ -81,9 +84,9 @@ class _SelectedLogprobs(torch.autograd.Function):
                 dh = dh + matmul_rows(dlogits.to(gemm), weight[start:stop].to(gemm)).to(acc)
             if need_w:
                 dw[start:stop] = weight_grad(dlogits, hidden_acc).to(weight.dtype)
-        return (dh.to(hidden.dtype) if need_h else None), dw, None
+        return (dh.to(hidden.dtype) if need_h else None), dw, None, None
 
 
 @register("portable", "selected_logprobs")
-def selected_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor) -> Tensor:
-    return _SelectedLogprobs.apply(hidden.contiguous(), weight, targets)
+def selected_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float) -> Tensor:
+    return _SelectedLogprobs.apply(hidden.contiguous(), weight, targets, temperature)

@@ -1,0 +1,244 @@
+"""An inference engine for RL rollouts whose logprobs equal the trainer's bit for bit.
+
+Continuous batching over a paged KV cache: requests join and finish between steps; each step packs
+decode tokens and prefill chunks (under a token budget) into one `forward_cached` call. When the
+cache is full, the most recently admitted request is preempted: its blocks are freed and it is
+recomputed later from its prompt and the tokens it already produced. Because every op is
+batch-invariant and attention is split-invariant, none of this changes a bit of any request's
+tokens or logprobs, which is what `lockstep verify` checks.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Iterator, Sequence
+
+import torch
+
+from .model import CacheStep, Transformer
+from .sampling import SamplingParams, sample_tokens
+
+
+@dataclass
+class RequestOutput:
+    """A finished request. logprobs[i] is the logprob of token_ids[i] (see lockstep.sampling)."""
+
+    request_id: int
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: str | None = None     # "stop", "length" or "error"
+    error: str | None = None
+    text: str | None = None
+
+
+@dataclass
+class _Request:
+    id: int
+    prompt: list[int]
+    params: SamplingParams
+    out: RequestOutput
+    blocks: list[int] = field(default_factory=list)
+    computed: int = 0                     # tokens whose keys and values are in the cache
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.out.token_ids
+
+
+class Engine:
+    """Continuous-batching engine over a lockstep Transformer.
+
+    max_num_seqs: requests running at once; max_num_batched_tokens: tokens per step (prefill chunks
+    are cut to fit); block_size and num_blocks: the paged KV cache (default: room for max_num_seqs
+    requests of the model's full context)."""
+
+    def __init__(self, model: Transformer, max_num_seqs: int = 8, max_num_batched_tokens: int = 256,
+                 block_size: int = 16, num_blocks: int | None = None):
+        for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens),
+                            ("block_size", block_size)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}: expected a positive int, got {value!r}")
+        self.model = model
+        self.max_num_seqs, self.budget, self.block_size = max_num_seqs, max_num_batched_tokens, block_size
+        self.max_len = model.config.max_position_embeddings
+        if num_blocks is None:
+            num_blocks = max_num_seqs * -(-min(self.max_len, 4096) // block_size)
+        if not isinstance(num_blocks, int) or num_blocks < 1:
+            raise ValueError(f"num_blocks: expected a positive int, got {num_blocks!r}")
+        self.cache = model.allocate_kv_cache(num_blocks, block_size)
+        self.free = list(range(num_blocks - 1, -1, -1))
+        self.waiting: list[_Request] = []
+        self.running: list[_Request] = []
+        self.finished: list[RequestOutput] = []
+        self._next_id = 0
+        self.stats = {"steps": 0, "preemptions": 0, "tokens": 0}
+
+    # --- requests -----------------------------------------------------------------------------
+    def add_request(self, prompt: Sequence[int] | str, sampling: SamplingParams | None = None) -> int:
+        """Queue a request; returns its id. A bad request finishes at once with finish_reason "error"."""
+        sampling = sampling or SamplingParams()
+        rid = self._next_id
+        self._next_id += 1
+        try:
+            ids = self._encode(prompt)
+            sampling.validate(self.model.config.vocab_size)
+            if len(ids) + sampling.max_new_tokens > self.max_len:
+                raise ValueError(f"prompt: {len(ids)} tokens + max_new_tokens {sampling.max_new_tokens} exceed the "
+                                 f"model's context of {self.max_len}")
+            need = -(-(len(ids) + sampling.max_new_tokens) // self.block_size)
+            if need > len(self.free) + sum(len(r.blocks) for r in self.running):
+                raise ValueError(f"prompt: needs {need} KV blocks, the cache has {len(self.cache.k[0])}")
+        except (TypeError, ValueError) as e:
+            self.finished.append(RequestOutput(rid, [], finish_reason="error", error=str(e)))
+            return rid
+        self.waiting.append(_Request(rid, ids, sampling, RequestOutput(rid, list(ids))))
+        return rid
+
+    def _encode(self, prompt: Sequence[int] | str) -> list[int]:
+        if isinstance(prompt, str):
+            if self.model.tokenizer is None:
+                raise TypeError("prompt: a string needs a model with a tokenizer; pass token ids")
+            ids = self.model.tokenizer.encode(prompt)
+        else:
+            ids = [int(t) for t in prompt]
+        if not ids:
+            raise ValueError("prompt: expected at least one token, got an empty prompt")
+        vocab = self.model.config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt: token ids must be in [0, {vocab}), got {bad[:5]}")
+        return ids
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # --- scheduling ---------------------------------------------------------------------------
+    def _blocks_for(self, req: _Request, upto: int) -> int:
+        return max(0, -(-upto // self.block_size) - len(req.blocks))
+
+    def _preempt(self, req: _Request) -> None:
+        self.running.remove(req)
+        self.free.extend(reversed(req.blocks))
+        req.blocks, req.computed = [], 0
+        self.waiting.insert(0, req)
+        self.stats["preemptions"] += 1
+
+    def _schedule(self) -> list[tuple[_Request, int]]:
+        while self.waiting and len(self.running) < self.max_num_seqs:
+            self.running.append(self.waiting.pop(0))
+        plan: list[tuple[_Request, int]] = []
+        for req in list(self.running):
+            budget = self.budget - sum(k for _, k in plan)
+            if req not in self.running or budget == 0:
+                continue
+            n = min(len(req.tokens) - req.computed, budget)
+            need = self._blocks_for(req, req.computed + n)
+            while need > len(self.free):
+                victim = self.running[-1]
+                if victim is req:
+                    break
+                self._preempt(victim)
+                plan = [(r, k) for r, k in plan if r is not victim]
+            if need > len(self.free):
+                # Alone and still no room: wait for blocks freed by others (never happens when the
+                # request was admitted, since add_request checks the whole cache).
+                continue
+            for _ in range(need):
+                req.blocks.append(self.free.pop())
+            plan.append((req, n))
+        return plan
+
+    # --- one step -----------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one batched forward step; returns the requests that finished in it."""
+        done_before = len(self.finished)
+        plan = self._schedule()
+        if not plan:
+            return self._drain(done_before)
+        device = self.model.device
+        ids, pos, slots, cu, lens = [], [], [], [0], []
+        width = max(len(r.blocks) for r, _ in plan)
+        table = torch.zeros((len(plan), width), dtype=torch.int64)
+        for i, (req, n) in enumerate(plan):
+            span = range(req.computed, req.computed + n)
+            ids.extend(req.tokens[req.computed:req.computed + n])
+            pos.extend(span)
+            slots.extend(req.blocks[p // self.block_size] * self.block_size + p % self.block_size for p in span)
+            cu.append(cu[-1] + n)
+            lens.append(req.computed + n)
+            table[i, :len(req.blocks)] = torch.tensor(req.blocks)
+        step = CacheStep(torch.tensor(cu), torch.tensor(lens), table.to(device), torch.tensor(slots, device=device))
+        with torch.no_grad():
+            hidden = self.model.forward_cached(torch.tensor(ids, device=device), torch.tensor(pos, device=device),
+                                               step, self.cache)
+            rows, samplers, positions, reqs = [], [], [], []
+            for i, (req, n) in enumerate(plan):
+                req.computed += n
+                if req.computed == len(req.tokens):          # its last token went through: sample
+                    rows.append(cu[i + 1] - 1)
+                    samplers.append(req.params)
+                    positions.append(req.computed)           # position of the token being sampled
+                    reqs.append(req)
+            if rows:
+                tokens, lps = sample_tokens(hidden[rows], self.model.lm_head_weight, samplers, positions)
+                for req, t, lp in zip(reqs, tokens.tolist(), lps.tolist()):
+                    req.out.token_ids.append(t)
+                    req.out.logprobs.append(lp)
+                    self.stats["tokens"] += 1
+                    if t in req.params.stop_token_ids:
+                        self._finish(req, "stop")
+                    elif len(req.out.token_ids) >= req.params.max_new_tokens:
+                        self._finish(req, "length")
+        self.stats["steps"] += 1
+        return self._drain(done_before)
+
+    def _finish(self, req: _Request, reason: str) -> None:
+        req.out.finish_reason = reason
+        if self.model.tokenizer is not None:
+            req.out.text = self.model.tokenizer.decode(req.out.token_ids)
+        self.running.remove(req)
+        self.free.extend(reversed(req.blocks))
+        req.blocks = []
+        self.finished.append(req.out)
+
+    def _drain(self, start: int) -> list[RequestOutput]:
+        out = self.finished[start:]
+        return out
+
+    # --- conveniences -------------------------------------------------------------------------
+    def stream(self) -> Iterator[RequestOutput]:
+        """Yield requests as they finish, stepping until none is left."""
+        emitted = 0
+        while True:
+            while emitted < len(self.finished):
+                emitted += 1
+                yield self.finished[emitted - 1]
+            if not self.has_unfinished():
+                return
+            self.step()
+
+    def generate(self, prompts: Sequence, sampling: SamplingParams | Sequence[SamplingParams] | None = None,
+                 progress: bool = False) -> list[RequestOutput]:
+        """Run prompts (token-id lists, or strings with a tokenizer) to completion; outputs in prompt order."""
+        if isinstance(sampling, SamplingParams) or sampling is None:
+            sampling = [sampling or SamplingParams()] * len(prompts)
+        if len(sampling) != len(prompts):
+            raise ValueError(f"sampling: expected one SamplingParams or {len(prompts)}, got {len(sampling)}")
+        start = len(self.finished)
+        ids = [self.add_request(p, s) for p, s in zip(prompts, sampling)]
+        started, shown = time.time(), 0.0
+        while self.has_unfinished():
+            self.step()
+            if progress and time.time() - shown > 0.5:
+                shown = time.time()
+                done = len(self.finished) - start
+                rate = self.stats["tokens"] / max(1e-9, shown - started)
+                print(f"\r[engine] {done}/{len(ids)} done, {self.stats['tokens']} tokens, {rate:.0f} tok/s",
+                      end="", file=sys.stderr, flush=True)
+        if progress:
+            print(file=sys.stderr)
+        by_id = {o.request_id: o for o in self.finished[start:]}
+        return [by_id[i] for i in ids]

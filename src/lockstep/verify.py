@@ -1,0 +1,206 @@
+"""`lockstep verify`: the train-inference gate (CONTRACT.md section 4).
+
+For each dtype it generates completions under a sweep of engine settings. The sweep covers
+max_num_seqs 1, 3 and all; token budgets that cut prefill into chunks; arrival orders; a cache small
+enough to force preemption; and greedy and seeded temperature sampling. It then recomputes every
+completion's logprobs with the trainer path (`lockstep.logprobs`), alone and batched, and reports
+max_abs_dlogp, approx_kl0, clipfrac0 and token agreement. It reports the same numbers for plain
+PyTorch (the same engine and trainer on the "eager" backend), so the mismatch lockstep removes is
+visible next to its absence. It also checks that the gradient of a sequence's loss with respect to
+its input embeddings is bitwise the same alone and in a batch.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable
+
+import torch
+
+from . import contract, ops
+from .backend import use_backend
+from .engine import Engine, RequestOutput
+from .model import Transformer, logprobs, pack
+from .sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class Setting:
+    name: str
+    max_num_seqs: int | None = None        # None: all prompts at once
+    budget: int = 64                       # max_num_batched_tokens
+    order: str = "given"                   # given, reversed, shuffled
+    tight_cache: bool = False              # a cache that holds ~2 requests: forces preemption
+
+
+SETTINGS = (
+    Setting("max_num_seqs=all, budget 64"),
+    Setting("max_num_seqs=1", max_num_seqs=1),
+    Setting("max_num_seqs=3", max_num_seqs=3),
+    Setting("prefill chunks of 7", budget=7),
+    Setting("prefill chunks of 16, 3 seqs", max_num_seqs=3, budget=16),
+    Setting("reversed arrival", order="reversed"),
+    Setting("shuffled arrival", order="shuffled"),
+    Setting("tight cache (preemption)", tight_cache=True),
+)
+
+
+@dataclass
+class Aggregates:
+    max_abs_dlogp: float = 0.0
+    approx_kl0: float = 0.0
+    clipfrac0: float = 0.0
+    tokens: int = 0
+    token_agreement: float = 1.0
+    settings: int = 0
+
+    @property
+    def exact(self) -> bool:
+        return self.tokens > 0 and self.max_abs_dlogp == 0 and self.approx_kl0 == 0 and self.clipfrac0 == 0 \
+            and self.token_agreement == 1.0
+
+
+def aggregates(d: torch.Tensor, clip: tuple[float, float]) -> tuple[float, float, float]:
+    """max |d|, mean(e^d - 1 - d), share of e^d outside [lo, hi], for d = lp_train - lp_engine (float64)."""
+    ratio = torch.exp(d)
+    return (float(d.abs().max()), float((ratio - 1 - d).mean()),
+            float(((ratio < clip[0]) | (ratio > clip[1])).double().mean()))
+
+
+def _generate(model: Transformer, prompts: list[list[int]], sp: SamplingParams, s: Setting,
+              max_new_tokens: int) -> list[RequestOutput]:
+    order = list(range(len(prompts)))
+    if s.order == "reversed":
+        order.reverse()
+    elif s.order == "shuffled":
+        random.Random(1234).shuffle(order)
+    block_size = 8
+    num_blocks = None
+    if s.tight_cache:
+        longest = max(len(p) for p in prompts) + max_new_tokens
+        num_blocks = 2 * -(-longest // block_size) + 1
+    engine = Engine(model, max_num_seqs=s.max_num_seqs or len(prompts), max_num_batched_tokens=s.budget,
+                    block_size=block_size, num_blocks=num_blocks)
+    outs = engine.generate([prompts[i] for i in order], sp)
+    by_prompt: list[RequestOutput | None] = [None] * len(prompts)
+    for i, o in zip(order, outs):
+        by_prompt[i] = o
+    errors = [o.error for o in by_prompt if o.finish_reason == "error"]
+    if errors:
+        raise RuntimeError(f"engine refused a request in setting {s.name!r}: {errors[0]}")
+    return by_prompt  # type: ignore[return-value]
+
+
+def _compare(model: Transformer, prompts: list[list[int]], runs: list[list[RequestOutput]], temperature: float,
+             clip: tuple[float, float], alone_too: bool) -> Aggregates:
+    diffs, agree, total = [], 0, 0
+    base = runs[0]
+    for outs in runs:
+        seqs = [p + o.token_ids for p, o in zip(prompts, outs)]
+        with torch.no_grad():
+            batched = logprobs(model, seqs, temperature=temperature)
+            views = [batched]
+            if alone_too:
+                views.append([logprobs(model, [s], temperature=temperature)[0] for s in seqs])
+        for view in views:
+            for lp, o in zip(view, outs):
+                n = len(o.token_ids)
+                diffs.append(lp[-n:].double() - torch.tensor(o.logprobs, dtype=torch.float64))
+        for o, b in zip(outs, base):
+            total += 1
+            agree += o.token_ids == b.token_ids
+    d = torch.cat(diffs)
+    mx, kl, cf = aggregates(d, clip)
+    return Aggregates(mx, kl, cf, int(d.numel()), agree / total, len(runs))
+
+
+def embedding_grad(model: Transformer, batch: list[list[int]], which: int) -> torch.Tensor:
+    """d(sum of logprobs of sequence `which`) / d(its input embeddings), computed inside `batch`."""
+    ids, cu = pack(batch, model.device)
+    emb = model.embed(ids).detach().requires_grad_()
+    hidden = model(None, cu, inputs_embeds=emb)
+    a, b = int(cu[which]), int(cu[which + 1])
+    ops.selected_logprobs(hidden[a:b - 1], model.lm_head_weight, ids[a + 1:b]).sum().backward()
+    return emb.grad[a:b]
+
+
+def backward_chain_ok(model: Transformer, prompts: list[list[int]]) -> bool:
+    """A sequence's input-embedding gradient alone equals the same in a batch, bitwise."""
+    seqs = [p for p in prompts if len(p) > 1][:4]
+    ok = True
+    for i in range(len(seqs)):
+        alone = embedding_grad(model, [seqs[i]], 0)
+        ok &= torch.equal(embedding_grad(model, seqs, i), alone)
+        ok &= torch.equal(embedding_grad(model, seqs[::-1], len(seqs) - 1 - i), alone)
+    return bool(ok)
+
+
+@dataclass
+class VerifyReport:
+    rows: list[dict] = field(default_factory=list)
+    backward_chain: dict[str, bool] = field(default_factory=dict)
+    passed: bool = True
+
+
+def default_prompts(vocab: int, seed: int = 0, lengths=(3, 17, 1, 40, 9, 64, 25, 6)) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in lengths]
+
+
+def samplings(max_new_tokens: int, seed: int) -> list[tuple[str, SamplingParams]]:
+    return [("greedy", SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens)),
+            ("T=0.8 top-k 40 top-p 0.95", SamplingParams(temperature=0.8, top_k=40, top_p=0.95,
+                                                         max_new_tokens=max_new_tokens, seed=seed))]
+
+
+def run(make_model: Callable[[torch.dtype], Transformer], dtypes: list[torch.dtype], prompts: list[list[int]] | None = None,
+        max_new_tokens: int = 16, seed: int = 0, settings: tuple[Setting, ...] | None = None,
+        with_eager: bool = True, log: Callable[[str], None] = print) -> VerifyReport:
+    settings = settings or SETTINGS
+    clip = tuple(contract.load()["chain"]["clip_range"])
+    report = VerifyReport()
+    for dtype in dtypes:
+        model = make_model(dtype)
+        ps = prompts or default_prompts(model.config.vocab_size, seed)
+        for label, sp in samplings(max_new_tokens, seed):
+            temp = sp.temperature if sp.temperature > 0 else 1.0
+            started = time.time()
+            runs = [_generate(model, ps, sp, s, max_new_tokens) for s in settings]
+            agg = _compare(model, ps, runs, temp, clip, alone_too=True)
+            row = {"dtype": contract.dtype_name(dtype), "sampling": label, "path": "lockstep", **asdict(agg),
+                   "exact": agg.exact, "seconds": round(time.time() - started, 2)}
+            report.rows.append(row)
+            report.passed &= agg.exact
+            log(_format_row(row))
+            if with_eager:
+                with use_backend("eager"):
+                    eager_settings = (settings[0], settings[1])
+                    eruns = [_generate(model, ps, sp, s, max_new_tokens) for s in eager_settings]
+                    eagg = _compare(model, ps, eruns, temp, clip, alone_too=False)
+                row = {"dtype": contract.dtype_name(dtype), "sampling": label, "path": "eager PyTorch",
+                       **asdict(eagg), "exact": eagg.exact}
+                report.rows.append(row)
+                log(_format_row(row))
+        ok = backward_chain_ok(model, ps)
+        report.backward_chain[contract.dtype_name(dtype)] = ok
+        report.passed &= ok
+        log(f"{contract.dtype_name(dtype):9s} backward chain (input-embedding grads alone vs batched): "
+            f"{'identical' if ok else 'DIFFERENT'}")
+    return report
+
+
+def _format_row(r: dict) -> str:
+    def f(x: float) -> str:
+        return "0" if x == 0 else (f"{x:.2e}" if math.isfinite(x) else "inf")
+    return (f"{r['dtype']:9s} {r['sampling']:26s} {r['path']:14s} settings={r['settings']:<2d} "
+            f"tokens={r['tokens']:<5d} agreement={100 * r['token_agreement']:6.2f}%  max_abs_dlogp={f(r['max_abs_dlogp']):9s} "
+            f"approx_kl0={f(r['approx_kl0']):9s} clipfrac0={f(r['clipfrac0'])}")
+
+
+def write_json(report: VerifyReport, path: str) -> None:
+    with open(path, "w") as fh:
+        json.dump(asdict(report), fh, indent=1)

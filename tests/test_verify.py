@@ -1,0 +1,56 @@
+import pytest
+import torch
+
+from lockstep import cli, verify
+from lockstep.model import ModelConfig, Transformer
+
+from _models import saved_hf_model
+
+FEW = (verify.SETTINGS[0], verify.SETTINGS[1], verify.SETTINGS[3], verify.SETTINGS[5], verify.SETTINGS[7])
+
+
+def _tiny(dtype):
+    return Transformer.from_config(ModelConfig.tiny("llama"), seed=0, dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_verify_is_exact_on_the_tiny_model(dtype):
+    report = verify.run(_tiny, [dtype], max_new_tokens=6, settings=FEW, with_eager=False, log=lambda s: None)
+    assert report.passed
+    rows = [r for r in report.rows if r["path"] == "lockstep"]
+    assert len(rows) == 2 and all(r["tokens"] > 0 and r["max_abs_dlogp"] == 0 for r in rows)
+    assert report.backward_chain[str(dtype).removeprefix("torch.")]
+
+
+def test_verify_fails_when_engine_logprobs_drift(monkeypatch):
+    """The gate can fail: a one-ulp drift in what the engine reports is caught."""
+    import lockstep.engine as engine_mod
+
+    real = engine_mod.sample_tokens
+
+    def drifting(*args, **kwargs):
+        tokens, lps = real(*args, **kwargs)
+        return tokens, torch.nextafter(lps, torch.full_like(lps, -1e9))
+
+    monkeypatch.setattr(engine_mod, "sample_tokens", drifting)
+    report = verify.run(_tiny, [torch.float32], max_new_tokens=3, settings=FEW[:2], with_eager=False,
+                        log=lambda s: None)
+    assert not report.passed
+    assert report.rows[0]["max_abs_dlogp"] > 0
+
+
+def test_aggregates():
+    d = torch.tensor([0.0, 0.5, -0.3], dtype=torch.float64)
+    mx, kl, cf = verify.aggregates(d, (0.8, 1.2))
+    assert mx == 0.5 and cf == pytest.approx(2 / 3)
+    assert kl == pytest.approx(float((torch.exp(d) - 1 - d).mean()))
+
+
+def test_verify_cli_on_a_transformers_checkpoint(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(verify, "SETTINGS", FEW)
+    path = saved_hf_model("qwen3", str(tmp_path))
+    json_path = tmp_path / "verify.json"
+    assert cli.main(["verify", path, "--dtype", "fp32,bf16", "--max-new-tokens", "4", "--json", str(json_path)]) == 0
+    out = capsys.readouterr().out
+    assert "0 / 0 / 0 and identical tokens" in out and "eager PyTorch" in out
+    assert json_path.exists()
