@@ -149,6 +149,12 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 0 if report.passed else 1
 
 
+def cmd_train(args: argparse.Namespace) -> int:
+    from .train import run_cli
+
+    return run_cli(args)
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from . import bench
 
@@ -180,6 +186,29 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--no-eager", action="store_true", help="skip the plain-PyTorch comparison rows")
     v.add_argument("--json", metavar="PATH", help="write the full report as JSON")
     v.set_defaults(func=cmd_verify)
+
+    t = sub.add_parser("train", help="train a model on a text file or folder, deterministically",
+                       description="Train with exact accumulation windows, AdamW, clipping and atomic checkpoints. "
+                                   "Two runs with the same arguments give the same bits; --resume continues "
+                                   "bitwise as if never interrupted.")
+    t.add_argument("--model", default="tiny", help="local checkpoint folder, or 'tiny' (random Llama-style model "
+                                                   "with the built-in byte tokenizer)")
+    t.add_argument("--data", required=True, help="a text file, or a folder of .txt/.md files")
+    t.add_argument("--steps", type=int, default=100, help="optimizer steps (accumulation windows) to reach")
+    t.add_argument("--seq-len", type=int, default=64, help="tokens per packed training sequence")
+    t.add_argument("--micro-batch-tokens", type=int, default=256, help="tokens per micro-batch (whole sequences)")
+    t.add_argument("--accum", type=int, default=1, help="micro-batches per optimizer step")
+    t.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
+    t.add_argument("--warmup", type=int, default=10, help="linear warmup steps before the cosine decay")
+    t.add_argument("--weight-decay", type=float, default=0.0, help="decoupled AdamW weight decay")
+    t.add_argument("--grad-clip", type=float, default=1.0, help="clip the global gradient norm (0: off)")
+    t.add_argument("--dtype", default="fp32", help="compute dtype: fp32 or bf16")
+    t.add_argument("--master-weights", action="store_true", help="keep fp32 master weights (for bf16 compute)")
+    t.add_argument("--seed", type=int, default=0, help="seed of the data order and of the tiny model")
+    t.add_argument("--save-every", type=int, default=0, help="also checkpoint every N steps (0: only at the end)")
+    t.add_argument("--out", required=True, help="output folder: checkpoints (step-N, latest) and log.jsonl")
+    t.add_argument("--resume", action="store_true", help="continue from OUT/latest")
+    t.set_defaults(func=cmd_train)
 
     m = sub.add_parser("check-model", help="model-level invariance and the float64 chain on a checkpoint")
     m.add_argument("model", help="a local Hugging Face checkpoint folder, or 'tiny' for a built-in random model")

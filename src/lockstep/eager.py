@@ -61,7 +61,8 @@ def log_softmax(x: Tensor) -> Tensor:
 def selected_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float) -> Tensor:
     logits = F.linear(hidden, weight)
     logits = (logits.float() if logits.dtype != torch.float64 else logits) / temperature
-    return torch.log_softmax(logits, dim=-1).gather(-1, targets[:, None])[:, 0].float()
+    lp = torch.log_softmax(logits, dim=-1).gather(-1, targets[:, None])[:, 0]
+    return lp if lp.dtype == torch.float64 else lp.float()
 
 
 @register("eager", "cross_entropy")

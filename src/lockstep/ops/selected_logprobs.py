@@ -14,7 +14,7 @@ def selected_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor, temperatu
     """log softmax(hidden @ weight.T / temperature)[target] without materialising the full logits.
 
     hidden: [..., D] float; weight: [V, D] of hidden's dtype (the LM head); targets: [...] int in [0, V).
-    Returns [...] float32. The vocabulary is processed in fixed-size chunks with an online
+    Returns [...] float32 (float64 for float64 inputs). The vocabulary is processed in fixed-size chunks with an online
     log-sum-exp, forward and backward, so memory is O(tokens x chunk), not O(tokens x V).
     temperature > 0 divides the fp32 logits (the distribution a sampler at that temperature uses).
     """

@@ -57,7 +57,7 @@ class _SelectedLogprobs(torch.autograd.Function):
         out, lse = selected_logprobs_forward(hidden, weight, targets, temperature)
         ctx.save_for_backward(hidden, weight, targets, lse)
         ctx.temperature = temperature
-        return out.to(torch.float32)
+        return out    # float32, or float64 for float64 inputs
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):

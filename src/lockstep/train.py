@@ -1,0 +1,450 @@
+"""lockstep.train: deterministic training on a lockstep model, with the same ops as the engine.
+
+- Loss: cross entropy over packed sequences through `selected_logprobs` (never the full logits),
+  normalized by the non-ignored tokens of the whole accumulation window. Per-window normalization
+  makes K micro-batches of b tokens compute exactly the gradient of one batch of K*b tokens, and
+  makes the update independent of how tokens fall into micro-batches. Per-micro-batch
+  normalization would weight a token of a short micro-batch more than one of a long micro-batch.
+- Accumulation windows: gradients are zeroed once per window, K micro-steps add into them, and one
+  optimizer step follows at the boundary. There is never a step inside a window.
+- AdamW with decoupled weight decay and bias correction, built from basic elementwise ops in a fixed
+  order. The global gradient norm is computed in fp32: each tensor's sum of squares by the
+  fixed-order `row_sum`, then the tensors in parameter order. Warmup then cosine schedule. fp32
+  master weights are optional when the model computes in bf16.
+- State: checkpoints hold safetensors weights, the optimizer state, the RNG state, the step and the
+  data position. They are written to a temporary folder and renamed into place, so a crash never
+  leaves a checkpoint that loads half-written. Resuming continues bitwise like an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import shutil
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Iterator
+
+import torch
+from torch import Tensor
+
+from . import ops
+from .model import ModelConfig, Transformer, load_model, pack
+from .model.checkpoint import save_model
+from .model.tokenizer import load_tokenizer
+from .portable.fixed_order import row_sum
+
+
+# --------------------------------------------------------------------------------------------
+# Losses
+# --------------------------------------------------------------------------------------------
+def token_logprobs(model: Transformer, sequences: list[Tensor]) -> tuple[Tensor, Tensor]:
+    """logprobs of tokens 1..n-1 of every packed sequence, float32 [sum(n - 1)], and their targets."""
+    ids, cu = pack(sequences, model.device)
+    hidden = model(ids, cu)
+    keep = torch.ones(ids.shape[0], dtype=torch.bool, device=ids.device)
+    keep[cu[1:] - 1] = False
+    rows = torch.nonzero(keep)[:, 0]
+    targets = ids[rows + 1]
+    return ops.selected_logprobs(hidden[rows], model.lm_head_weight, targets), targets
+
+
+def cross_entropy_sum(model: Transformer, sequences: list[Tensor], loss_mask: list[Tensor] | None = None) -> tuple[Tensor, int]:
+    """Sum of -log p over the trained tokens of packed sequences, and their count.
+
+    loss_mask[i] ([len_i - 1] bool) marks the targets of sequence i that count (the rest are
+    ignored, like ignore_index). Padding sequences are all-False."""
+    lp, _ = token_logprobs(model, sequences)
+    if loss_mask is not None:
+        mask = torch.cat([m.to(lp.device) for m in loss_mask])
+        lp = lp[mask]
+    return -lp.sum(), int(lp.numel())
+
+
+def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor, clip: float = 0.2,
+                normalizer: float | None = None) -> Tensor:
+    """PPO-clip / GRPO token loss: -min(r A, clip(r, 1 - clip, 1 + clip) A), r = exp(lp - lp_old).
+
+    All inputs are [tokens] (advantages broadcast per token); the masked sum is divided by
+    `normalizer` (the window's token count; default: this call's mask count)."""
+    ratio = torch.exp(logprobs - old_logprobs)
+    unclipped = ratio * advantages
+    clipped = torch.clamp(ratio, 1 - clip, 1 + clip) * advantages
+    per_token = -torch.minimum(unclipped, clipped)
+    total = per_token[mask].sum()
+    return total / (normalizer if normalizer is not None else max(1, int(mask.sum())))
+
+
+# --------------------------------------------------------------------------------------------
+# Optimizer and schedule
+# --------------------------------------------------------------------------------------------
+@dataclass
+class AdamWConfig:
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+
+
+class AdamW:
+    """AdamW in a fixed order of elementwise ops, over named parameters in name order.
+
+    With `master_weights`, the optimizer keeps fp32 copies and writes rounded values back into the
+    (bf16) model after every step."""
+
+    def __init__(self, named_params: list[tuple[str, torch.nn.Parameter]], cfg: AdamWConfig, master_weights: bool = False):
+        self.cfg = cfg
+        self.params = sorted(named_params, key=lambda kv: kv[0])
+        self.step_count = 0
+        self.master = {n: p.detach().to(torch.float32).clone() for n, p in self.params} if master_weights else None
+        self.exp_avg = {n: torch.zeros(p.shape, dtype=torch.float32, device=p.device) for n, p in self.params}
+        self.exp_avg_sq = {n: torch.zeros(p.shape, dtype=torch.float32, device=p.device) for n, p in self.params}
+
+    @torch.no_grad()
+    def step(self, lr: float, grad_scale: float = 1.0) -> None:
+        self.step_count += 1
+        b1, b2 = self.cfg.betas
+        bc1 = 1 - b1 ** self.step_count
+        bc2_sqrt = math.sqrt(1 - b2 ** self.step_count)
+        for name, p in self.params:
+            if p.grad is None:
+                continue
+            g = p.grad.to(torch.float32)
+            if grad_scale != 1.0:
+                g = g * grad_scale
+            w = self.master[name] if self.master is not None else p.data
+            wf = w.to(torch.float32)
+            m, v = self.exp_avg[name], self.exp_avg_sq[name]
+            m.copy_(m * b1 + g * (1 - b1))
+            v.copy_(v * b2 + (g * g) * (1 - b2))
+            wf = wf * (1 - lr * self.cfg.weight_decay)
+            denom = torch.sqrt(v) / bc2_sqrt + self.cfg.eps
+            wf = wf - (m / denom) * (lr / bc1)
+            if self.master is not None:
+                self.master[name].copy_(wf)
+            p.data.copy_(wf.to(p.dtype))
+
+    def state_tensors(self) -> dict[str, Tensor]:
+        out = {f"exp_avg.{n}": t for n, t in self.exp_avg.items()}
+        out.update({f"exp_avg_sq.{n}": t for n, t in self.exp_avg_sq.items()})
+        if self.master is not None:
+            out.update({f"master.{n}": t for n, t in self.master.items()})
+        return out
+
+    def load_state_tensors(self, tensors: dict[str, Tensor], step: int) -> None:
+        for n in self.exp_avg:
+            self.exp_avg[n].copy_(tensors[f"exp_avg.{n}"])
+            self.exp_avg_sq[n].copy_(tensors[f"exp_avg_sq.{n}"])
+            if self.master is not None:
+                self.master[n].copy_(tensors[f"master.{n}"])
+        self.step_count = step
+
+
+def grad_norm(params: list[tuple[str, torch.nn.Parameter]]) -> Tensor:
+    """Global L2 norm of the gradients, fp32, in a fixed order (parameters by name, row_sum within)."""
+    total = torch.zeros((), dtype=torch.float32)
+    for _, p in sorted(params, key=lambda kv: kv[0]):
+        if p.grad is not None:
+            g = p.grad.detach().to(torch.float32).reshape(1, -1)
+            total = total + row_sum(g * g)[0].cpu()
+    return torch.sqrt(total)
+
+
+def lr_at(step: int, base_lr: float, warmup: int, total: int, min_lr_ratio: float = 0.1) -> float:
+    """Linear warmup for `warmup` steps, then cosine decay to min_lr_ratio * base_lr at `total`."""
+    if warmup > 0 and step < warmup:
+        return base_lr * (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return base_lr * (min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+# --------------------------------------------------------------------------------------------
+# Data
+# --------------------------------------------------------------------------------------------
+def read_texts(path: str) -> list[str]:
+    """A text file, or every *.txt / *.md file of a folder in sorted order."""
+    if os.path.isdir(path):
+        files = sorted(os.path.join(path, f) for f in os.listdir(path) if f.endswith((".txt", ".md")))
+        if not files:
+            raise FileNotFoundError(f"data: no .txt or .md files in {path}")
+    elif os.path.isfile(path):
+        files = [path]
+    else:
+        raise FileNotFoundError(f"data: {path!r} does not exist")
+    texts = []
+    for f in files:
+        with open(f, encoding="utf-8", errors="replace") as fh:
+            texts.append(fh.read())
+    if not any(t.strip() for t in texts):
+        raise ValueError(f"data: {path} holds no text")
+    return texts
+
+
+class PackedDataset:
+    """Token stream cut into sequences of `seq_len` tokens, shuffled by seed, epoch by epoch.
+
+    A micro-batch is `micro_batch_tokens // seq_len` sequences; the position (epoch, index) is
+    part of the training state."""
+
+    def __init__(self, tokens: list[int], seq_len: int, micro_batch_tokens: int, seed: int):
+        if seq_len < 2:
+            raise ValueError(f"seq_len: expected >= 2, got {seq_len}")
+        if micro_batch_tokens < seq_len:
+            raise ValueError(f"micro_batch_tokens: expected >= seq_len ({seq_len}), got {micro_batch_tokens}")
+        n = len(tokens) // seq_len
+        if n < 1:
+            raise ValueError(f"data: {len(tokens)} tokens make no sequence of {seq_len}")
+        self.sequences = torch.tensor(tokens[: n * seq_len], dtype=torch.int64).view(n, seq_len)
+        self.per_batch = micro_batch_tokens // seq_len
+        self.seed = seed
+        self.epoch, self.index = 0, 0
+        self._order = self._perm(0)
+
+    def _perm(self, epoch: int) -> Tensor:
+        return torch.randperm(self.sequences.shape[0], generator=torch.Generator().manual_seed(self.seed * 1000003 + epoch))
+
+    def next_batch(self) -> list[Tensor]:
+        out = []
+        for _ in range(self.per_batch):
+            if self.index >= len(self._order):
+                self.epoch, self.index = self.epoch + 1, 0
+                self._order = self._perm(self.epoch)
+            out.append(self.sequences[self._order[self.index]])
+            self.index += 1
+        return out
+
+    def state(self) -> dict:
+        return {"epoch": self.epoch, "index": self.index}
+
+    def load_state(self, s: dict) -> None:
+        self.epoch, self.index = int(s["epoch"]), int(s["index"])
+        self._order = self._perm(self.epoch)
+
+
+# --------------------------------------------------------------------------------------------
+# The trainer
+# --------------------------------------------------------------------------------------------
+@dataclass
+class TrainConfig:
+    steps: int = 100
+    seq_len: int = 64
+    micro_batch_tokens: int = 256
+    accum: int = 1
+    lr: float = 1e-3
+    warmup: int = 10
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    grad_clip: float = 1.0
+    seed: int = 0
+    master_weights: bool = False
+    save_every: int = 0
+    log_every: int = 1
+
+    def validate(self) -> None:
+        for name in ("steps", "seq_len", "micro_batch_tokens", "accum"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name}: expected a positive int, got {v!r}")
+        if not self.lr > 0:
+            raise ValueError(f"lr: expected a positive number, got {self.lr!r}")
+        if self.grad_clip < 0:
+            raise ValueError(f"grad_clip: expected >= 0 (0 disables clipping), got {self.grad_clip!r}")
+
+
+class NonFiniteLoss(RuntimeError):
+    pass
+
+
+def model_fingerprint(config: ModelConfig) -> str:
+    d = asdict(config)
+    d.pop("extra", None)
+    return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+class Trainer:
+    """Runs accumulation windows over a PackedDataset; `step()` is one optimizer step."""
+
+    def __init__(self, model: Transformer, data: PackedDataset, cfg: TrainConfig):
+        cfg.validate()
+        self.model, self.data, self.cfg = model, data, cfg
+        self.named = [(n, p) for n, p in model.named_parameters()]
+        self.opt = AdamW(self.named, AdamWConfig(cfg.lr, tuple(cfg.betas), cfg.eps, cfg.weight_decay),
+                         master_weights=cfg.master_weights)
+        self.step_idx = 0
+        self.rng = torch.Generator().manual_seed(cfg.seed)
+
+    def window(self) -> list[list[Tensor]]:
+        return [self.data.next_batch() for _ in range(self.cfg.accum)]
+
+    def accumulate(self, window: list[list[Tensor]], masks: list[list[Tensor]] | None = None) -> tuple[float, int]:
+        """Zero the gradients, then add the K micro-batches' gradients of the window's loss (the
+        token-mean over the whole window). Returns (loss, trained tokens)."""
+        masks = masks or [[torch.ones(s.numel() - 1, dtype=torch.bool) for s in mb] for mb in window]
+        total_tokens = sum(int(m.sum()) for mb in masks for m in mb)
+        if total_tokens == 0:
+            raise ValueError("window: no trained tokens (every target is ignored)")
+        for _, p in self.named:
+            p.grad = None
+        loss_sum = 0.0
+        for mb, mk in zip(window, masks):
+            loss, _ = cross_entropy_sum(self.model, mb, mk)
+            (loss / total_tokens).backward()
+            loss_sum += float(loss.detach())
+        return loss_sum / total_tokens, total_tokens
+
+    def step(self, window: list[list[Tensor]] | None = None, masks: list[list[Tensor]] | None = None) -> dict:
+        """One accumulation window: zero grads, K micro-steps, clip, one AdamW step."""
+        window = window if window is not None else self.window()
+        loss_value, total_tokens = self.accumulate(window, masks)
+        if not math.isfinite(loss_value):
+            raise NonFiniteLoss(f"non-finite loss {loss_value} at step {self.step_idx} "
+                                f"(data epoch {self.data.epoch}, sequence index {self.data.index})")
+        norm = grad_norm(self.named)
+        scale = 1.0
+        if self.cfg.grad_clip > 0 and float(norm) > self.cfg.grad_clip:
+            scale = self.cfg.grad_clip / (float(norm) + 1e-6)
+        lr = lr_at(self.step_idx, self.cfg.lr, self.cfg.warmup, self.cfg.steps, self.cfg.min_lr_ratio)
+        self.opt.step(lr, grad_scale=scale)
+        self.step_idx += 1
+        return {"step": self.step_idx, "loss": loss_value, "grad_norm": float(norm), "lr": lr, "tokens": total_tokens}
+
+    # --- checkpoints --------------------------------------------------------------------------
+    def save(self, out_dir: str) -> str:
+        """Write out_dir/step-NNNNNN atomically and point out_dir/latest at it."""
+        from safetensors.torch import save_file
+
+        os.makedirs(out_dir, exist_ok=True)
+        name = f"step-{self.step_idx:06d}"
+        final = os.path.join(out_dir, name)
+        tmp = os.path.join(out_dir, f".tmp-{name}-{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        save_model(self.model, tmp)
+        save_file({k: v.contiguous() for k, v in self.opt.state_tensors().items()}, os.path.join(tmp, "optimizer.safetensors"))
+        state = {"step": self.step_idx, "data": self.data.state(), "rng": self.rng.get_state().tolist(),
+                 "train_config": asdict(self.cfg), "model_fingerprint": model_fingerprint(self.model.config)}
+        with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
+            json.dump(state, f)
+        for f_name in os.listdir(tmp):
+            with open(os.path.join(tmp, f_name), "rb") as f:
+                os.fsync(f.fileno())
+        if os.path.exists(final):
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        latest_tmp = os.path.join(out_dir, ".latest.tmp")
+        with open(latest_tmp, "w") as f:
+            f.write(name)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(latest_tmp, os.path.join(out_dir, "latest"))
+        return final
+
+    def resume(self, out_dir: str) -> int:
+        """Load out_dir/latest; returns the step. Refuses a checkpoint of another model."""
+        from safetensors.torch import load_file
+
+        latest = os.path.join(out_dir, "latest")
+        if not os.path.exists(latest):
+            raise FileNotFoundError(f"resume: no checkpoint in {out_dir} (no 'latest' file)")
+        with open(latest) as f:
+            path = os.path.join(out_dir, f.read().strip())
+        with open(os.path.join(path, "trainer_state.json")) as f:
+            state = json.load(f)
+        if state["model_fingerprint"] != model_fingerprint(self.model.config):
+            raise ValueError(f"resume: checkpoint {path} belongs to another model (config fingerprint "
+                             f"{state['model_fingerprint']}, this model {model_fingerprint(self.model.config)})")
+        loaded = load_model(path, dtype=self.model.dtype, device=self.model.device)
+        with torch.no_grad():
+            for (n, p), (_, q) in zip(self.model.named_parameters(), loaded.named_parameters()):
+                p.copy_(q)
+        self.opt.load_state_tensors(load_file(os.path.join(path, "optimizer.safetensors")), state["step"])
+        self.data.load_state(state["data"])
+        self.rng.set_state(torch.tensor(state["rng"], dtype=torch.uint8))
+        self.step_idx = state["step"]
+        return self.step_idx
+
+    def params_hash(self) -> str:
+        h = hashlib.sha256()
+        for n, p in sorted(self.named, key=lambda kv: kv[0]):
+            h.update(n.encode())
+            h.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        return h.hexdigest()
+
+
+def make_model_and_tokens(model_arg: str, data_path: str, dtype: torch.dtype, seed: int) -> tuple[Transformer, list[int]]:
+    """Load (or build the tiny) model and tokenize the data; token ids beyond the vocab are refused."""
+    if model_arg == "tiny":
+        model = Transformer.from_config(ModelConfig.tiny("llama", vocab_size=320), seed=seed, dtype=dtype)
+        tokenizer = load_tokenizer(None)
+    else:
+        model = load_model(model_arg, dtype=dtype)
+        tokenizer = model.tokenizer
+    texts = read_texts(data_path)
+    tokens: list[int] = []
+    for t in texts:
+        ids = tokenizer.encode(t)
+        if getattr(tokenizer, "eos_token_id", None) is not None:
+            ids.append(tokenizer.eos_token_id)
+        tokens.extend(ids)
+    too_big = [t for t in tokens if t >= model.config.vocab_size]
+    if too_big:
+        raise ValueError(f"data: the tokenizer produces id {max(too_big)}, beyond the model's vocabulary of "
+                         f"{model.config.vocab_size} (tokenizer/model mismatch); refusing to train")
+    return model, tokens
+
+
+def run_cli(args) -> int:
+    """`lockstep train`: see `lockstep train --help`."""
+    from .contract import parse_dtype
+
+    cfg = TrainConfig(steps=args.steps, seq_len=args.seq_len, micro_batch_tokens=args.micro_batch_tokens,
+                      accum=args.accum, lr=args.lr, warmup=args.warmup, weight_decay=args.weight_decay,
+                      grad_clip=args.grad_clip, seed=args.seed, master_weights=args.master_weights,
+                      save_every=args.save_every)
+    try:
+        cfg.validate()
+        model, tokens = make_model_and_tokens(args.model, args.data, parse_dtype(args.dtype), args.seed)
+        data = PackedDataset(tokens, cfg.seq_len, cfg.micro_batch_tokens, cfg.seed)
+        trainer = Trainer(model, data, cfg)
+        if args.resume:
+            trainer.resume(args.out)
+    except (OSError, ValueError) as e:
+        print(f"lockstep train: {e}", file=sys.stderr)
+        return 2
+    os.makedirs(args.out, exist_ok=True)
+    log_path = os.path.join(args.out, "log.jsonl")
+    started = time.time()
+    first = last = None
+    seen_tokens = 0
+    with open(log_path, "a") as log:
+        while trainer.step_idx < cfg.steps:
+            try:
+                rec = trainer.step()
+            except NonFiniteLoss as e:
+                print(f"\nlockstep train: {e}; the last good checkpoint is kept in {args.out}", file=sys.stderr)
+                return 3
+            rec["seconds"] = round(time.time() - started, 3)
+            log.write(json.dumps(rec) + "\n")
+            log.flush()
+            first = first or rec
+            last = rec
+            seen_tokens += rec["tokens"]
+            rate = seen_tokens / max(1e-9, time.time() - started)
+            done = rec["step"] / cfg.steps
+            bar = "#" * int(30 * done) + "-" * (30 - int(30 * done))
+            print(f"\r[{bar}] step {rec['step']}/{cfg.steps} loss {rec['loss']:.4f} "
+                  f"grad_norm {rec['grad_norm']:.3f} {rate:.0f} tok/s", end="", file=sys.stderr, flush=True)
+            if cfg.save_every and rec["step"] % cfg.save_every == 0:
+                trainer.save(args.out)
+    print(file=sys.stderr)
+    path = trainer.save(args.out)
+    if first is None:
+        print(f"lockstep train: already at step {trainer.step_idx}; checkpoint {path}")
+        return 0
+    print(f"lockstep train: {last['step']} steps, loss {first['loss']:.4f} -> {last['loss']:.4f}, "
+          f"{time.time() - started:.1f}s; checkpoint {path}; log {log_path}")
+    return 0

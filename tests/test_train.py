@@ -1,0 +1,269 @@
+import json
+import math
+import os
+
+import pytest
+import torch
+
+from lockstep import train
+from lockstep.model import ModelConfig, Transformer
+from lockstep.train import AdamW, AdamWConfig, PackedDataset, TrainConfig, Trainer, policy_loss
+
+
+def _tokens(n=6000, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 300, (n,), generator=gen).tolist()
+
+
+def _trainer(seed=0, dtype=torch.float32, **kw):
+    cfg = TrainConfig(**{**dict(steps=12, seq_len=32, micro_batch_tokens=96, accum=2, lr=3e-3, warmup=3, seed=seed), **kw})
+    model = Transformer.from_config(ModelConfig.tiny("qwen3", vocab_size=300), seed=seed, dtype=dtype)
+    return Trainer(model, PackedDataset(_tokens(), cfg.seq_len, cfg.micro_batch_tokens, cfg.seed), cfg)
+
+
+def _run(t, steps):
+    return [t.step() for _ in range(steps)]
+
+
+def test_replay_is_bitwise():
+    a, b = _trainer(), _trainer()
+    ra, rb = _run(a, 6), _run(b, 6)
+    assert [(r["loss"], r["grad_norm"]) for r in ra] == [(r["loss"], r["grad_norm"]) for r in rb]
+    assert a.params_hash() == b.params_hash()
+    assert a.opt.step_count == 6, "one optimizer step per accumulation window"
+
+
+@pytest.mark.parametrize("dtype, master", [(torch.float32, False), (torch.bfloat16, True)], ids=["fp32", "bf16-master"])
+def test_resume_continues_bitwise(tmp_path, dtype, master):
+    full = _trainer(dtype=dtype, master_weights=master)
+    losses_full = [r["loss"] for r in _run(full, 8)]
+    first = _trainer(dtype=dtype, master_weights=master)
+    _run(first, 5)
+    first.save(str(tmp_path))
+    resumed = _trainer(dtype=dtype, master_weights=master)
+    assert resumed.resume(str(tmp_path)) == 5
+    losses_resumed = [r["loss"] for r in _run(resumed, 3)]
+    assert losses_resumed == losses_full[5:]
+    assert resumed.params_hash() == full.params_hash()
+
+
+def test_padding_rows_change_no_bit_of_the_update():
+    a, b = _trainer(), _trainer()
+    window = a.window()
+    b.window()
+    pad = torch.zeros(37, dtype=torch.long)
+    padded = [mb + [pad] for mb in window]
+    masks = [[torch.ones(s.numel() - 1, dtype=torch.bool) for s in mb] + [torch.zeros(36, dtype=torch.bool)]
+             for mb in window]
+    ra = a.step(window)
+    rb = b.step(padded, masks)
+    assert ra["loss"] == rb["loss"] and ra["grad_norm"] == rb["grad_norm"]
+    assert a.params_hash() == b.params_hash()
+
+
+def test_window_normalization_matches_one_big_batch():
+    """K micro-batches accumulate the gradient of the token-mean over the whole window."""
+    a, b = _trainer(accum=2), _trainer(accum=1)
+    window = a.window()
+    window[1] = [s[:20] for s in window[1]]          # micro-batches of different sizes
+    la, na = a.accumulate(window)
+    lb, nb = b.accumulate([window[0] + window[1]])
+    assert na == nb and math.isclose(la, lb, rel_tol=1e-6)
+    for (n, p), (_, q) in zip(a.model.named_parameters(), b.model.named_parameters()):
+        torch.testing.assert_close(p.grad, q.grad, atol=1e-7, rtol=1e-5, msg=n)
+
+
+def test_parity_with_plain_pytorch_trainer_50_steps():
+    """torch.optim.AdamW + F.cross_entropy + transformers' Llama, against lockstep's trainer, fp32."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    steps, lr, warmup = 50, 2e-3, 5
+    cfg = TrainConfig(steps=steps, seq_len=24, micro_batch_tokens=48, accum=2, lr=lr, warmup=warmup, grad_clip=1.0,
+                      weight_decay=0.1, betas=(0.9, 0.95))
+    ours = Transformer.from_config(ModelConfig.tiny("llama", vocab_size=300), seed=7)
+    trainer = Trainer(ours, PackedDataset(_tokens(4000, 1), cfg.seq_len, cfg.micro_batch_tokens, 0), cfg)
+    c = ours.config
+    hf = LlamaForCausalLM(LlamaConfig(vocab_size=c.vocab_size, hidden_size=c.hidden_size,
+                                      intermediate_size=c.intermediate_size, num_hidden_layers=c.num_layers,
+                                      num_attention_heads=c.num_heads, num_key_value_heads=c.num_kv_heads,
+                                      head_dim=c.head_dim, rms_norm_eps=c.rms_norm_eps, rope_theta=c.rope_theta,
+                                      tie_word_embeddings=False, attn_implementation="eager"))
+    hf.load_state_dict({n: p.detach().clone() for n, p in ours.named_parameters()}, strict=False)
+    opt = torch.optim.AdamW(hf.parameters(), lr=lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    data = PackedDataset(_tokens(4000, 1), cfg.seq_len, cfg.micro_batch_tokens, 0)
+    names = dict(hf.named_parameters())
+    for step in range(steps):
+        window = [data.next_batch() for _ in range(cfg.accum)]
+        ref_loss, n_tok = 0.0, sum(s.numel() - 1 for mb in window for s in mb)
+        opt.zero_grad()
+        for mb in window:
+            x = torch.stack(mb)
+            logits = hf(x[:, :-1]).logits
+            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1),
+                                                     reduction="sum")
+            (loss / n_tok).backward()
+            ref_loss += float(loss.detach())
+        torch.nn.utils.clip_grad_norm_(hf.parameters(), 1.0)
+        for g in opt.param_groups:
+            g["lr"] = train.lr_at(step, lr, warmup, steps, cfg.min_lr_ratio)
+        opt.step()
+        rec = trainer.step(window)
+        assert abs(rec["loss"] - ref_loss / n_tok) <= 2e-5, (step, rec["loss"], ref_loss / n_tok)
+        worst = max(float((p - names[n]).abs().max()) for n, p in ours.named_parameters())
+        assert worst <= 3e-5, (step, worst)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "llama"])
+def test_finite_difference_gradients_float64(family):
+    model = Transformer.from_config(ModelConfig.tiny(family, vocab_size=64, hidden_size=32, intermediate_size=48,
+                                                     num_heads=4, num_kv_heads=2, head_dim=8, num_layers=1,
+                                                     tie_word_embeddings=False), seed=3, dtype=torch.float64)
+    gen = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(0, 64, (n,), generator=gen) for n in (9, 5)]
+
+    def loss():
+        return train.cross_entropy_sum(model, seqs)[0]
+
+    loss().backward()
+    kinds = {}
+    for name, p in model.named_parameters():
+        kind = name.split(".")[-2] + "." + name.split(".")[-1]
+        kinds.setdefault(kind, (name, p))
+    assert {"embed_tokens.weight", "q_proj.weight", "o_proj.weight", "down_proj.weight", "lm_head.weight",
+            "input_layernorm.weight", "norm.weight"} <= set(kinds)
+    h = 1e-6
+    for kind, (name, p) in kinds.items():
+        flat = p.data.view(-1)
+        for idx in torch.randint(0, flat.numel(), (3,), generator=gen).tolist():
+            old = float(flat[idx])
+            with torch.no_grad():
+                flat[idx] = old + h
+                up = float(loss())
+                flat[idx] = old - h
+                down = float(loss())
+                flat[idx] = old
+            numeric = (up - down) / (2 * h)
+            analytic = float(p.grad.view(-1)[idx])
+            assert abs(numeric - analytic) <= 1e-6 + 1e-5 * abs(numeric), (name, idx, numeric, analytic)
+
+
+def test_adamw_matches_torch_adamw():
+    torch.manual_seed(0)
+    p1 = torch.nn.Parameter(torch.randn(40, 7))
+    p2 = torch.nn.Parameter(p1.detach().clone())
+    ours = AdamW([("w", p1)], AdamWConfig(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.05))
+    ref = torch.optim.AdamW([p2], lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.05)
+    for _ in range(20):
+        g = torch.randn(40, 7)
+        p1.grad, p2.grad = g.clone(), g.clone()
+        ours.step(1e-2)
+        ref.step()
+    torch.testing.assert_close(p1, p2, atol=1e-6, rtol=1e-5)
+
+
+def test_policy_loss_clips():
+    lp = torch.tensor([0.0, 0.5, -0.5], requires_grad=True)
+    old = torch.zeros(3)
+    adv = torch.tensor([1.0, 1.0, -1.0])
+    loss = policy_loss(lp, old, adv, torch.ones(3, dtype=torch.bool), clip=0.2)
+    want = -(1.0 + 1.2 - 0.8) / 3          # token 1 clipped at 1.2, token 2 at 0.8 (negative advantage)
+    assert math.isclose(float(loss), want, rel_tol=1e-6)
+    loss.backward()
+    assert lp.grad[1] == 0 and lp.grad[2] == 0 and lp.grad[0] != 0
+
+
+def test_lr_schedule():
+    assert train.lr_at(0, 1.0, 10, 100) == 0.1
+    assert train.lr_at(9, 1.0, 10, 100) == 1.0
+    assert math.isclose(train.lr_at(100, 1.0, 10, 100), 0.1)
+
+
+def test_crash_during_save_keeps_the_last_good_checkpoint(tmp_path, monkeypatch):
+    t = _trainer()
+    _run(t, 2)
+    t.save(str(tmp_path))
+    _run(t, 1)
+    real = os.replace
+
+    def crash(src, dst):
+        if "step-000003" in str(dst):
+            raise OSError("disk full")
+        return real(src, dst)
+
+    monkeypatch.setattr(os, "replace", crash)
+    with pytest.raises(OSError):
+        t.save(str(tmp_path))
+    monkeypatch.setattr(os, "replace", real)
+    assert (tmp_path / "latest").read_text() == "step-000002"
+    fresh = _trainer()
+    assert fresh.resume(str(tmp_path)) == 2
+
+
+def test_checkpoint_of_another_model_is_refused(tmp_path):
+    t = _trainer()
+    _run(t, 1)
+    t.save(str(tmp_path))
+    other = Trainer(Transformer.from_config(ModelConfig.tiny("llama", vocab_size=300)),
+                    PackedDataset(_tokens(), 32, 96, 0), TrainConfig(seq_len=32, micro_batch_tokens=96))
+    with pytest.raises(ValueError, match="belongs to another model"):
+        other.resume(str(tmp_path))
+
+
+def test_nan_loss_stops_with_the_step_named(tmp_path, monkeypatch):
+    t = _trainer()
+    _run(t, 1)
+    with torch.no_grad():
+        t.model.model.embed_tokens.weight.fill_(float("nan"))
+    with pytest.raises(train.NonFiniteLoss, match="non-finite loss nan at step 1"):
+        t.step()
+
+
+def test_cli_trains_and_loss_falls(tmp_path, capsys):
+    from lockstep import cli
+
+    data = tmp_path / "data.txt"
+    data.write_text("the cat sat on the mat. " * 400)
+    out = tmp_path / "run"
+    assert cli.main(["train", "--data", str(data), "--steps", "25", "--lr", "3e-3", "--micro-batch-tokens", "128",
+                     "--seq-len", "32", "--out", str(out)]) == 0
+    log = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+    assert len(log) == 25 and log[-1]["loss"] < 0.6 * log[0]["loss"]
+    assert (out / "latest").read_text() == "step-000025"
+    # resume to 30 steps
+    assert cli.main(["train", "--data", str(data), "--steps", "30", "--lr", "3e-3", "--micro-batch-tokens", "128",
+                     "--seq-len", "32", "--out", str(out), "--resume"]) == 0
+    assert (out / "latest").read_text() == "step-000030"
+
+
+def test_cli_help_explains_every_option(capsys):
+    from lockstep import cli
+
+    with pytest.raises(SystemExit):
+        cli.main(["train", "--help"])
+    text = capsys.readouterr().out
+    for opt in ("--model", "--data", "--steps", "--micro-batch-tokens", "--accum", "--lr", "--out", "--resume",
+                "--seq-len", "--warmup", "--grad-clip", "--dtype", "--master-weights", "--seed", "--save-every"):
+        assert opt in text
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--data", "/nonexistent/file.txt"], "data: '/nonexistent/file.txt' does not exist"),
+    (["--steps", "0"], "steps: expected a positive int"),
+])
+def test_cli_bad_input(tmp_path, capsys, args, message):
+    from lockstep import cli
+
+    data = tmp_path / "d.txt"
+    data.write_text("hello world " * 100)
+    argv = ["train", "--data", str(data), "--out", str(tmp_path / "o")] + args
+    assert cli.main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_tokenizer_vocabulary_mismatch_is_refused(tmp_path):
+    model = Transformer.from_config(ModelConfig.tiny("llama", vocab_size=100))
+    model.save(str(tmp_path / "m"))
+    data = tmp_path / "d.txt"
+    data.write_text("hello " * 50)
+    with pytest.raises(ValueError, match="beyond the model's vocabulary of 100"):
+        train.make_model_and_tokens(str(tmp_path / "m"), str(data), torch.float32, 0)
