@@ -96,11 +96,10 @@ def attention(q, k, v, cu_q, cu_k, scale, causal, window):
 
 @register("eager", "paged_attention")
 def paged_attention(q, k_cache, v_cache, block_table, seq_lens, cu_q, scale, causal, window):
-    from .portable.attention import gather_sequence
+    from .portable.attention import gather_packed
 
-    ks = [gather_sequence(k_cache, block_table, b, n) for b, n in enumerate(seq_lens)]
-    vs = [gather_sequence(v_cache, block_table, b, n) for b, n in enumerate(seq_lens)]
     cu_k = [0]
     for n in seq_lens:
         cu_k.append(cu_k[-1] + n)
-    return attention(q, torch.cat(ks), torch.cat(vs), cu_q, cu_k, scale, causal, window)
+    k, v = gather_packed(k_cache, block_table, seq_lens), gather_packed(v_cache, block_table, seq_lens)
+    return attention(q, k, v, cu_q, cu_k, scale, causal, window)

@@ -121,16 +121,17 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Te
         if n < cq[b + 1] - cq[b]:
             raise ValueError(f"seq_lens: sequence {b} has {cq[b + 1] - cq[b]} queries but seq_lens {n} "
                              "(expected len_q <= len_k)")
-        need = -(-n // block_size)
-        if need > block_table.shape[1]:
-            raise ValueError(f"block_table: sequence {b} needs {need} blocks for {n} keys, the table has "
-                             f"{block_table.shape[1]} columns")
-        if need:
-            used = block_table[b, :need]
-            lo, hi = int(used.min()), int(used.max())
-            if lo < 0 or hi >= k_cache.shape[0]:
-                raise ValueError(f"block_table: sequence {b} points at block {lo if lo < 0 else hi}, outside "
-                                 f"the cache's {k_cache.shape[0]} blocks")
+    need = (seq_lens.to(torch.int64) + block_size - 1) // block_size                    # [B]
+    if nseq and int(need.max()) > block_table.shape[1]:
+        b = int(torch.argmax(need))
+        raise ValueError(f"block_table: sequence {b} needs {int(need[b])} blocks for {lens[b]} keys, the table has "
+                         f"{block_table.shape[1]} columns")
+    used = torch.arange(block_table.shape[1], device=block_table.device)[None, :] < need[:, None]
+    bad = used & ((block_table < 0) | (block_table >= k_cache.shape[0]))
+    if bool(bad.any()):
+        b, j = (int(x) for x in torch.nonzero(bad)[0])
+        raise ValueError(f"block_table: sequence {b} points at block {int(block_table[b, j])}, outside "
+                         f"the cache's {k_cache.shape[0]} blocks")
     scale = _check_options(scale, window, causal, q.shape[-1])
     return resolve("paged_attention", q.device)(q, k_cache, v_cache, block_table, lens, cq, scale, causal, window)
 
