@@ -405,6 +405,10 @@ def run_cli(args) -> int:
                       accum=args.accum, lr=args.lr, warmup=args.warmup, weight_decay=args.weight_decay,
                       grad_clip=args.grad_clip, seed=args.seed, master_weights=args.master_weights,
                       save_every=args.save_every)
+    from . import dist as ldist
+
+    distributed = ldist.init_from_env()
+    rank = int(os.environ.get("RANK", "0")) if distributed else 0
     try:
         cfg.validate()
         model, tokens = make_model_and_tokens(args.model, args.data, parse_dtype(args.dtype), args.seed)
@@ -412,18 +416,31 @@ def run_cli(args) -> int:
         trainer = Trainer(model, data, cfg)
         if args.resume:
             trainer.resume(args.out)
+        runner = ldist.DataParallelTrainer(trainer) if distributed else trainer
     except (OSError, ValueError) as e:
-        print(f"lockstep train: {e}", file=sys.stderr)
+        print(f"lockstep train: {'rank %d: ' % rank if distributed else ''}{e}", file=sys.stderr)
         return 2
+    try:
+        return _train_loop(args, cfg, trainer, runner, rank)
+    finally:
+        if distributed:
+            import torch.distributed
+
+            torch.distributed.destroy_process_group()
+
+
+def _train_loop(args, cfg: TrainConfig, trainer: Trainer, runner, rank: int) -> int:
+    """Steps, progress, JSONL log and checkpoints; rank 0 alone writes (every rank holds the same bits)."""
+    save = runner.save
     os.makedirs(args.out, exist_ok=True)
-    log_path = os.path.join(args.out, "log.jsonl")
+    log_path = os.path.join(args.out, "log.jsonl" if rank == 0 else f".log-rank{rank}.jsonl")
     started = time.time()
     first = last = None
     seen_tokens = 0
     with open(log_path, "a") as log:
         while trainer.step_idx < cfg.steps:
             try:
-                rec = trainer.step()
+                rec = runner.step()
             except NonFiniteLoss as e:
                 print(f"\nlockstep train: {e}; the last good checkpoint is kept in {args.out}", file=sys.stderr)
                 return 3
@@ -436,12 +453,18 @@ def run_cli(args) -> int:
             rate = seen_tokens / max(1e-9, time.time() - started)
             done = rec["step"] / cfg.steps
             bar = "#" * int(30 * done) + "-" * (30 - int(30 * done))
-            print(f"\r[{bar}] step {rec['step']}/{cfg.steps} loss {rec['loss']:.4f} "
-                  f"grad_norm {rec['grad_norm']:.3f} {rate:.0f} tok/s", end="", file=sys.stderr, flush=True)
+            if rank == 0:
+                print(f"\r[{bar}] step {rec['step']}/{cfg.steps} loss {rec['loss']:.4f} "
+                      f"grad_norm {rec['grad_norm']:.3f} {rate:.0f} tok/s", end="", file=sys.stderr, flush=True)
             if cfg.save_every and rec["step"] % cfg.save_every == 0:
-                trainer.save(args.out)
-    print(file=sys.stderr)
-    path = trainer.save(args.out)
+                save(args.out)
+    if rank == 0:
+        print(file=sys.stderr)
+    save(args.out)
+    path = os.path.join(args.out, f"step-{trainer.step_idx:06d}")
+    if rank != 0:
+        os.remove(log_path)
+        return 0
     if first is None:
         print(f"lockstep train: already at step {trainer.step_idx}; checkpoint {path}")
         return 0
