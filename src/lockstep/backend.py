@@ -27,6 +27,8 @@ OPS = (
 _REGISTRY: dict[str, dict[str, Callable]] = {}
 _LOADERS: dict[str, Callable[[], None]] = {}
 _state = threading.local()
+# Active op recorders (lockstep.parity.Recorder); when one is active, every op call goes through it.
+RECORDERS: list = []
 
 
 def register(backend: str, op: str) -> Callable[[Callable], Callable]:
@@ -42,6 +44,12 @@ def register(backend: str, op: str) -> Callable[[Callable], Callable]:
 
 
 _EXTRA_OPS: set[str] = set()
+_FALLBACK: dict[str, str] = {}
+
+
+def set_fallback(backend: str, fallback: str) -> None:
+    """Ops that `backend` does not implement run on `fallback` (a backend that overrides a few ops)."""
+    _FALLBACK[backend] = fallback
 
 
 def register_op_name(op: str) -> None:
@@ -98,6 +106,12 @@ def resolve(op: str, device: torch.device) -> Callable:
                 name = "triton"
     _load(name)
     impl = _REGISTRY.get(name, {}).get(op)
+    while impl is None and name in _FALLBACK:
+        name = _FALLBACK[name]
+        _load(name)
+        impl = _REGISTRY.get(name, {}).get(op)
     if impl is None:
         raise NotImplementedError(f"backend {name!r} has no implementation of {op!r}")
+    if RECORDERS:
+        return RECORDERS[-1].wrap(op, impl)
     return impl

@@ -82,6 +82,12 @@ def cmd_check(args: argparse.Namespace) -> int:
         with open(args.json, "w") as f:
             json.dump({"backend": args.backend, "torch": torch.__version__,
                        "reports": [r.to_dict() for r in reports]}, f, indent=1, default=str)
+    if args.html:
+        from .report import write_html
+
+        write_html({"check": json.loads(json.dumps([r.to_dict() for r in reports], default=str))}, args.html,
+                   f"lockstep check (backend {args.backend})")
+        print(f"report: {args.html}")
     return 1 if failed else 0
 
 
@@ -144,9 +150,88 @@ def cmd_verify(args: argparse.Namespace) -> int:
     report = verify.run(make, dtypes, max_new_tokens=args.max_new_tokens, seed=args.seed, with_eager=not args.no_eager)
     if args.json:
         verify.write_json(report, args.json)
+    if args.html:
+        import dataclasses
+
+        from .report import write_html
+
+        write_html({"verify": dataclasses.asdict(report)}, args.html, "lockstep verify")
+        print(f"report: {args.html}")
     print("\nlockstep: 0 / 0 / 0 and identical tokens in every setting" if report.passed else
           "\nlockstep: FAILED (see the rows above)")
     return 0 if report.passed else 1
+
+
+def cmd_parity(args: argparse.Namespace) -> int:
+    from . import parity
+    from .model import ModelConfig, Transformer, load_model
+
+    def make_model():
+        if args.model == "tiny":
+            return Transformer.from_config(ModelConfig.tiny(args.family), seed=args.seed)
+        return load_model(args.model, dtype=torch.float32)
+
+    try:
+        model = make_model()
+        if args.trajectory:
+            from .train import PackedDataset, TrainConfig, Trainer
+
+            a_side, b_side = args.trajectory
+            for side in (a_side, b_side):
+                if side != "plain" and side not in available_backends():
+                    raise ValueError(f"trajectory: unknown side {side!r}; expected 'plain' or a backend "
+                                     f"{available_backends()}")
+            tokens = torch.randint(0, model.config.vocab_size, (20000,),
+                                   generator=torch.Generator().manual_seed(args.seed)).tolist()
+            cfg = TrainConfig(steps=args.steps, seq_len=32, micro_batch_tokens=64, accum=2, lr=2e-3, warmup=2)
+
+            def make_trainer():
+                return Trainer(make_model(), PackedDataset(tokens, cfg.seq_len, cfg.micro_batch_tokens, args.seed), cfg)
+
+            result = parity.compare_trajectories(make_trainer, a_side, b_side, args.steps)
+            for r in result["rows"]:
+                print(f"step {r['step']:3d}  loss {r['loss_a']:.6f} {r['loss_b']:.6f}  |dloss| {r['loss_diff']:.2e}  "
+                      f"grad norm {r['grad_norm_a']:.4f} {r['grad_norm_b']:.4f}  max |dparam| {r['max_param_diff']:.2e}")
+            first = result["first_step_outside_contract"]
+            print(f"first step outside the contract (loss {result['loss_tol']}, params {result['param_tol']}): "
+                  f"{first if first is not None else 'none'}")
+            if result["first_diverging_op"]:
+                c = result["first_diverging_op"]
+                for phase in ("forward", "backward"):
+                    d = c["first"][phase]
+                    print(f"  at that step, {phase}: " + ("identical" if d is None else
+                          f"first divergence {d['module'] or '<top>'} {d['op']} [{d['slot']}], max abs diff "
+                          f"{d['max_abs_diff']:.3e}, max ulp diff {d['max_ulp_diff']}"))
+            data = {"trajectory": result}
+        else:
+            a, b = parity.RunConfig.parse(args.a), parity.RunConfig.parse(args.b)
+            comparison = parity.parity(model, a, b, seed=args.seed)
+            print(parity.format_comparison(comparison, str(a), str(b)))
+            data = {"parity": {**comparison.to_dict(), "a": str(a), "b": str(b)}}
+    except (OSError, ValueError) as e:
+        print(f"lockstep parity: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(data, f, indent=1, default=str)
+    if args.html:
+        from .report import write_html
+
+        write_html(data, args.html, "lockstep parity")
+        print(f"report: {args.html}")
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from .report import from_run_dir
+
+    try:
+        path = from_run_dir(args.run_dir, args.out)
+    except (OSError, ValueError) as e:
+        print(f"lockstep report: {e}", file=sys.stderr)
+        return 2
+    print(f"report: {path}")
+    return 0
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -175,6 +260,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--seed", type=int, default=0, help="seed of the generated inputs")
     c.add_argument("--json", metavar="PATH", help="also write the full report as JSON")
     c.add_argument("-v", "--verbose", action="store_true", help="print every sweep")
+    c.add_argument("--html", metavar="PATH", help="also write a self-contained HTML report")
     c.set_defaults(func=cmd_check)
 
     v = sub.add_parser("verify", help="the train-inference gate: engine logprobs == trainer logprobs, bitwise")
@@ -185,6 +271,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--seed", type=int, default=0)
     v.add_argument("--no-eager", action="store_true", help="skip the plain-PyTorch comparison rows")
     v.add_argument("--json", metavar="PATH", help="write the full report as JSON")
+    v.add_argument("--html", metavar="PATH", help="write a self-contained HTML report")
     v.set_defaults(func=cmd_verify)
 
     t = sub.add_parser("train", help="train a model on a text file or folder, deterministically",
@@ -209,6 +296,27 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--out", required=True, help="output folder: checkpoints (step-N, latest) and log.jsonl")
     t.add_argument("--resume", action="store_true", help="continue from OUT/latest")
     t.set_defaults(func=cmd_train)
+
+    p_ = sub.add_parser("parity", help="find the first op where two runs diverge, or compare training trajectories",
+                        description="Config: comma-separated backend=..., layout=alone|batchN|chunkN|decode, "
+                                    "dtype=fp32|bf16|fp16. Example: --a backend=eager --b backend=portable, or "
+                                    "--a layout=alone --b layout=batch8. --trajectory A B compares two trainers "
+                                    "(backend names, or 'plain' for the plain PyTorch trainer).")
+    p_.add_argument("--a", default="backend=portable", help="config of run A")
+    p_.add_argument("--b", default="backend=eager", help="config of run B")
+    p_.add_argument("--trajectory", nargs=2, metavar=("A", "B"), help="compare two trainers instead")
+    p_.add_argument("--steps", type=int, default=20, help="trajectory steps")
+    p_.add_argument("--model", default="tiny", help="checkpoint folder or 'tiny'")
+    p_.add_argument("--family", default="llama")
+    p_.add_argument("--seed", type=int, default=0)
+    p_.add_argument("--json", metavar="PATH")
+    p_.add_argument("--html", metavar="PATH")
+    p_.set_defaults(func=cmd_parity)
+
+    r = sub.add_parser("report", help="write one HTML report from the JSON files of a run folder")
+    r.add_argument("run_dir", help="folder with check.json, verify.json, parity.json and/or trajectory.json")
+    r.add_argument("--out", help="output path (default RUN_DIR/report.html)")
+    r.set_defaults(func=cmd_report)
 
     m = sub.add_parser("check-model", help="model-level invariance and the float64 chain on a checkpoint")
     m.add_argument("model", help="a local Hugging Face checkpoint folder, or 'tiny' for a built-in random model")

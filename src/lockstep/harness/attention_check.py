@@ -196,7 +196,7 @@ def _accuracy(case: AttnCase, ref: list[tuple], grad: bool) -> AccuracyResult:
     eager_out = torch.cat([r[0] for r in eager])
     tol = contract.tolerance("attention", case.dtype, "forward")
     fwd_err, eager_err = _max_abs(got_out, out64), _max_abs(eager_out, out64)
-    rel = (got_out.double() - out64).abs() / out64.abs().clamp_min(1e-30)
+    rel = (got_out.double() - out64.detach()).abs() / out64.detach().abs().clamp_min(1e-30)
     factor, floor_ulps = contract.relative_to_pytorch()
     relative_ok = fwd_err <= factor * eager_err + floor_ulps * contract.ulp(case.dtype, float(out64.detach().abs().max()))
     g_err = g_excess = e_g = None

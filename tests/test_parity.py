@@ -1,0 +1,188 @@
+import json
+import os
+import shutil
+import subprocess
+
+import pytest
+import torch
+
+from lockstep import cli, parity
+from lockstep.backend import register, set_fallback
+from lockstep.model import ModelConfig, Transformer
+from lockstep.parity import RunConfig, compare, ulp_distance
+from lockstep.portable.fixed_order import row_sum
+from lockstep.portable.linear import linear as portable_linear
+from lockstep.portable.rms_norm import rms_norm as portable_rms_norm
+from lockstep.report import build_html, from_run_dir
+
+LINEARS_PER_LAYER = 7            # q, k, v, o, gate, up, down
+_calls = {"linear": 0}
+
+
+@register("planted-ulp", "linear")
+def _planted_linear(x, weight, bias):
+    """One ulp added to one element of the output of one linear call: layer 1's down_proj."""
+    y = portable_linear(x, weight, bias)
+    if _calls["linear"] % (2 * LINEARS_PER_LAYER) == LINEARS_PER_LAYER + 6:
+        with torch.no_grad():
+            delta = torch.zeros_like(y)
+            delta[0, 0] = torch.nextafter(y[0, 0], torch.tensor(float("inf"), dtype=y.dtype)) - y[0, 0]
+        y = y + delta                 # exact: adjacent floats differ by a representable step
+    _calls["linear"] += 1
+    return y
+
+
+class _ReorderedBackward(torch.autograd.Function):
+    """rms_norm with the portable forward and a backward that sums in another order."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps, offset):
+        ctx.save_for_backward(x, weight)
+        ctx.eps, ctx.offset = eps, offset
+        with torch.no_grad():
+            return portable_rms_norm(x, weight, eps, offset)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        rstd = torch.rsqrt(row_sum(x * x) / x.shape[-1] + ctx.eps)[:, None]
+        xhat = x * rstd
+        gw = g * (w + ctx.offset)
+        dot = torch.flip(gw * xhat, dims=[-1]).sum(-1, keepdim=True) / x.shape[-1]   # reversed order
+        return rstd * (gw - xhat * dot), (g * xhat).sum(0), None, None
+
+
+@register("planted-backward", "rms_norm")
+def _planted_rms_norm(x, weight, eps, offset):
+    return _ReorderedBackward.apply(x.contiguous(), weight, eps, offset)
+
+
+set_fallback("planted-ulp", "portable")
+set_fallback("planted-backward", "portable")
+
+
+@pytest.fixture
+def model():
+    return Transformer.from_config(ModelConfig.tiny("llama"), seed=0)
+
+
+def test_planted_one_ulp_change_is_named_by_op_and_layer(model):
+    _calls["linear"] = 0
+    c = parity.parity(model, RunConfig(backend="portable"), RunConfig(backend="planted-ulp"))
+    d = c.first["forward"]
+    assert d is not None and d.module == "model.layers.1.mlp.down_proj" and d.op == "linear"
+    assert d.max_ulp_diff == 1 and d.differing == 1
+    assert d.contaminated_count > 0 and any("model.norm" in name for name in d.contaminated)
+
+
+def test_planted_backward_reordering_is_found_in_backward_only(model):
+    c = parity.parity(model, RunConfig(backend="portable"), RunConfig(backend="planted-backward"))
+    assert c.first["forward"] is None and c.compared["forward"] > 0
+    d = c.first["backward"]
+    assert d is not None and d.op == "rms_norm" and d.module == "model.norm"
+
+
+@pytest.mark.parametrize("a, b, identical", [
+    ("layout=alone", "layout=batch8", True),
+    ("layout=alone", "layout=decode", True),
+    ("layout=alone", "layout=chunk7", True),
+    ("backend=eager,layout=alone", "backend=eager,layout=decode", False),
+])
+def test_layouts(model, a, b, identical):
+    c = parity.parity(model, RunConfig.parse(a), RunConfig.parse(b))
+    assert c.compared["forward"] > 0
+    assert (c.first["forward"] is None) == identical
+    if not identical:
+        assert c.first["forward"].op == "linear"        # the GEMV path for one row
+
+
+def test_recorder_records_engine_and_trainer_calls_alike(model):
+    from lockstep import Engine, SamplingParams
+    from lockstep.train import cross_entropy_sum
+
+    with parity.Recorder(model) as rec:
+        Engine(model).generate([[1, 2, 3]], SamplingParams(max_new_tokens=2))
+    ops_engine = {r.op for r in rec.forward}
+    with parity.Recorder(model) as rec2:
+        cross_entropy_sum(model, [torch.tensor([1, 2, 3, 4])])[0].backward()
+    assert {"embedding", "rms_norm", "linear", "rope", "silu_mul", "paged_attention", "selected_logprobs"} <= ops_engine
+    assert {"attention", "selected_logprobs"} <= {r.op for r in rec2.forward} and rec2.backward
+    assert all(r.module for r in rec2.forward if r.op == "rms_norm")
+
+
+def test_ulp_distance():
+    a = torch.tensor([1.0, -2.0, 0.0])
+    b = torch.nextafter(a, torch.tensor(float("inf")))
+    assert ulp_distance(a, b) == 1
+    assert ulp_distance(torch.tensor([-0.0]), torch.tensor([0.0])) == 0
+    assert ulp_distance(a.bfloat16(), a.bfloat16()) == 0
+
+
+def test_trajectory_against_the_plain_pytorch_trainer(model):
+    from lockstep.train import PackedDataset, TrainConfig, Trainer
+
+    tokens = torch.randint(0, 512, (6000,), generator=torch.Generator().manual_seed(0)).tolist()
+    cfg = TrainConfig(steps=6, seq_len=24, micro_batch_tokens=48, accum=2, lr=2e-3, warmup=2)
+
+    def make():
+        return Trainer(Transformer.from_config(ModelConfig.tiny("llama"), seed=0),
+                       PackedDataset(tokens, cfg.seq_len, cfg.micro_batch_tokens, 0), cfg)
+
+    result = parity.compare_trajectories(make, "portable", "plain", steps=6)
+    assert len(result["rows"]) == 6 and result["first_step_outside_contract"] is None
+    assert result["loss_tol"] == 2e-5
+    bitwise = parity.compare_trajectories(make, "portable", "portable", steps=3)
+    assert bitwise["first_step_outside_contract"] is None and all(r["loss_diff"] == 0 for r in bitwise["rows"])
+    diverging = parity.compare_trajectories(make, "portable", "eager", steps=2)
+    assert diverging["first_step_outside_contract"] == 1
+    assert diverging["first_diverging_op"]["first"]["forward"] is not None
+
+
+def test_parity_cli_and_report_dir(tmp_path, capsys):
+    assert cli.main(["parity", "--a", "backend=eager", "--b", "backend=portable", "--json",
+                     str(tmp_path / "parity.json")]) == 0
+    assert "first divergence" in capsys.readouterr().out
+    assert cli.main(["parity", "--a", "layout=alone", "--b", "layout=batch8"]) == 0
+    assert "identical" in capsys.readouterr().out
+    assert cli.main(["parity", "--a", "layout=sideways"]) == 2
+    assert "unknown layout 'sideways'" in capsys.readouterr().err
+    assert cli.main(["report", str(tmp_path)]) == 0
+    assert (tmp_path / "report.html").exists()
+    assert cli.main(["report", str(tmp_path / "nope")]) == 2
+
+
+def _chromium():
+    path = shutil.which("chromium") or shutil.which("chromium-browser")
+    if path is None:
+        if os.environ.get("LOCKSTEP_REQUIRE_BROWSER"):
+            pytest.fail("chromium is required (LOCKSTEP_REQUIRE_BROWSER is set) but not installed")
+        pytest.skip("chromium not installed; .ci/run installs it and requires this test")
+    return path
+
+
+def test_report_renders_in_headless_chromium(tmp_path, model):
+    from lockstep.harness.check import check_op
+
+    data = {
+        "check": [check_op("silu_mul", torch.float32).to_dict(), check_op("linear", torch.float32, backend="eager",
+                                                                           with_accuracy=True).to_dict()],
+        "parity": {**parity.parity(model, RunConfig(backend="portable"), RunConfig(backend="eager")).to_dict(),
+                   "a": "portable", "b": "eager"},
+        "trajectory": {"side_a": "a", "side_b": "b", "loss_tol": 0.0, "param_tol": 0.0, "first_step_outside_contract": 2,
+                       "first_diverging_op": None,
+                       "rows": [{"step": i, "loss_a": 5 - i * 0.1, "loss_b": 5 - i * 0.1 + (i > 1) * 1e-6,
+                                 "grad_norm_a": 1.0 + i, "grad_norm_b": 1.0 + i, "param_norm_a": 3, "param_norm_b": 3,
+                                 "loss_diff": (i > 1) * 1e-6, "grad_norm_diff": 0, "param_norm_diff": 0,
+                                 "max_param_diff": i * 1e-7} for i in range(1, 8)]},
+    }
+    page = tmp_path / "report.html"
+    page.write_text(json.loads(json.dumps(build_html(json.loads(json.dumps(data, default=str))))))
+    assert "http://" not in page.read_text().replace("http://www.w3.org/2000/svg", "")   # nothing to fetch
+    proc = subprocess.run([_chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                           "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                           f"--user-data-dir={tmp_path / 'profile'}", "--enable-logging=stderr", "--v=0",
+                           "--dump-dom", page.as_uri()], capture_output=True, text=True, timeout=120)
+    dom = proc.stdout
+    assert 'data-ready="1"' in dom, proc.stderr[-2000:]                  # the inline script ran to its end
+    assert 'data-plots="3"' in dom and "<svg" in dom and "<polyline" in dom
+    assert "Uncaught" not in proc.stderr
