@@ -1,6 +1,6 @@
 """lockstep: the same bits when an LLM serves and when it trains."""
 
-from . import ops
+from . import batch_invariant, ops
 from .backend import available_backends, current_backend, register_loader, use_backend
 
 
@@ -31,6 +31,12 @@ def __getattr__(name: str):
         from . import engine
 
         return getattr(engine, name)
+    if name in ("enable", "disable"):
+        return getattr(batch_invariant, name)
+    if name in ("patch", "unpatch"):
+        from . import hf
+
+        return getattr(hf, name)
     if name == "SamplingParams":
         from .sampling import SamplingParams
 
@@ -40,4 +46,5 @@ def __getattr__(name: str):
 
 __version__ = "0.1.0"
 __all__ = ["ops", "use_backend", "current_backend", "available_backends", "load_model", "logprobs",
-           "Transformer", "ModelConfig", "Engine", "SamplingParams", "RequestOutput", "__version__"]
+           "Transformer", "ModelConfig", "Engine", "SamplingParams", "RequestOutput", "batch_invariant", "enable", "disable",
+           "patch", "unpatch", "__version__"]

@@ -22,6 +22,8 @@ OPS = (
     "log_softmax",
     "selected_logprobs",
     "cross_entropy",
+    "attention",
+    "paged_attention",
 )
 
 _REGISTRY: dict[str, dict[str, Callable]] = {}
@@ -33,8 +35,8 @@ RECORDERS: list = []
 
 def register(backend: str, op: str) -> Callable[[Callable], Callable]:
     """Decorator: register `fn` as `backend`'s implementation of `op`."""
-    if op not in OPS and op not in _EXTRA_OPS:
-        raise ValueError(f"op: unknown op {op!r}; expected one of {sorted(OPS + tuple(_EXTRA_OPS))}")
+    if op not in OPS:
+        raise ValueError(f"op: unknown op {op!r}; expected one of {sorted(OPS)}")
 
     def wrap(fn: Callable) -> Callable:
         _REGISTRY.setdefault(backend, {})[op] = fn
@@ -43,18 +45,12 @@ def register(backend: str, op: str) -> Callable[[Callable], Callable]:
     return wrap
 
 
-_EXTRA_OPS: set[str] = set()
 _FALLBACK: dict[str, str] = {}
 
 
 def set_fallback(backend: str, fallback: str) -> None:
     """Ops that `backend` does not implement run on `fallback` (a backend that overrides a few ops)."""
     _FALLBACK[backend] = fallback
-
-
-def register_op_name(op: str) -> None:
-    """Declare an op name beyond the core ones (attention and its cache ops register here)."""
-    _EXTRA_OPS.add(op)
 
 
 def register_loader(backend: str, loader: Callable[[], None]) -> None:

@@ -30,7 +30,44 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(out)
 
 
+def cmd_check_mode() -> int:
+    """The batch-invariant mode's coverage table, each covered op verified (one row vs many)."""
+    from . import batch_invariant as mode
+
+    torch.manual_seed(0)
+    x, w = torch.randn(40, 300), torch.randn(200, 300)
+    q, k = torch.randn(2, 4, 17, 16), torch.randn(2, 2, 17, 16)
+    probes = {
+        "aten::mm": lambda t: t @ w.t(), "aten::addmm": lambda t: torch.nn.functional.linear(t, w, w[:, 0]),
+        "aten::bmm": lambda t: torch.bmm(t[None], w.t()[None])[0],
+        "aten::matmul / aten::linear": lambda t: torch.matmul(t, w.t()),
+        "aten::_log_softmax (+ backward)": lambda t: torch.log_softmax(t, -1),
+        "aten::_softmax (+ backward)": lambda t: torch.softmax(t, -1), "aten::softmax": lambda t: t.softmax(-1),
+        "aten::silu (+ backward)": torch.nn.functional.silu, "aten::sum.dim_IntList": lambda t: t.sum(-1),
+        "aten::mean.dim": lambda t: t.mean(-1),
+        "aten::_fused_rms_norm (+ backward)": lambda t: torch.nn.functional.rms_norm(t, (300,), w[0], 1e-6),
+    }
+    rows = []
+    with mode.batch_invariant():
+        for row in mode.coverage():
+            op, verified = row["op"], "-"
+            if op in probes:
+                fn = probes[op]
+                verified = "pass" if torch.equal(fn(x[5:6])[0], fn(x)[5]) else "FAIL"
+            elif op.startswith("aten::scaled_dot_product_attention"):
+                full = torch.nn.functional.scaled_dot_product_attention(q, k, k, is_causal=True, enable_gqa=True)
+                one = torch.nn.functional.scaled_dot_product_attention(q[:, :, 9:10], k[:, :, :10], k[:, :, :10],
+                                                                       enable_gqa=True)
+                verified = "pass" if torch.equal(one[:, :, 0], full[:, :, 9]) else "FAIL"
+            rows.append([op, row["status"], row["dtypes"], row["devices"], verified, row["how"]])
+    print("lockstep check --mode: lockstep.batch_invariant() coverage (verified: one row vs many, decode vs prefill)")
+    print(_table(["aten op", "status", "dtypes", "devices", "verified", "how"], rows))
+    return 1 if any(r[4] == "FAIL" for r in rows) else 0
+
+
 def cmd_check(args: argparse.Namespace) -> int:
+    if args.mode:
+        return cmd_check_mode()
     from .harness import check as harness
     from .harness.attention_check import check_attention
     from .harness.specs import SPECS
@@ -261,6 +298,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--json", metavar="PATH", help="also write the full report as JSON")
     c.add_argument("-v", "--verbose", action="store_true", help="print every sweep")
     c.add_argument("--html", metavar="PATH", help="also write a self-contained HTML report")
+    c.add_argument("--mode", action="store_true", help="print (and verify) the batch-invariant mode's coverage table")
     c.set_defaults(func=cmd_check)
 
     v = sub.add_parser("verify", help="the train-inference gate: engine logprobs == trainer logprobs, bitwise")

@@ -13,11 +13,8 @@ import math
 import torch
 from torch import Tensor
 
-from ..backend import register_op_name, resolve
+from ..backend import resolve
 from . import _checks as c
-
-register_op_name("attention")
-register_op_name("paged_attention")
 
 MAX_HEAD_DIM = 256
 

@@ -49,7 +49,9 @@ class _Plan:
     """A group of S sequences with the same number of queries len_q: the positions of their query
     rows and, per key block, the rows that some sequence's row can see."""
 
-    def __init__(self, len_q: int, len_k: list[int], hkv: int, group: int, causal: bool, window: int | None, device):
+    def __init__(self, len_q: int, len_k: list[int], hkv: int, group: int, causal: bool, window: int | None, device,
+                 mask: Tensor | None = None):
+        self.mask = mask                                                    # [S, len_q, max_k] bool or None
         self.len_k = torch.tensor(len_k, device=device)
         self.max_k, self.causal, self.window, self.group, self.hkv = max(len_k), causal, window, group, hkv
         first = self.len_k - len_q                                          # [S]
@@ -65,6 +67,10 @@ class _Plan:
         out = []
         for start in range(0, self.max_k, KEY_BLOCK):
             lo, hi = 0, self.rows
+            if self.mask is not None:
+                if bool(self.mask[:, :, start:start + KEY_BLOCK].any()):
+                    out.append((start, lo, hi))
+                continue
             if self.causal:
                 lo = max(0, start - self.first_max) * self.group
             if self.window is not None:
@@ -83,6 +89,11 @@ class _Plan:
             mask = mask & (keys[None, None, :] <= pos)
         if self.window is not None:
             mask = mask & (keys[None, None, :] > pos - self.window)
+        if self.mask is not None:
+            explicit = self.mask[:, :, start:start + KEY_BLOCK]
+            if explicit.shape[-1] < KEY_BLOCK:
+                explicit = torch.nn.functional.pad(explicit, (0, KEY_BLOCK - explicit.shape[-1]))
+            mask = mask & explicit.repeat_interleave(self.group, dim=1)[:, lo:hi]
         return mask.repeat_interleave(self.hkv, dim=0)
 
 
@@ -92,16 +103,18 @@ def _scores(qrows: Tensor, kblk: Tensor, scale: float, visible: Tensor) -> Tenso
 
 
 def group_forward(q: Tensor, k: Tensor, v: Tensor, len_k: list[int], scale: float, causal: bool,
-                  window: int | None) -> tuple[Tensor, Tensor]:
+                  window: int | None, mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """S sequences with equal len_q: q [S, len_q, Hq, D]; k, v [S, max len_k, Hkv, D] (zero past each
-    sequence's len_k) in the accumulation dtype.
+    sequence's len_k) in the accumulation dtype. mask: optional [S, len_q, max_k] bool, True where a
+    query may attend (an explicit mask, as scaled_dot_product_attention takes); a row that may
+    attend to nothing gets a zero output.
 
     Returns (output [S, len_q, Hq, D], softmax statistics [2, S * Hkv, len_q * G]: the running max
     and the sum of exponentials). Backward recomputes probabilities as exp(s - max) / sum:
     exp(s - logsumexp) would amplify the rounding of logsumexp into every one."""
     s_count, len_q, hq, d = q.shape
     hkv = k.shape[2]
-    plan = _Plan(len_q, len_k, hkv, hq // hkv, causal, window, q.device)
+    plan = _Plan(len_q, len_k, hkv, hq // hkv, causal, window, q.device, mask)
     qr = _rows(q, hkv)
     run_max = torch.full((s_count * hkv, plan.rows), float("-inf"), dtype=q.dtype, device=q.device)
     run_sum = torch.zeros((s_count * hkv, plan.rows), dtype=q.dtype, device=q.device)
@@ -117,7 +130,9 @@ def group_forward(q: Tensor, k: Tensor, v: Tensor, len_k: list[int], scale: floa
         run_sum[:, lo:hi] = run_sum[:, lo:hi] * alpha + row_sum(p)
         acc[:, lo:hi] = acc[:, lo:hi] * alpha[..., None] + matmul_rows(p, _key_block(v, start))
         run_max[:, lo:hi] = new
-    out = acc / run_sum[..., None]
+    # A row that saw no key (fully masked) outputs zeros, not 0/0: a NaN there could reach other rows
+    # through 0 * NaN in their P @ V.
+    out = acc / torch.where(run_sum == 0, torch.ones_like(run_sum), run_sum)[..., None]
     return _unrows(out, s_count, len_q, hq), torch.stack([run_max, run_sum])
 
 
@@ -129,7 +144,8 @@ def sequence_forward(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool
 
 
 def sequence_backward(q: Tensor, k: Tensor, v: Tensor, grad_out: Tensor, stats: Tensor,
-                      scale: float, causal: bool, window: int | None) -> tuple[Tensor, Tensor, Tensor]:
+                      scale: float, causal: bool, window: int | None,
+                      mask: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients of one sequence (all in the accumulation dtype): dq [len_q, Hq, D], dk, dv [len_k, Hkv, D].
 
     Two passes over the key blocks. The first accumulates delta = sum_j p_j dp_j from the same dp
@@ -139,7 +155,7 @@ def sequence_backward(q: Tensor, k: Tensor, v: Tensor, grad_out: Tensor, stats: 
     """
     len_q, hq, d = q.shape
     len_k, hkv, _ = k.shape
-    plan = _Plan(len_q, [len_k], hkv, hq // hkv, causal, window, q.device)
+    plan = _Plan(len_q, [len_k], hkv, hq // hkv, causal, window, q.device, None if mask is None else mask[None])
     qr, dor = _rows(q[None], hkv), _rows(grad_out[None], hkv)
     kk, vv = k[None], v[None]
     run_max, run_sum = stats[0], stats[1]
@@ -147,7 +163,7 @@ def sequence_backward(q: Tensor, k: Tensor, v: Tensor, grad_out: Tensor, stats: 
 
     def probs_and_dp(start: int, lo: int, hi: int) -> tuple[Tensor, Tensor]:
         s = _scores(qr[:, lo:hi], _key_block(kk, start), scale, plan.visible(start, lo, hi))
-        p = torch.exp(s - shift[:, lo:hi, None]) / run_sum[:, lo:hi, None]
+        p = torch.exp(s - shift[:, lo:hi, None]) / torch.where(run_sum == 0, 1.0, run_sum)[:, lo:hi, None]
         return p, matmul_rows(dor[:, lo:hi], _key_block(vv, start).transpose(1, 2))
 
     blocks = plan.blocks()

@@ -1,0 +1,151 @@
+"""Patch a Hugging Face transformers Llama, Qwen2 or Qwen3 model to run on lockstep ops, in place.
+
+    lockstep.patch(model)      # Linear, RMSNorm, rotary embedding, MLP activation and attention
+    ...
+    lockstep.unpatch(model)    # restores the original forwards
+
+Like Liger-Kernel's patching, it swaps forwards of module instances and routes attention through
+transformers' attention-function registry ("lockstep"). It does not copy an operator; each
+swapped forward calls a lockstep op:
+- nn.Linear -> ops.linear (fixed row tiles);
+- *RMSNorm -> ops.rms_norm;
+- *MLP -> down(ops.silu_mul(gate(x), up(x)));
+- rotary embedding -> ops.rope on the position ids (the rotary module passes the positions through,
+  and apply_rotary_pos_emb rotates with lockstep's float64 angles);
+- attention -> lockstep.batch_invariant.MaskedAttention: fixed 64-key blocks anchored at each
+  query's first visible key, so padding, batching and KV-cache decode change no bit.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+
+import torch
+from torch import Tensor, nn
+
+from . import ops
+from .ops.rope import Llama3RopeScaling
+
+FAMILIES = ("llama", "qwen2", "qwen3")
+_ATTN = "lockstep"
+_patched_count = 0
+_saved_apply: dict[str, object] = {}
+
+
+class _Positions:
+    """What the patched rotary module returns instead of (cos, sin): the position ids themselves."""
+
+    def __init__(self, position_ids: Tensor, config):
+        self.position_ids = position_ids
+        self.config = config
+
+
+def _rope_params(config) -> tuple[float, Llama3RopeScaling | None]:
+    rope = dict(getattr(config, "rope_parameters", None) or {})
+    rope.update(getattr(config, "rope_scaling", None) or {})
+    theta = float(rope.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
+    scaling = None
+    if rope.get("rope_type", rope.get("type")) == "llama3":
+        scaling = Llama3RopeScaling(float(rope["factor"]), float(rope["low_freq_factor"]),
+                                    float(rope["high_freq_factor"]), int(rope["original_max_position_embeddings"]))
+    return theta, scaling
+
+
+def _rotate(x: Tensor, positions: Tensor, config) -> Tensor:
+    """x [B, H, T, D], positions [B, T] -> x rotated by ops.rope."""
+    theta, scaling = _rope_params(config)
+    b, h, t, d = x.shape
+    flat = x.transpose(1, 2).reshape(b * t, h, d)
+    out = ops.rope(flat, positions.reshape(-1).long(), theta=theta, style="neox", scaling=scaling)
+    return out.reshape(b, t, h, d).transpose(1, 2)
+
+
+def _make_apply(original):
+    def apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):
+        if isinstance(cos, _Positions):
+            return _rotate(q, cos.position_ids, cos.config), _rotate(k, cos.position_ids, cos.config)
+        return original(q, k, cos, sin, *args, **kwargs)
+    apply_rotary_pos_emb._lockstep = True
+    return apply_rotary_pos_emb
+
+
+def lockstep_attention(module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
+                       dropout: float = 0.0, scaling: float | None = None, **kwargs) -> tuple[Tensor, None]:
+    """transformers attention function: query [B, Hq, Lq, D], key/value [B, Hkv, Lk, D]."""
+    from .batch_invariant import MaskedAttention, _visible
+
+    if dropout:
+        raise NotImplementedError("lockstep attention: dropout is not supported (train with attention_dropout=0)")
+    lq, lk = query.shape[-2], key.shape[-2]
+    is_causal = attention_mask is None and lq > 1 and getattr(module, "is_causal", True)
+    visible = _visible(query, key, attention_mask, False)
+    if is_causal:                     # bottom-right: the queries are the last lq of lk positions
+        pos = torch.arange(lk - lq, lk, device=query.device)[:, None]
+        visible &= torch.arange(lk, device=query.device)[None, :] <= pos
+    scale = scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
+    out = MaskedAttention.apply(query, key, value, visible, scale)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _register_attention() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(_ATTN, lockstep_attention)
+    AttentionMaskInterface.register(_ATTN, sdpa_mask)
+
+
+def _family(model) -> str:
+    family = getattr(getattr(model, "config", None), "model_type", None)
+    if family not in FAMILIES:
+        raise ValueError(f"model: lockstep.patch supports transformers {FAMILIES} models, got model_type={family!r}")
+    return family
+
+
+def patch(model: nn.Module) -> nn.Module:
+    """Swap the forwards of a transformers Llama/Qwen2/Qwen3 model for lockstep ops (in place)."""
+    global _patched_count
+    family = _family(model)
+    if getattr(model, "_lockstep_patched", False):
+        return model
+    _register_attention()
+    modeling = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    if not getattr(modeling.apply_rotary_pos_emb, "_lockstep", False):
+        _saved_apply[family] = modeling.apply_rotary_pos_emb
+        modeling.apply_rotary_pos_emb = _make_apply(modeling.apply_rotary_pos_emb)
+    config = model.config
+    for module in model.modules():
+        name = type(module).__name__
+        if isinstance(module, nn.Linear):
+            module.forward = (lambda m: lambda x: ops.linear(x, m.weight, m.bias))(module)
+        elif name.endswith("RMSNorm"):
+            module.forward = (lambda m: lambda x: ops.rms_norm(x, m.weight, eps=m.variance_epsilon))(module)
+        elif name.endswith("MLP") and all(hasattr(module, a) for a in ("gate_proj", "up_proj", "down_proj")):
+            module.forward = (lambda m: lambda x: m.down_proj(ops.silu_mul(m.gate_proj(x), m.up_proj(x))))(module)
+        elif name.endswith("RotaryEmbedding"):
+            module.forward = (lambda m: lambda x, position_ids: (_Positions(position_ids, config), None))(module)
+    model._lockstep_attn_before = config._attn_implementation
+    config._attn_implementation = _ATTN
+    model._lockstep_patched = True
+    _patched_count += 1
+    return model
+
+
+def unpatch(model: nn.Module) -> nn.Module:
+    """Undo `patch`: the original forwards and attention implementation come back."""
+    global _patched_count
+    family = _family(model)
+    if not getattr(model, "_lockstep_patched", False):
+        return model
+    for module in model.modules():
+        if "forward" in module.__dict__:
+            del module.forward
+    model.config._attn_implementation = model._lockstep_attn_before
+    del model._lockstep_patched
+    _patched_count -= 1
+    if _patched_count == 0:
+        for fam, original in list(_saved_apply.items()):
+            importlib.import_module(f"transformers.models.{fam}.modeling_{fam}").apply_rotary_pos_emb = original
+            del _saved_apply[fam]
+    return model
