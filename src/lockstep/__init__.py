@@ -12,6 +12,21 @@ def _load_eager() -> None:
     from . import eager  # noqa: F401
 
 
+def _load_triton() -> None:
+    """Import the Triton kernels when triton is installed. Without a CUDA device they run under
+    Triton's interpreter, which must be chosen before triton is imported."""
+    import importlib.util
+    import os
+
+    if importlib.util.find_spec("triton") is None:
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    from . import triton_ops  # noqa: F401
+
+
 def _load_reference() -> None:
     from . import reference_backend  # noqa: F401
 
@@ -19,6 +34,7 @@ def _load_reference() -> None:
 register_loader("portable", _load_portable)
 register_loader("eager", _load_eager)
 register_loader("reference", _load_reference)
+register_loader("triton", _load_triton)
 
 
 def __getattr__(name: str):

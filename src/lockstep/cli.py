@@ -95,7 +95,8 @@ def cmd_check(args: argparse.Namespace) -> int:
             if op == "attention":
                 r = check_attention(dtype, backend=args.backend, grad=not args.no_grad, seed=args.seed)
             else:
-                r = harness.check_op(op, dtype, backend=args.backend, grad=not args.no_grad, seed=args.seed)
+                r = harness.check_op(op, dtype, backend=args.backend, grad=not args.no_grad, seed=args.seed,
+                                     device=args.device)
             if args.large and op in SPECS and SPECS[op].large:
                 r.sweeps.append(harness.check_large(op, dtype, backend=args.backend, seed=args.seed))
             reports.append(r)
@@ -298,6 +299,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--json", metavar="PATH", help="also write the full report as JSON")
     c.add_argument("-v", "--verbose", action="store_true", help="print every sweep")
     c.add_argument("--html", metavar="PATH", help="also write a self-contained HTML report")
+    c.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="device of the op inputs (default: cuda when present; the triton backend runs under "
+                        "Triton's interpreter on cpu)")
     c.add_argument("--mode", action="store_true", help="print (and verify) the batch-invariant mode's coverage table")
     c.set_defaults(func=cmd_check)
 

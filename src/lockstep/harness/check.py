@@ -96,8 +96,8 @@ class Run:
 class Pool:
     """The rows of one check: real rows, their upstream gradients, garbage rows and the weights."""
 
-    def __init__(self, spec: OpSpec, dtype: torch.dtype, sizes: Sizes, seed: int, grad: bool):
-        self.spec, self.dtype, self.sizes, self.grad = spec, dtype, sizes, grad
+    def __init__(self, spec: OpSpec, dtype: torch.dtype, sizes: Sizes, seed: int, grad: bool, device: str = "cpu"):
+        self.spec, self.dtype, self.sizes, self.grad, self.device = spec, dtype, sizes, grad, torch.device(device)
         gen = torch.Generator().manual_seed(seed)
         self.rows = spec.rows(sizes.pool, gen, dtype, sizes)
         self.params = spec.params(gen, dtype, sizes)
@@ -152,7 +152,10 @@ def run(pool: Pool, backend: str, layout: list[int], kind: str = GARBAGE_PAD, st
     rows, dy = pool.build(layout, kind)
     if strided:
         rows = {k: _strided(v) for k, v in rows.items()}
-    params = {k: v.clone().requires_grad_(pool.grad) for k, v in pool.params.items()}
+    if pool.device.type != "cpu":
+        rows = {k: v.to(pool.device) for k, v in rows.items()}
+        dy = dy.to(pool.device)
+    params = {k: v.to(pool.device).clone().requires_grad_(pool.grad) for k, v in pool.params.items()}
     for v in rows.values():
         if v.is_floating_point() and pool.grad:
             v.requires_grad_(True)
@@ -160,9 +163,9 @@ def run(pool: Pool, backend: str, layout: list[int], kind: str = GARBAGE_PAD, st
         out = pool.spec.call(ops, rows, params)
         if pool.grad:
             out.backward(dy)
-    row_grads = {k: v.grad for k, v in rows.items() if v.is_floating_point() and pool.grad}
-    param_grads = {k: v.grad for k, v in params.items() if pool.grad}
-    return Run(out.detach(), row_grads, param_grads)
+    row_grads = {k: v.grad.cpu() for k, v in rows.items() if v.is_floating_point() and pool.grad}
+    param_grads = {k: v.grad.cpu() for k, v in params.items() if pool.grad}
+    return Run(out.detach().cpu(), row_grads, param_grads)
 
 
 def _diff(a: Tensor, b: Tensor) -> tuple[bool, float]:
@@ -291,10 +294,12 @@ def accuracy(pool: Pool, got: Run) -> AccuracyResult:
 
 
 def check_op(name: str, dtype: torch.dtype, backend: str = "portable", grad: bool = True, seed: int = 0,
-             sizes: Sizes | None = None, with_accuracy: bool = True) -> OpReport:
-    """Run every invariance sweep and (optionally) the accuracy check for one op and dtype."""
+             sizes: Sizes | None = None, with_accuracy: bool = True, device: str = "cpu") -> OpReport:
+    """Run every invariance sweep and (optionally) the accuracy check for one op and dtype.
+
+    Inputs are generated on the CPU (the same values on any machine) and moved to `device`."""
     spec = get(name)
-    pool = Pool(spec, dtype, sizes or Sizes(), seed, grad)
+    pool = Pool(spec, dtype, sizes or Sizes(), seed, grad, device)
     sweeps, ref = invariance(pool, backend, seed)
     acc = accuracy(pool, ref) if with_accuracy else None
     return OpReport(name, backend, contract.dtype_name(dtype), acc, sweeps)

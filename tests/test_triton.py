@@ -1,0 +1,125 @@
+"""The Triton backend through the same invariance sweeps and accuracy contract as the portable one.
+
+On CPU the kernels run under Triton's interpreter (TRITON_INTERPRET=1, set by the backend's loader
+before triton is imported), with small shapes. On a CUDA machine the same tests run compiled."""
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="triton is a test dependency (pyproject [test]); install it")
+
+import lockstep  # noqa: E402
+from lockstep import ops  # noqa: E402
+from lockstep.harness.attention_check import AttnSizes, check_attention  # noqa: E402
+from lockstep.harness.check import check_op  # noqa: E402
+from lockstep.harness.specs import Sizes  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+SMALL = Sizes(hidden=96, out_features=40, heads=2, head_dim=16, ffn=64, vocab=4200, lm_hidden=32, embed_vocab=20,
+              pool=140)
+OPS = ["linear", "rms_norm", "rope", "silu_mul", "embedding", "log_softmax", "selected_logprobs", "cross_entropy"]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("op", OPS)
+def test_triton_op_contract(op, dtype):
+    report = check_op(op, dtype, backend="triton", sizes=SMALL)
+    failures = [f"{s.sweep}: {s.detail} ({s.max_diff:.3e})" for s in report.sweeps if not s.passed]
+    assert not failures, failures
+    a = report.accuracy
+    assert a.forward_excess <= 0 and a.gradient_excess <= 0, a
+    assert a.relative_ok, a
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_triton_attention_contract(dtype):
+    sizes = AttnSizes(lens=(37, 1, 70), q_heads=4, kv_heads=2, head_dim=16, chunks=(1, 7, 16))
+    report = check_attention(dtype, backend="triton", sizes=sizes)
+    failures = [f"{s.sweep}: {s.detail} ({s.max_diff:.3e})" for s in report.sweeps if not s.passed]
+    assert not failures, failures
+    a = report.accuracy
+    assert a.forward_excess <= 0 and a.gradient_excess <= 0 and a.relative_ok, a
+
+
+def test_triton_attention_window_and_head_dim_80():
+    sizes = AttnSizes(lens=(90, 3), q_heads=2, kv_heads=1, head_dim=80, window=20, chunks=(1, 7))
+    report = check_attention(torch.float32, backend="triton", sizes=sizes)
+    assert report.invariant, [s for s in report.sweeps if not s.passed]
+    assert report.accuracy.passed, report.accuracy
+
+
+def test_auto_picks_triton_only_for_cuda_tensors():
+    from lockstep.backend import resolve
+
+    assert resolve("linear", torch.device("cpu")).__module__.startswith("lockstep.portable")
+    with lockstep.use_backend("triton"):
+        assert resolve("linear", torch.device("cpu")).__module__.startswith("lockstep.triton_ops")
+
+
+def test_cli_check_backend_triton(capsys):
+    from lockstep import cli
+
+    assert cli.main(["check", "silu_mul", "--dtype", "fp32", "--backend", "triton"]) == 0
+    assert "1 passed, 0 failed" in capsys.readouterr().out
+
+
+# --- GPU only ----------------------------------------------------------------------------------
+def _compiled_variants(kernel) -> int:
+    caches = getattr(kernel, "device_caches", None)
+    if caches is None:
+        return len(kernel.cache.get(torch.cuda.current_device(), {}))
+    return sum(len(entry[0]) for entry in caches.values())
+
+
+class _LaunchCounter:
+    def __init__(self):
+        self.names: dict[str, int] = {}
+
+    def __call__(self, metadata):
+        name = getattr(metadata, "name", None) or metadata.get("name", "?")
+        self.names[name] = self.names.get(name, 0) + 1
+
+    def __enter__(self):
+        import triton
+
+        knobs = getattr(triton, "knobs", None)
+        if knobs is not None and hasattr(knobs.runtime, "launch_enter_hook"):
+            self._owner, self._attr = knobs.runtime, "launch_enter_hook"
+        else:
+            from triton.compiler import CompiledKernel
+            self._owner, self._attr = CompiledKernel, "launch_enter_hook"
+        self._old = getattr(self._owner, self._attr)
+        setattr(self._owner, self._attr, self)
+        return self
+
+    def __exit__(self, *exc):
+        setattr(self._owner, self._attr, self._old)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_one_compiled_variant_per_kernel_across_row_counts(dtype):
+    from lockstep.triton_ops import gemm, rms_norm, softmax
+
+    k, n = 512, 384
+    w = torch.randn(n, k, device="cuda", dtype=dtype) / k ** 0.5
+    norm_w = torch.ones(k, device="cuda", dtype=dtype)
+    with lockstep.use_backend("triton"), _LaunchCounter() as launches:
+        for rows in (1, 3, 16, 17, 100, 1024):
+            x = torch.randn(rows, k, device="cuda", dtype=dtype, requires_grad=True)
+            y = ops.linear(ops.rms_norm(x, norm_w), w)
+            ops.log_softmax(y).sum().backward()
+        torch.cuda.synchronize()
+    assert sum(launches.names.values()) > 0, "no kernel was launched"
+    for kernel in (gemm.gemm_kernel, rms_norm.rms_norm_fwd_kernel, rms_norm.rms_norm_bwd_kernel,
+                   softmax.log_softmax_fwd_kernel, softmax.log_softmax_bwd_kernel):
+        # bf16/fp32 inputs and fp32 accumulators can give two signatures of a kernel, never one per row count
+        assert 1 <= _compiled_variants(kernel) <= 3, (kernel.fn.__name__, _compiled_variants(kernel))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", OPS)
+def test_triton_contract_on_gpu_at_default_sizes(op):
+    report = check_op(op, torch.bfloat16, backend="triton", device="cuda")
+    assert report.passed, [s for s in report.sweeps if not s.passed]
