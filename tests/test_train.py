@@ -75,40 +75,19 @@ def test_window_normalization_matches_one_big_batch():
 
 def test_parity_with_plain_pytorch_trainer_50_steps():
     """torch.optim.AdamW + F.cross_entropy + transformers' Llama, against lockstep's trainer, fp32."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from lockstep.parity import PlainTrainer
 
-    steps, lr, warmup = 50, 2e-3, 5
-    cfg = TrainConfig(steps=steps, seq_len=24, micro_batch_tokens=48, accum=2, lr=lr, warmup=warmup, grad_clip=1.0,
+    cfg = TrainConfig(steps=50, seq_len=24, micro_batch_tokens=48, accum=2, lr=2e-3, warmup=5, grad_clip=1.0,
                       weight_decay=0.1, betas=(0.9, 0.95))
     ours = Transformer.from_config(ModelConfig.tiny("llama", vocab_size=300), seed=7)
     trainer = Trainer(ours, PackedDataset(_tokens(4000, 1), cfg.seq_len, cfg.micro_batch_tokens, 0), cfg)
-    c = ours.config
-    hf = LlamaForCausalLM(LlamaConfig(vocab_size=c.vocab_size, hidden_size=c.hidden_size,
-                                      intermediate_size=c.intermediate_size, num_hidden_layers=c.num_layers,
-                                      num_attention_heads=c.num_heads, num_key_value_heads=c.num_kv_heads,
-                                      head_dim=c.head_dim, rms_norm_eps=c.rms_norm_eps, rope_theta=c.rope_theta,
-                                      tie_word_embeddings=False, attn_implementation="eager"))
-    hf.load_state_dict({n: p.detach().clone() for n, p in ours.named_parameters()}, strict=False)
-    opt = torch.optim.AdamW(hf.parameters(), lr=lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
-    data = PackedDataset(_tokens(4000, 1), cfg.seq_len, cfg.micro_batch_tokens, 0)
-    names = dict(hf.named_parameters())
-    for step in range(steps):
-        window = [data.next_batch() for _ in range(cfg.accum)]
-        ref_loss, n_tok = 0.0, sum(s.numel() - 1 for mb in window for s in mb)
-        opt.zero_grad()
-        for mb in window:
-            x = torch.stack(mb)
-            logits = hf(x[:, :-1]).logits
-            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1),
-                                                     reduction="sum")
-            (loss / n_tok).backward()
-            ref_loss += float(loss.detach())
-        torch.nn.utils.clip_grad_norm_(hf.parameters(), 1.0)
-        for g in opt.param_groups:
-            g["lr"] = train.lr_at(step, lr, warmup, steps, cfg.min_lr_ratio)
-        opt.step()
+    plain = PlainTrainer(ours, cfg)
+    names = dict(plain.named_parameters())
+    for step in range(cfg.steps):
+        window = trainer.window()
+        ref = plain.step(window)
         rec = trainer.step(window)
-        assert abs(rec["loss"] - ref_loss / n_tok) <= 2e-5, (step, rec["loss"], ref_loss / n_tok)
+        assert abs(rec["loss"] - ref["loss"]) <= 2e-5, (step, rec["loss"], ref["loss"])
         worst = max(float((p - names[n]).abs().max()) for n, p in ours.named_parameters())
         assert worst <= 3e-5, (step, worst)
 

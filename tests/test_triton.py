@@ -6,7 +6,7 @@ before triton is imported), with small shapes. On a CUDA machine the same tests 
 import pytest
 import torch
 
-pytest.importorskip("triton", reason="triton is a test dependency (pyproject [test]); install it")
+import triton  # noqa: E402,F401  (a test dependency: the kernels must be tested, not skipped)
 
 import lockstep  # noqa: E402
 from lockstep import ops  # noqa: E402
@@ -16,7 +16,7 @@ from lockstep.harness.specs import Sizes  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SMALL = Sizes(hidden=96, out_features=40, heads=2, head_dim=16, ffn=64, vocab=4200, lm_hidden=32, embed_vocab=20,
-              pool=140)
+              pool=80)      # > every Triton tile (GEMM 32/64 rows, 64-row partial sums); small for the interpreter
 OPS = ["linear", "rms_norm", "rope", "silu_mul", "embedding", "log_softmax", "selected_logprobs", "cross_entropy"]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 

@@ -394,9 +394,12 @@ class PlainTrainer:
         self.opt.zero_grad()
         total = 0.0
         for mb in window:
-            for s in mb:
-                logits = self.model(s[None, :-1]).logits[0]
-                loss = torch.nn.functional.cross_entropy(logits.float(), s[1:], reduction="sum")
+            # Equal-length sequences run as one batch, as a plain trainer would; others one by one.
+            batches = [torch.stack(mb)] if len({s.numel() for s in mb}) == 1 else [s[None] for s in mb]
+            for x in batches:
+                logits = self.model(x[:, :-1]).logits
+                loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(),
+                                                         x[:, 1:].reshape(-1), reduction="sum")
                 (loss / n_tok).backward()
                 total += float(loss.detach())
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip) if self.cfg.grad_clip > 0 \

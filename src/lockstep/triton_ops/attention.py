@@ -33,6 +33,26 @@ def _key_addr(k_base, b, keys, key_ok, ks, table_ptr, table_stride, block_size, 
     return k_base + (ks + keys) * stride_kt
 
 
+@triton.jit
+def _visible(keys, key_ok, pos, row_ok, window, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr):
+    vis = key_ok[None, :] & row_ok[:, None]
+    if CAUSAL:
+        vis = vis & (keys[None, :] <= pos[:, None])
+    if HAS_WINDOW:
+        vis = vis & (keys[None, :] > pos[:, None] - window)
+    return vis
+
+
+@triton.jit
+def _probs_and_dp(q, do, k, v, keys, key_ok, pos, row_ok, shift, l_safe, scale, window, CAUSAL: tl.constexpr,
+                  HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr):
+    """Recomputed probabilities p = exp(s - max) / sum of one key block, and dp = dO V^T."""
+    s = dot(q, tl.trans(k), PRECISION) * scale
+    vis = _visible(keys, key_ok, pos, row_ok, window, CAUSAL, HAS_WINDOW)
+    p = tl.where(vis, tl.exp(s - shift[:, None]) / l_safe[:, None], 0.0)
+    return p, dot(do, tl.trans(v), PRECISION)
+
+
 @triton.jit(do_not_specialize=INT_ARGS + ["scale"])
 def attn_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, m_ptr, l_ptr, blk_seq_ptr, blk_q0_ptr, cu_q_ptr, cu_k_ptr,
                     lens_ptr, table_ptr, Hq, Hkv, D, scale, window, stride_qt, stride_qh, stride_kt, stride_kh,
@@ -76,12 +96,7 @@ def attn_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, m_ptr, l_ptr, blk_seq_ptr, blk_q
         addr = _key_addr(k_ptr, b, keys, key_ok, ks, table_ptr, table_stride, block_size, stride_kt, PAGED)
         k = tl.load(addr[:, None] + hk * stride_kh + d[None, :], mask=key_ok[:, None] & d_ok[None, :], other=0.0)
         s = dot(q, tl.trans(k), PRECISION) * scale
-        vis = key_ok[None, :] & row_ok[:, None]
-        if CAUSAL:
-            vis = vis & (keys[None, :] <= pos[:, None])
-        if HAS_WINDOW:
-            vis = vis & (keys[None, :] > pos[:, None] - window)
-        s = tl.where(vis, s, float("-inf"))
+        s = tl.where(_visible(keys, key_ok, pos, row_ok, window, CAUSAL, HAS_WINDOW), s, float("-inf"))
         new = tl.maximum(m_i, tl.max(s, axis=1))
         shift = tl.where(new == float("-inf"), 0.0, new)
         alpha = tl.exp(m_i - shift)
@@ -138,14 +153,8 @@ def attn_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, m_ptr, l_ptr, dq_ptr, delta_
         kmask = key_ok[:, None] & d_ok[None, :]
         k = tl.load(k_ptr + (ks + keys)[:, None] * stride_kt + hk * stride_kh + d[None, :], mask=kmask, other=0.0)
         v = tl.load(v_ptr + (ks + keys)[:, None] * stride_kt + hk * stride_kh + d[None, :], mask=kmask, other=0.0)
-        s = dot(q, tl.trans(k), PRECISION) * scale
-        vis = key_ok[None, :] & row_ok[:, None]
-        if CAUSAL:
-            vis = vis & (keys[None, :] <= pos[:, None])
-        if HAS_WINDOW:
-            vis = vis & (keys[None, :] > pos[:, None] - window)
-        p = tl.where(vis, tl.exp(s - shift[:, None]) / l_safe[:, None], 0.0)
-        dp = dot(do, tl.trans(v), PRECISION)
+        p, dp = _probs_and_dp(q, do, k, v, keys, key_ok, pos, row_ok, shift, l_safe, scale, window, CAUSAL,
+                              HAS_WINDOW, PRECISION)
         delta += tl.sum(p * dp, axis=1)
     dq = tl.zeros((BLOCK_Q, BLOCK_D), dtype=tl.float32)
     for k0 in range(lo, hi, BLOCK_K):
@@ -154,14 +163,8 @@ def attn_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, m_ptr, l_ptr, dq_ptr, delta_
         kmask = key_ok[:, None] & d_ok[None, :]
         k = tl.load(k_ptr + (ks + keys)[:, None] * stride_kt + hk * stride_kh + d[None, :], mask=kmask, other=0.0)
         v = tl.load(v_ptr + (ks + keys)[:, None] * stride_kt + hk * stride_kh + d[None, :], mask=kmask, other=0.0)
-        s = dot(q, tl.trans(k), PRECISION) * scale
-        vis = key_ok[None, :] & row_ok[:, None]
-        if CAUSAL:
-            vis = vis & (keys[None, :] <= pos[:, None])
-        if HAS_WINDOW:
-            vis = vis & (keys[None, :] > pos[:, None] - window)
-        p = tl.where(vis, tl.exp(s - shift[:, None]) / l_safe[:, None], 0.0)
-        dp = dot(do, tl.trans(v), PRECISION)
+        p, dp = _probs_and_dp(q, do, k, v, keys, key_ok, pos, row_ok, shift, l_safe, scale, window, CAUSAL,
+                              HAS_WINDOW, PRECISION)
         ds = p * (dp - delta[:, None])
         dq += dot_mixed(ds, k, PRECISION) * scale
     tl.store(dq_ptr + (qs + rows)[:, None] * stride_qt + h * stride_qh + d[None, :], cast_out(dq, dq_ptr),
@@ -215,15 +218,9 @@ def attn_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, m_ptr, l_ptr, delta_ptr, d
             l_i = tl.load(l_ptr + (qs + rows) * Hq + h, mask=row_ok, other=1.0)
             delta = tl.load(delta_ptr + (qs + rows) * Hq + h, mask=row_ok, other=0.0)
             shift = tl.where(m_i == float("-inf"), 0.0, m_i)
-            s = dot(q, tl.trans(k), PRECISION) * scale
-            vis = key_ok[None, :] & row_ok[:, None]
-            if CAUSAL:
-                vis = vis & (keys[None, :] <= pos[:, None])
-            if HAS_WINDOW:
-                vis = vis & (keys[None, :] > pos[:, None] - window)
-            p = tl.where(vis, tl.exp(s - shift[:, None]) / tl.where(l_i == 0, 1.0, l_i)[:, None], 0.0)
+            p, dp = _probs_and_dp(q, do, k, v, keys, key_ok, pos, row_ok, shift, tl.where(l_i == 0, 1.0, l_i),
+                                  scale, window, CAUSAL, HAS_WINDOW, PRECISION)
             dv += dot_mixed(tl.trans(p), do, PRECISION)
-            dp = dot(do, tl.trans(v), PRECISION)
             ds = p * (dp - delta[:, None])
             dk += dot_mixed(tl.trans(ds), q, PRECISION) * scale
     tl.store(dk_ptr + (ks + keys)[:, None] * stride_kt + hk * stride_kh + d[None, :], cast_out(dk, dk_ptr),
