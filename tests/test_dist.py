@@ -111,6 +111,37 @@ def test_tensor_parallel_model(tp, tmp_path):
     assert sorted(r["tp_rank"] for r in results) == list(range(tp))
 
 
+def _tp_ckpt_worker(rank, world, out, ckpt, steps, save_at, resume):
+    ldist.initialize_model_parallel(world)
+    trainer = _trainer(model=ldist.tensor_parallel(_model()))
+    cfg_clip = trainer.cfg.grad_clip
+    assert cfg_clip > 0
+    if resume:
+        ldist.resume_checkpoint(trainer, ckpt)
+    losses = []
+    for i in range(steps):
+        losses.append(trainer.step()["loss"])
+        if save_at and i + 1 == save_at:
+            ldist.save_checkpoint(trainer, ckpt)
+    norm_w = trainer.model.model.layers[0].input_layernorm.weight
+    replicated_same, _ = ldist.all_equal(norm_w.detach(), ldist.get_tensor_model_parallel_group())
+    _write(out, rank, {"losses": losses, "hash": trainer.params_hash(), "replicated_same": replicated_same})
+
+
+def test_tensor_parallel_checkpoint_resume_is_bitwise(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    (tmp_path / "full").mkdir()
+    (tmp_path / "resumed").mkdir()
+    ldist.spawn(_tp_ckpt_worker, 2, str(tmp_path / "full"), ckpt, 4, 2, False)
+    ldist.spawn(_tp_ckpt_worker, 2, str(tmp_path / "resumed"), ckpt, 2, 0, True)
+    full, resumed = _read(tmp_path / "full", 2), _read(tmp_path / "resumed", 2)
+    for r in range(2):
+        assert full[r]["replicated_same"] and resumed[r]["replicated_same"]     # one clip norm on every rank
+        assert resumed[r]["losses"] == full[r]["losses"][2:]
+        assert resumed[r]["hash"] == full[r]["hash"]
+    assert full[0]["losses"] == full[1]["losses"]
+
+
 def _dp_tp_worker(rank, world, out):
     ldist.initialize_model_parallel(2)
     model = ldist.tensor_parallel(_model())
@@ -120,7 +151,10 @@ def _dp_tp_worker(rank, world, out):
     for _ in range(2):
         losses.append(dp.step()["loss"])
         identical.append(dp.params_identical()[0])
-    _write(out, rank, {"losses": losses, "identical": identical, "hash": trainer.params_hash()})
+    norm_w = trainer.model.model.layers[0].input_layernorm.weight.detach()
+    replicated_same, _ = ldist.all_equal(norm_w, ldist.get_tensor_model_parallel_group())
+    _write(out, rank, {"losses": losses, "identical": identical, "hash": trainer.params_hash(),
+                       "replicated_same": replicated_same})
 
 
 def test_data_and_tensor_parallel_together(tmp_path):
@@ -129,6 +163,7 @@ def test_data_and_tensor_parallel_together(tmp_path):
     assert all(all(x["identical"]) for x in r)
     assert r[0]["hash"] == r[2]["hash"] and r[1]["hash"] == r[3]["hash"]     # DP replicas of a TP shard
     assert r[0]["losses"] == r[1]["losses"] == r[2]["losses"] == r[3]["losses"]
+    assert all(x["replicated_same"] for x in r)
 
 
 def _failing_worker(rank, world):

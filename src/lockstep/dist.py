@@ -293,11 +293,18 @@ class DataParallelTrainer:
         return all_equal(params_digest(self.t.model), self.group)
 
     def save(self, out_dir: str) -> None:
+        """Pure data parallelism: rank 0 writes one ordinary checkpoint (every rank holds the same
+        bits). With tensor parallelism: one file per rank (`save_checkpoint`)."""
+        if _TP_GROUP is not None and dist.get_world_size(_TP_GROUP) > 1:
+            save_checkpoint(self.t, out_dir)
+            return
         if self.rank == 0:
             self.t.save(out_dir)
         dist.barrier(self.group)
 
     def resume(self, out_dir: str) -> int:
+        if _TP_GROUP is not None and dist.get_world_size(_TP_GROUP) > 1:
+            return resume_checkpoint(self.t, out_dir)
         return self.t.resume(out_dir)
 
 
@@ -386,6 +393,20 @@ class _GatherFromTP(torch.autograd.Function):
         return g[..., r * ctx.width:(r + 1) * ctx.width].contiguous()
 
 
+def _mark_sharded(*params) -> None:
+    """Parameters that hold a slice on each tensor-parallel rank (the rest are replicated)."""
+    for p in params:
+        if p is not None:
+            p._lockstep_tp_sharded = True
+
+
+def tp_sum(t: Tensor) -> Tensor:
+    """Sum of a per-rank partial over the tensor-parallel group (fixed order); t itself when TP is off."""
+    if _TP_GROUP is None or dist.get_world_size(_TP_GROUP) == 1:
+        return t
+    return fixed_order_all_reduce(t, _TP_GROUP)
+
+
 def _shard(full: Tensor | None, dim: int) -> Tensor | None:
     if full is None:
         return None
@@ -411,6 +432,7 @@ class ColumnParallelLinear(nn.Module):
         full_b = bias_value if bias_value is not None else (torch.zeros(out_features) if bias else None)
         self.bias = nn.Parameter(_shard(full_b, 0)) if bias else None
         self.gather_output = gather_output
+        _mark_sharded(self.weight, self.bias)
 
     def forward(self, x: Tensor) -> Tensor:
         y = ops.linear(_CopyToTP.apply(x), self.weight, self.bias)
@@ -431,6 +453,7 @@ class RowParallelLinear(nn.Module):
         self.weight = nn.Parameter(_shard(full_w, 1))
         self.bias = nn.Parameter(bias_value.clone() if bias_value is not None else torch.zeros(out_features)) if bias else None
         self.input_is_parallel = input_is_parallel
+        _mark_sharded(self.weight)
 
     def forward(self, x: Tensor) -> Tensor:
         if not self.input_is_parallel:
@@ -453,6 +476,7 @@ class VocabParallelEmbedding(nn.Module):
         full = weight if weight is not None else torch.randn(num_embeddings, embedding_dim)
         self.weight = nn.Parameter(_shard(full, 0))
         self.start, self.size = r * (num_embeddings // n), num_embeddings // n
+        _mark_sharded(self.weight)
 
     def forward(self, ids: Tensor) -> Tensor:
         local = ids - self.start
@@ -481,6 +505,11 @@ def tensor_parallel(model) -> nn.Module:
     for module in model.modules():
         if isinstance(module, Attention):
             module.c = local
+            if c.qk_norm:
+                # Replicated weights applied to this rank's heads only: their gradient is a partial
+                # sum, completed over the tensor-parallel group in rank order.
+                for p in (module.q_norm.weight, module.k_norm.weight):
+                    p.register_hook(tp_sum)
             for proj in ("q_proj", "k_proj", "v_proj"):
                 old = getattr(module, proj)
                 setattr(module, proj, ColumnParallelLinear(old.weight.shape[1], old.weight.shape[0], old.bias is not None,
@@ -509,3 +538,71 @@ def distributed_env() -> object:
     finally:
         if started and dist.is_initialized():
             dist.destroy_process_group()
+
+
+# --------------------------------------------------------------------------------------------
+# Checkpoints of distributed runs
+# --------------------------------------------------------------------------------------------
+def save_checkpoint(trainer, out_dir: str) -> str:
+    """Every rank writes its parameters and optimizer state (its shard under tensor parallelism)
+    to rank-R.safetensors in a temporary folder; rank 0 adds trainer_state.json, renames the
+    folder into place and updates `latest` last. A crash leaves the previous checkpoint in force."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from .train import model_fingerprint
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    name = f"step-{trainer.step_idx:06d}"
+    tmp, final = os.path.join(out_dir, f".tmp-{name}"), os.path.join(out_dir, name)
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    dist.barrier()
+    tensors = {f"param.{n}": p.detach().contiguous() for n, p in trainer.named}
+    tensors.update({f"opt.{k}": v.contiguous() for k, v in trainer.opt.state_tensors().items()})
+    save_file(tensors, os.path.join(tmp, f"rank-{rank}.safetensors"))
+    if rank == 0:
+        state = {"step": trainer.step_idx, "data": trainer.data.state(), "rng": trainer.rng.get_state().tolist(),
+                 "model_fingerprint": model_fingerprint(trainer.model.config), "world_size": world,
+                 "tensor_parallel_size": dist.get_world_size(_TP_GROUP) if _TP_GROUP is not None else 1}
+        with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
+            json.dump(state, f)
+    dist.barrier()
+    if rank == 0:
+        if os.path.exists(final):
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        with open(os.path.join(out_dir, ".latest.tmp"), "w") as f:
+            f.write(name)
+        os.replace(os.path.join(out_dir, ".latest.tmp"), os.path.join(out_dir, "latest"))
+    dist.barrier()
+    return final
+
+
+def resume_checkpoint(trainer, out_dir: str) -> int:
+    """Load this rank's file of out_dir/latest; refuses another model or another world layout."""
+    from safetensors.torch import load_file
+
+    from .train import model_fingerprint
+
+    with open(os.path.join(out_dir, "latest")) as f:
+        path = os.path.join(out_dir, f.read().strip())
+    with open(os.path.join(path, "trainer_state.json")) as f:
+        state = json.load(f)
+    tp = dist.get_world_size(_TP_GROUP) if _TP_GROUP is not None else 1
+    if state["model_fingerprint"] != model_fingerprint(trainer.model.config):
+        raise ValueError(f"resume: checkpoint {path} belongs to another model")
+    if state["world_size"] != dist.get_world_size() or state["tensor_parallel_size"] != tp:
+        raise ValueError(f"resume: checkpoint {path} was written by {state['world_size']} ranks with tensor-parallel "
+                         f"size {state['tensor_parallel_size']}; this run has {dist.get_world_size()} and {tp}")
+    tensors = load_file(os.path.join(path, f"rank-{dist.get_rank()}.safetensors"))
+    with torch.no_grad():
+        for n, p in trainer.named:
+            p.copy_(tensors[f"param.{n}"])
+    trainer.opt.load_state_tensors({k[4:]: v for k, v in tensors.items() if k.startswith("opt.")}, state["step"])
+    trainer.data.load_state(state["data"])
+    trainer.rng.set_state(torch.tensor(state["rng"], dtype=torch.uint8))
+    trainer.step_idx = state["step"]
+    return trainer.step_idx

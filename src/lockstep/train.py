@@ -144,13 +144,26 @@ class AdamW:
 
 
 def grad_norm(params: list[tuple[str, torch.nn.Parameter]]) -> Tensor:
-    """Global L2 norm of the gradients, fp32, in a fixed order (parameters by name, row_sum within)."""
-    total = torch.zeros((), dtype=torch.float32)
+    """Global L2 norm of the gradients, fp32, in a fixed order (parameters by name, row_sum within).
+
+    Under tensor parallelism, the squares of sharded parameters are summed over the ranks in rank
+    order and replicated parameters counted once, so every rank clips by the same norm."""
+    sharded = torch.zeros((), dtype=torch.float32)
+    replicated = torch.zeros((), dtype=torch.float32)
+    any_sharded = False
     for _, p in sorted(params, key=lambda kv: kv[0]):
         if p.grad is not None:
             g = p.grad.detach().to(torch.float32).reshape(1, -1)
-            total = total + row_sum(g * g)[0].cpu()
-    return torch.sqrt(total)
+            sq = row_sum(g * g)[0].cpu()
+            if getattr(p, "_lockstep_tp_sharded", False):
+                sharded, any_sharded = sharded + sq, True
+            else:
+                replicated = replicated + sq
+    if any_sharded:
+        from .dist import tp_sum
+
+        sharded = tp_sum(sharded)
+    return torch.sqrt(sharded + replicated)
 
 
 def lr_at(step: int, base_lr: float, warmup: int, total: int, min_lr_ratio: float = 0.1) -> float:
