@@ -10,6 +10,16 @@ from .fixed_order import accumulate_dtype, column_sum
 from .log_softmax import shifted_and_lse
 
 
+def row_scale(grad: Tensor, reduction: str, count: Tensor, rows: int, dtype: torch.dtype) -> Tensor:
+    """d loss / d (row loss) for each row [rows]: grad itself ("none"), grad / count ("mean") or
+    grad ("sum"); shared by every backend's cross_entropy backward."""
+    if reduction == "none":
+        return grad.contiguous().to(dtype)
+    if reduction == "mean":
+        return (grad.to(dtype) / count.to(dtype)).expand(rows).contiguous()
+    return grad.to(dtype).expand(rows).contiguous()
+
+
 class _CrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits: Tensor, targets: Tensor, ignore_index: int, reduction: str) -> Tensor:
@@ -34,12 +44,7 @@ class _CrossEntropy(torch.autograd.Function):
     def backward(ctx, grad: Tensor):
         shifted, lse, safe, valid, count = ctx.saved_tensors
         acc = shifted.dtype
-        if ctx.reduction == "none":
-            scale = grad.contiguous().to(acc)
-        elif ctx.reduction == "mean":
-            scale = (grad.to(acc) / count.to(acc)).expand(shifted.shape[0])
-        else:
-            scale = grad.to(acc).expand(shifted.shape[0])
+        scale = row_scale(grad, ctx.reduction, count, shifted.shape[0], acc)
         d = torch.exp(shifted - lse[:, None])
         d.scatter_(1, safe[:, None], d.gather(1, safe[:, None]) - 1.0)
         # where, not a multiply by zero: an ignored row holding NaN must still get a zero gradient.

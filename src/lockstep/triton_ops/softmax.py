@@ -11,6 +11,7 @@ import triton.language as tl
 
 from ..backend import register
 from ._common import ROW_BLOCK, acc_dtype, cast_out
+from ..portable.cross_entropy import row_scale
 from .reduce import column_sum
 
 
@@ -143,12 +144,7 @@ class _CrossEntropy(torch.autograd.Function):
         logits, targets, lse, count = ctx.saved_tensors
         m, v = logits.shape
         acc = lse.dtype
-        if ctx.reduction == "none":
-            scale = g.to(acc).contiguous()
-        elif ctx.reduction == "mean":
-            scale = (g.to(acc) / count.to(acc)).expand(m).contiguous()
-        else:
-            scale = g.to(acc).expand(m).contiguous()
+        scale = row_scale(g, ctx.reduction, count, m, acc)
         dx = torch.empty_like(logits)
         if m:
             cross_entropy_bwd_kernel[(m,)](logits, targets, lse, scale, dx, v, ctx.ignore_index, BLOCK=_block(v))
