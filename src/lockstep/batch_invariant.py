@@ -111,7 +111,8 @@ def _mm(self, mat2):
 
 
 def _addmm(self, mat1, mat2, beta=1, alpha=1):
-    if beta == 1 and alpha == 1 and self.dim() <= 1 or (beta == 1 and alpha == 1 and self.dim() == 2 and self.shape[0] == 1):
+    bias_row = self.dim() <= 1 or (self.dim() == 2 and self.shape[0] == 1)     # one bias row for every output row
+    if beta == 1 and alpha == 1 and bias_row:
         return matmul_rows(mat1, mat2, self.reshape(-1).expand(mat2.shape[1]).contiguous())
     prod = matmul_rows(mat1, mat2)
     acc = accumulate_dtype(prod.dtype)

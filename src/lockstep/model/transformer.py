@@ -169,8 +169,6 @@ class Transformer(nn.Module):
             for name, p in model.named_parameters():
                 if name.endswith("norm.weight"):
                     p.fill_(1.0 - config.norm_offset)
-                elif name.endswith(".bias"):
-                    p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
                 else:
                     p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
         return model.to(device=device, dtype=dtype)

@@ -10,6 +10,17 @@ from .fixed_order import accumulate_dtype, column_sum
 from .log_softmax import shifted_and_lse
 
 
+def reduce_losses(loss: Tensor, count: Tensor, reduction: str, dtype: torch.dtype) -> Tensor:
+    """Per-row losses [rows] (0 at ignored rows) -> the op's output: as they are ("none"), their
+    fixed-order sum ("sum") or that sum over the non-ignored count ("mean"); shared by every backend."""
+    if reduction == "none":
+        return loss.to(dtype)
+    total = column_sum(loss[:, None])[0]
+    if reduction == "mean":
+        total = total / count.to(total.dtype)
+    return total.to(dtype)
+
+
 def row_scale(grad: Tensor, reduction: str, count: Tensor, rows: int, dtype: torch.dtype) -> Tensor:
     """d loss / d (row loss) for each row [rows]: grad itself ("none"), grad / count ("mean") or
     grad ("sum"); shared by every backend's cross_entropy backward."""
@@ -33,12 +44,7 @@ class _CrossEntropy(torch.autograd.Function):
         ctx.save_for_backward(shifted, lse, safe, valid, count)
         ctx.reduction = reduction
         ctx.dtype = logits.dtype
-        if reduction == "none":
-            return loss.to(logits.dtype)
-        total = column_sum(loss[:, None])[0]
-        if reduction == "mean":
-            total = total / count.to(total.dtype)
-        return total.to(logits.dtype)
+        return reduce_losses(loss, count, reduction, logits.dtype)
 
     @staticmethod
     def backward(ctx, grad: Tensor):

@@ -11,8 +11,7 @@ import triton.language as tl
 
 from ..backend import register
 from ._common import ROW_BLOCK, acc_dtype, cast_out
-from ..portable.cross_entropy import row_scale
-from .reduce import column_sum
+from ..portable.cross_entropy import reduce_losses, row_scale
 
 
 @triton.jit
@@ -132,12 +131,8 @@ class _CrossEntropy(torch.autograd.Function):
         count = valid.sum()
         ctx.save_for_backward(logits, targets, lse, count)
         ctx.ignore_index, ctx.reduction = ignore_index, reduction
-        if reduction == "none":
-            return loss.to(logits.dtype)
-        total = column_sum(loss[:, None])[0]
-        if reduction == "mean":
-            total = total / count.to(total.dtype)
-        return total.to(logits.dtype)
+        # Summed by the portable fixed-order column_sum: the loss vector is tiny.
+        return reduce_losses(loss, count, reduction, logits.dtype)
 
     @staticmethod
     def backward(ctx, g):
