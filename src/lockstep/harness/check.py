@@ -205,6 +205,7 @@ def layouts(n: int, gen: torch.Generator) -> list[tuple[str, list[int], str, boo
     odd = 7
     big = ROW_TILE + 5
     perm = torch.randperm(n, generator=gen).tolist()
+    full = list(range(n))
     interleaved = []
     for i in range(n):
         interleaved.append(i)
@@ -218,6 +219,8 @@ def layouts(n: int, gen: torch.Generator) -> list[tuple[str, list[int], str, boo
         out.append((f"batch={big}", list(range(2, 2 + big)), GARBAGE_PAD, False))
     out += [
         ("permutation", perm, GARBAGE_PAD, False),
+        # Every row moves to another position inside its tile (unless it is the middle one).
+        ("reversed", full[::-1], GARBAGE_PAD, False),
         ("pad left", [-1] * 5 + list(range(n)), GARBAGE_PAD, False),
         ("pad right", list(range(n)) + [-1] * 9, GARBAGE_PAD, True),
         ("NaN/Inf rows", interleaved, GARBAGE_NAN, False),

@@ -26,14 +26,19 @@ def gemm_tiles(dtype: torch.dtype) -> tuple[int, int, int]:
 
 
 def dot_precision(dtype: torch.dtype) -> str:
-    """fp32 GEMMs in full IEEE precision (no TF32: the contract's fp32 tolerance is 1e-4).
+    """How `dot` multiplies tiles of `dtype`.
 
-    Under the interpreter, 16-bit operands are upcast first ("upcast"): Triton 3.9's interpreter
-    computes bf16 tl.dot wrongly, and a bf16 or fp16 product is exact in fp32, so the upcast dot is
-    what the GPU's fp32-accumulating MMA computes."""
+    On a GPU: fp32 (and fp64) in full IEEE precision, never TF32 (the contract's fp32 tolerance is
+    1e-4); 16-bit operands on the tensor cores with fp32 accumulation.
+
+    Under the interpreter: "fixed", a product whose every output element is summed by the same
+    fixed tree over K, whatever its row or column in the tile (see `fixed_order_dot`).
+    """
+    if INTERPRET:
+        return "fixed"
     if dtype in (torch.float32, torch.float64):
         return "ieee"
-    return "upcast" if INTERPRET else "tf32"
+    return "tf32"
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -45,32 +50,57 @@ def next_pow2(n: int) -> int:
 
 
 @triton.jit
+def fixed_order_dot(a, b):
+    """a [M, K] @ b [K, N] in fp32 (fp64 for fp64 inputs), for the interpreter: every product
+    a[i, k] * b[k, j] is rounded once, and each output element sums its K products by the same tree
+    (numpy's pairwise sum over a contiguous last axis), which depends on K alone.
+
+    The interpreter's own tl.dot calls numpy's matmul, and with it the BLAS kernel that OpenBLAS picks
+    for the CPU. Its Haswell and Zen kernels give an output element other bits at another row or
+    column of the tile, which a GPU never does: the stand-in would then fail an invariant kernel.
+    16-bit products are exact in fp32, so upcasting first equals an fp32-accumulating MMA up to the
+    summation order (docs/adr/0004-triton-backend.md)."""
+    if a.dtype == tl.float64:
+        return tl.sum(a[:, None, :] * tl.trans(b)[None, :, :], axis=2)
+    else:
+        return tl.sum(a.to(tl.float32)[:, None, :] * tl.trans(b.to(tl.float32))[None, :, :], axis=2)
+
+
+@triton.jit
 def dot(a, b, PRECISION: tl.constexpr):
-    """tl.dot with fp32 accumulation; PRECISION "upcast" multiplies 16-bit operands in fp32."""
-    if PRECISION == "upcast":
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    """a @ b with fp32 accumulation (see `dot_precision`)."""
+    if PRECISION == "fixed":
+        return fixed_order_dot(a, b)
     else:
         return tl.dot(a, b, input_precision=PRECISION)
 
 
 @triton.jit
+def round_bf16(x):
+    """fp32 -> bf16, rounding to nearest even on the bits: what the GPU's conversion does. Triton's
+    interpreter truncates instead."""
+    bits = x.to(tl.float32).to(tl.uint32, bitcast=True)
+    bits = bits + 0x7FFF + ((bits >> 16) & 1)
+    return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
 def cast_out(x, ptr):
-    """x converted to the element type of `ptr`, rounding to nearest even. For bf16 the rounding is
-    done on the bits: Triton's interpreter truncates fp32 -> bf16, and on a GPU this computes what
-    the hardware conversion does."""
+    """x converted to the element type of `ptr`, rounding to nearest even."""
     if ptr.dtype.element_ty == tl.bfloat16:
-        bits = x.to(tl.float32).to(tl.uint32, bitcast=True)
-        bits = bits + 0x7FFF + ((bits >> 16) & 1)
-        return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        return round_bf16(x)
     else:
         return x.to(ptr.dtype.element_ty)
 
 
 @triton.jit
 def dot_mixed(a, b, PRECISION: tl.constexpr):
-    """a (fp32, e.g. probabilities) @ b: a is cast to b's dtype for the tensor-core dot; under
-    "upcast" both are multiplied in fp32."""
-    if PRECISION == "upcast":
-        return tl.dot(a, b.to(tl.float32), input_precision="ieee")
+    """a (fp32, e.g. probabilities) @ b, with a first rounded to b's dtype as the tensor-core dot
+    needs; under the interpreter the rounded operands are multiplied by `fixed_order_dot`."""
+    if PRECISION == "fixed":
+        if b.dtype == tl.bfloat16:
+            return fixed_order_dot(round_bf16(a), b)
+        else:
+            return fixed_order_dot(a.to(b.dtype), b)
     else:
         return tl.dot(a.to(b.dtype), b, input_precision=PRECISION)

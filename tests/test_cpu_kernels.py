@@ -1,0 +1,117 @@
+"""The suite's verdict must not depend on which CPU the machine has.
+
+Libraries pick their kernels for the CPU they find: OpenBLAS (numpy's, so the Triton interpreter's)
+by core type, ATen's vector loops by capability, MKL and oneDNN by instruction set. Each selection
+is forced here through its environment variable, in a fresh process (tests/_kernel_probe.py), and
+the backends' invariance sweeps must pass under every one the CPU can run. A selection this CPU
+cannot run is reported as skipped with the missing instruction set, never dropped silently.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+PROBE = Path(__file__).with_name("_kernel_probe.py")
+
+# OpenBLAS core types of x86-64 and the CPU flags (/proc/cpuinfo) each one needs. Zen runs
+# OpenBLAS's Haswell kernels, the ones whose bits move with a row's position in the tile.
+CORETYPES = {
+    "Prescott": {"pni"},
+    "Nehalem": {"sse4_2"},
+    "Sandybridge": {"avx"},
+    "Haswell": {"avx2", "fma"},
+    "Zen": {"avx2", "fma"},
+    "SkylakeX": {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512cd"},
+    "Cooperlake": {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512cd", "avx512_bf16"},
+}
+ATEN_CAPABILITIES = {"default": set(), "avx2": {"avx2", "fma"}, "avx512": {"avx512f", "avx512bw", "avx512dq", "avx512vl"}}
+MKL_ISAS = {"SSE4_2": {"sse4_2"}, "AVX": {"avx"}, "AVX2": {"avx2", "fma"}, "AVX512": {"avx512f", "avx512bw"}}
+ONEDNN_ISAS = {"AVX2": {"avx2", "fma"}, "AVX512_CORE": {"avx512f", "avx512bw", "avx512dq", "avx512vl"},
+               "AVX512_CORE_BF16": {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_bf16"}}
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return frozenset()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return frozenset(line.split(":", 1)[1].split())
+    return frozenset()
+
+
+def require(flags: set[str]) -> None:
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip(f"these kernel selections are x86-64's; this machine is {platform.machine()}")
+    missing = sorted(flags - cpu_flags())
+    if missing:
+        pytest.skip(f"this CPU lacks {', '.join(missing)}")
+
+
+def probe(env: dict[str, str], *args: str) -> dict:
+    full_env = {**os.environ, "TRITON_INTERPRET": "1", **env}
+    proc = subprocess.run([sys.executable, "-W", "ignore", str(PROBE), *args], env=full_env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@functools.cache
+def effective_core(coretype: str) -> str | None:
+    """The core OpenBLAS runs when asked for `coretype` (a build may map several names to one)."""
+    code = "import sys; sys.path.insert(0, 'tests'); import _kernel_probe as p; print(p.openblas_core())"
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "OPENBLAS_CORETYPE": coretype},
+                         capture_output=True, text=True, timeout=120, cwd=PROBE.parent.parent)
+    return out.stdout.strip() or None
+
+
+@pytest.mark.parametrize("coretype", list(CORETYPES))
+def test_triton_stand_in_is_invariant_under_every_openblas_core(coretype):
+    require(CORETYPES[coretype])
+    core = effective_core(coretype)
+    earlier = [c for c in list(CORETYPES)[:list(CORETYPES).index(coretype)]
+               if not (CORETYPES[c] - cpu_flags()) and effective_core(c) == core]
+    if core is not None and earlier:
+        pytest.skip(f"OpenBLAS runs {coretype} as {core}, tested as {earlier[0]}")
+    result = probe({"OPENBLAS_CORETYPE": coretype}, "triton")
+    assert result["checked"] and not result["failures"], result
+
+
+def test_sweeps_catch_the_interpreters_blas_dot():
+    """With the interpreter's own tl.dot, OpenBLAS's Haswell kernel gives a row other bits at another
+    position in the tile, and the sweeps must say so: they reach the case the fixed-order dot fixes."""
+    require(CORETYPES["Haswell"])
+    result = probe({"OPENBLAS_CORETYPE": "Haswell"}, "triton", "--tl-dot", "--ops", "linear")
+    assert result["openblas_core"] in (None, "Haswell"), result
+    assert any("reversed" in f for f in result["failures"]), result
+
+
+@pytest.mark.parametrize("capability", list(ATEN_CAPABILITIES))
+def test_portable_is_invariant_under_every_aten_capability(capability):
+    require(ATEN_CAPABILITIES[capability])
+    result = probe({"ATEN_CPU_CAPABILITY": capability}, "portable")
+    assert result["checked"] and not result["failures"], result
+
+
+@pytest.mark.parametrize("isa", list(MKL_ISAS))
+def test_portable_is_invariant_under_every_mkl_instruction_set(isa):
+    require(MKL_ISAS[isa])
+    result = probe({"MKL_ENABLE_INSTRUCTIONS": isa}, "portable")
+    assert result["checked"] and not result["failures"], result
+
+
+@pytest.mark.parametrize("isa", list(ONEDNN_ISAS))
+def test_portable_is_invariant_under_every_onednn_instruction_set(isa):
+    require(ONEDNN_ISAS[isa])
+    result = probe({"ONEDNN_MAX_CPU_ISA": isa}, "portable")
+    assert result["checked"] and not result["failures"], result
