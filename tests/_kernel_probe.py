@@ -61,7 +61,7 @@ def main(argv: list[str]) -> int:
     backend = argv[0]
     ops = argv[argv.index("--ops") + 1].split(",") if "--ops" in argv else OPS[backend]
     if "--tl-dot" in argv:
-        from lockstep.triton_ops import attention, gemm
+        from lockstep.backends.triton import attention, gemm
 
         gemm.dot_precision = attention.dot_precision = lambda dtype: "ieee"
     failures, checked = [], []

@@ -2,7 +2,8 @@ import pytest
 import torch
 
 import lockstep
-from lockstep import ops, reference
+from lockstep import ops
+from lockstep.backends import reference
 from lockstep.harness.attention_check import AttnSizes, check_attention
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import lockstep
+from lockstep import mode
 from lockstep import contract, ops
 
 from _models import hf_config
@@ -75,7 +76,7 @@ def test_exit_restores_stock_kernels_even_after_an_exception():
         with lockstep.batch_invariant():
             assert not _one_row_differs()
             1 / 0
-    assert not lockstep.batch_invariant.is_enabled()
+    assert not mode.is_enabled()
     assert _one_row_differs()
 
 
@@ -83,7 +84,7 @@ def test_nesting_and_enable_disable():
     with lockstep.batch_invariant():
         with lockstep.batch_invariant():
             assert not _one_row_differs()
-        assert lockstep.batch_invariant.is_enabled() and not _one_row_differs()
+        assert mode.is_enabled() and not _one_row_differs()
     assert _one_row_differs()
     lockstep.enable()
     try:
@@ -111,7 +112,7 @@ def _enter(errors):
 
 
 def test_strict_raises_on_unsupported_ops():
-    assert "aten::var.correction" in lockstep.batch_invariant.unsupported()
+    assert "aten::var.correction" in mode.unsupported()
     x = torch.randn(4, 8)
     with lockstep.batch_invariant():
         torch.var(x, dim=-1)                         # non-strict: runs stock

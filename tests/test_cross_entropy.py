@@ -2,7 +2,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lockstep import ops, reference
+from lockstep import ops
+from lockstep.backends import reference
 
 from _contract_checks import DTYPES, assert_op_contract
 

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from lockstep import ops
-from lockstep.portable.embedding import embedding_weight_grad
+from lockstep.backends.portable.embedding import embedding_weight_grad
 
 from _contract_checks import DTYPES, assert_op_contract
 

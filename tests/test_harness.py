@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from lockstep import cli
-from lockstep.backend import register
+from lockstep.registry import register
 from lockstep.harness.check import check_op
-from lockstep.portable.rms_norm import rms_norm as portable_rms_norm
+from lockstep.backends.portable.rms_norm import rms_norm as portable_rms_norm
 
 
 @register("planted-batch-dependent", "rms_norm")

@@ -2,8 +2,9 @@ import pytest
 import torch
 
 import lockstep
-from lockstep import ops, reference
-from lockstep.portable.fixed_order import ROW_TILE, TAIL_TILE
+from lockstep import ops
+from lockstep.backends import reference
+from lockstep.fixed_order import ROW_TILE, TAIL_TILE
 
 from _contract_checks import DTYPES, assert_op_contract
 

@@ -1,7 +1,8 @@
 import pytest
 import torch
 
-from lockstep import ops, reference
+from lockstep import ops
+from lockstep.backends import reference
 from lockstep.harness.check import check_large
 
 from _contract_checks import DTYPES, assert_op_contract

@@ -7,12 +7,12 @@ import pytest
 import torch
 
 from lockstep import cli, parity
-from lockstep.backend import register, set_fallback
+from lockstep.registry import register, register_backend
 from lockstep.model import ModelConfig, Transformer
 from lockstep.parity import RunConfig, compare, ulp_distance
-from lockstep.portable.fixed_order import row_sum
-from lockstep.portable.linear import linear as portable_linear
-from lockstep.portable.rms_norm import rms_norm as portable_rms_norm
+from lockstep.fixed_order import row_sum
+from lockstep.backends.portable.linear import linear as portable_linear
+from lockstep.backends.portable.rms_norm import rms_norm as portable_rms_norm
 from lockstep.report import build_html, from_run_dir
 
 LINEARS_PER_LAYER = 7            # q, k, v, o, gate, up, down
@@ -57,8 +57,8 @@ def _planted_rms_norm(x, weight, eps, offset):
     return _ReorderedBackward.apply(x.contiguous(), weight, eps, offset)
 
 
-set_fallback("planted-ulp", "portable")
-set_fallback("planted-backward", "portable")
+register_backend("planted-ulp", fallback="portable")
+register_backend("planted-backward", fallback="portable")
 
 
 @pytest.fixture

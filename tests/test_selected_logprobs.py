@@ -2,9 +2,10 @@ import pytest
 import torch
 
 import lockstep
-from lockstep import ops, reference
+from lockstep import ops
+from lockstep.backends import reference
 from lockstep.harness.check import check_large
-from lockstep.portable import selected_logprobs as portable_slp
+from lockstep.backends.portable import selected_logprobs as portable_slp
 
 from _contract_checks import DTYPES, assert_op_contract
 

@@ -50,11 +50,11 @@ def test_triton_attention_window_and_head_dim_80():
 
 
 def test_auto_picks_triton_only_for_cuda_tensors():
-    from lockstep.backend import resolve
+    from lockstep.registry import resolve
 
-    assert resolve("linear", torch.device("cpu")).__module__.startswith("lockstep.portable")
+    assert resolve("linear", torch.device("cpu")).__module__.startswith("lockstep.backends.portable")
     with lockstep.use_backend("triton"):
-        assert resolve("linear", torch.device("cpu")).__module__.startswith("lockstep.triton_ops")
+        assert resolve("linear", torch.device("cpu")).__module__.startswith("lockstep.backends.triton")
 
 
 def test_cli_check_backend_triton(capsys):
@@ -103,10 +103,10 @@ def test_row_counts_add_no_compiled_variant(dtype):
     """After the first row count has compiled each kernel once per signature (dW's fp32 output is
     its own signature), the sweep over rows {3, 16, 17, 100, 1024} compiles nothing new, and every
     kernel was launched."""
-    from lockstep.triton_ops import gemm, rms_norm, softmax
+    from lockstep.backends.triton import gemm, log_softmax, rms_norm
 
     kernels = (gemm.gemm_kernel, rms_norm.rms_norm_fwd_kernel, rms_norm.rms_norm_bwd_kernel,
-               softmax.log_softmax_fwd_kernel, softmax.log_softmax_bwd_kernel)
+               log_softmax.log_softmax_fwd_kernel, log_softmax.log_softmax_bwd_kernel)
     k, n = 512, 384
     w = torch.randn(n, k, device="cuda", dtype=dtype) / k ** 0.5
     norm_w = torch.ones(k, device="cuda", dtype=dtype)

@@ -17,7 +17,7 @@ from typing import Callable
 import torch
 
 from . import ops
-from .backend import use_backend
+from .registry import use_backend
 
 
 @dataclass

@@ -1,19 +1,79 @@
-"""The `lockstep` command line: `check` (accuracy + invariance) and `bench` (speed ratios)."""
+"""The `lockstep` command line, a thin layer over the library.
+
+    lockstep check [OP ...]      accuracy against float64 and bitwise invariance sweeps, op by op
+    lockstep check --mode        the batch-invariant mode's coverage, each op verified
+    lockstep check-model MODEL   a whole model's invariance sweeps and its float64 chain
+    lockstep verify [MODEL]      the train-inference gate: engine logprobs == trainer logprobs
+    lockstep train ...           deterministic training with checkpoints and bitwise resume
+    lockstep parity ...          the first op where two runs diverge, or two training trajectories
+    lockstep report RUN_DIR      one HTML page from the JSON files of a run folder
+    lockstep bench [OP ...]      op speed against eager PyTorch, as ratios
+
+MODEL is a local Hugging Face checkpoint folder or "tiny" (a built-in random model). Each handler
+parses, calls one library function and prints; bad arguments exit with status 2 and one line that
+names the argument.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
 import math
+import os
+import re
 import sys
 import time
 
 import torch
 
-from . import contract
-from .backend import available_backends
+from . import contract, registry
+
+FAMILIES = ("llama", "qwen2", "qwen3")
 
 
+class UsageError(Exception):
+    """A bad argument: printed as one line, exit status 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):
+        # argparse says "argument --backend: backend: unknown ..."; keep one naming of the argument.
+        match = re.match(r"argument [^:]+: ([a-z_]+: .*)", message)
+        raise UsageError(match.group(1) if match else message)
+
+
+# --- argument types ----------------------------------------------------------------------------
+def dtype_list(text: str) -> list[torch.dtype]:
+    """"fp32,bf16" -> [torch.float32, torch.bfloat16]."""
+    try:
+        return [contract.parse_dtype(name) for name in text.split(",")]
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def backend_name(text: str) -> str:
+    if text not in registry.available_backends():
+        raise argparse.ArgumentTypeError(f"backend: unknown backend {text!r}; expected one of "
+                                         f"{registry.available_backends()}")
+    return text
+
+
+def train_dtype(text: str) -> torch.dtype:
+    dtype = dtype_list(text)
+    if len(dtype) != 1 or dtype[0] not in (torch.float32, torch.bfloat16):
+        raise argparse.ArgumentTypeError(f"dtype: expected fp32 or bf16 (bf16 with --master-weights for fp32 "
+                                         f"master weights), got {text!r}")
+    return dtype[0]
+
+
+def check_name(text: str) -> str:
+    known = list(contract.load()["ops"])
+    if text not in known:
+        raise argparse.ArgumentTypeError(f"op: unknown op {text!r}; expected one of {sorted(known)}")
+    return contract.op_entry(text)["check"]
+
+
+# --- shared output -----------------------------------------------------------------------------
 def _fmt(x: float | None) -> str:
     if x is None:
         return "-"
@@ -30,124 +90,100 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(out)
 
 
-def cmd_check_mode() -> int:
-    """The batch-invariant mode's coverage table, each covered op verified (one row vs many)."""
-    from . import batch_invariant as mode
+def _prepare_outputs(args: argparse.Namespace) -> None:
+    """Create the folders of --json / --html before any work, so a long run never ends on a missing
+    folder."""
+    for path in (getattr(args, "json", None), getattr(args, "html", None)):
+        if path:
+            parent = os.path.dirname(os.path.abspath(path))
+            try:
+                os.makedirs(parent, exist_ok=True)
+            except OSError as e:
+                raise UsageError(f"{'json' if path == getattr(args, 'json', None) else 'html'}: cannot create "
+                                 f"the folder of {path} ({e.strerror})") from None
+            if not os.access(parent, os.W_OK):
+                raise UsageError(f"output: {parent} is not writable")
 
-    torch.manual_seed(0)
-    x, w = torch.randn(40, 300), torch.randn(200, 300)
-    q, k = torch.randn(2, 4, 17, 16), torch.randn(2, 2, 17, 16)
-    probes = {
-        "aten::mm": lambda t: t @ w.t(), "aten::addmm": lambda t: torch.nn.functional.linear(t, w, w[:, 0]),
-        "aten::bmm": lambda t: torch.bmm(t[None], w.t()[None])[0],
-        "aten::matmul / aten::linear": lambda t: torch.matmul(t, w.t()),
-        "aten::_log_softmax (+ backward)": lambda t: torch.log_softmax(t, -1),
-        "aten::_softmax (+ backward)": lambda t: torch.softmax(t, -1), "aten::softmax": lambda t: t.softmax(-1),
-        "aten::silu (+ backward)": torch.nn.functional.silu, "aten::sum.dim_IntList": lambda t: t.sum(-1),
-        "aten::mean.dim": lambda t: t.mean(-1),
-        "aten::_fused_rms_norm (+ backward)": lambda t: torch.nn.functional.rms_norm(t, (300,), w[0], 1e-6),
-    }
-    rows = []
-    with mode.batch_invariant():
-        for row in mode.coverage():
-            op, verified = row["op"], "-"
-            if op in probes:
-                fn = probes[op]
-                verified = "pass" if torch.equal(fn(x[5:6])[0], fn(x)[5]) else "FAIL"
-            elif op.startswith("aten::scaled_dot_product_attention"):
-                full = torch.nn.functional.scaled_dot_product_attention(q, k, k, is_causal=True, enable_gqa=True)
-                one = torch.nn.functional.scaled_dot_product_attention(q[:, :, 9:10], k[:, :, :10], k[:, :, :10],
-                                                                       enable_gqa=True)
-                verified = "pass" if torch.equal(one[:, :, 0], full[:, :, 9]) else "FAIL"
-            rows.append([op, row["status"], row["dtypes"], row["devices"], verified, row["how"]])
+
+def _write_outputs(args: argparse.Namespace, data: dict, title: str) -> None:
+    """--json writes `data`; --html writes the self-contained report of it."""
+    if getattr(args, "json", None):
+        with open(args.json, "w") as f:
+            json.dump(data, f, indent=1, default=str)
+    if getattr(args, "html", None):
+        from .report import write_html
+
+        write_html(json.loads(json.dumps(data, default=str)), args.html, title)
+        print(f"report: {args.html}")
+
+
+# --- commands ----------------------------------------------------------------------------------
+def cmd_check(args: argparse.Namespace) -> int:
+    if args.mode:
+        return cmd_check_mode()
+    from . import harness
+
+    claimed = harness.checks_of(args.backend) if args.backend in contract.load()["backends"] else None
+    names = list(dict.fromkeys(args.ops)) or claimed or harness.checks_of("portable")
+    if claimed is not None:
+        missing = [n for n in names if n not in claimed]
+        if missing:
+            raise UsageError(f"op: backend {args.backend!r} does not implement {missing} (contract.toml "
+                             f"[backends.{args.backend}])")
+    _prepare_outputs(args)
+    header = ["op", "dtype", "fwd max abs", "fwd max rel", "grad max abs", "err/eager", "accuracy", "sweeps",
+              "invariance"]
+    widths = [17, 8, 11, 11, 12, 9, 8, 6, 10]
+    print(f"lockstep check: backend={args.backend} threads={torch.get_num_threads()} torch={torch.__version__}")
+    print("  ".join(h.ljust(w) for h, w in zip(header, widths)))
+    print("  ".join("-" * w for w in widths))
+    reports, failed, started = [], 0, time.time()
+    todo = [(name, dtype) for name in names for dtype in args.dtype]
+    live = sys.stderr.isatty()
+    for i, (name, dtype) in enumerate(todo):
+        if live:
+            print(f"\rchecking {name} {contract.dtype_name(dtype)} ({i + 1}/{len(todo)}, {time.time() - started:.0f}s)",
+                  end="", file=sys.stderr, flush=True)
+        r = harness.check(name, dtype, backend=args.backend, grad=not args.no_grad, seed=args.seed,
+                          device=args.device, large=args.large)
+        if live:
+            print("\r\033[K", end="", file=sys.stderr, flush=True)
+        reports.append(r)
+        a, fail = r.accuracy, r.first_failure
+        # An exact op (no error at all) has no meaningful ratio to eager's error.
+        ratio = "exact" if a.forward_max_abs == 0 else (
+            f"{a.ratio_vs_eager:.2f}" if math.isfinite(a.ratio_vs_eager) else "inf")
+        row = [r.op, r.dtype, _fmt(a.forward_max_abs), _fmt(a.forward_max_rel), _fmt(a.gradient_max_abs), ratio,
+               "pass" if a.passed else "FAIL", f"{sum(s.passed for s in r.sweeps)}/{len(r.sweeps)}",
+               "pass" if r.invariant else f"FAIL {fail.sweep}: max diff {_fmt(fail.max_diff)}"]
+        print("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip(), flush=True)
+        if args.verbose:
+            for s in r.sweeps:
+                print(f"  {r.op} {r.dtype} {s.sweep}: {'pass' if s.passed else 'FAIL'} "
+                      f"(rows {s.compared}, max diff {_fmt(s.max_diff)}) {s.detail}")
+        failed += not r.passed
+    print(f"\n{len(reports) - failed} passed, {failed} failed ({time.time() - started:.1f}s)")
+    _write_outputs(args, {"backend": args.backend, "torch": torch.__version__,
+                          "reports": [r.to_dict() for r in reports]}, f"lockstep check (backend {args.backend})")
+    return 1 if failed else 0
+
+
+def cmd_check_mode() -> int:
+    from . import mode
+
+    rows = [[r["op"], r["status"], r["dtypes"], r["devices"], r["verified"], r["how"]] for r in mode.verify_coverage()]
     print("lockstep check --mode: lockstep.batch_invariant() coverage (verified: one row vs many, decode vs prefill)")
     print(_table(["aten op", "status", "dtypes", "devices", "verified", "how"], rows))
     return 1 if any(r[4] == "FAIL" for r in rows) else 0
 
 
-def cmd_check(args: argparse.Namespace) -> int:
-    if args.mode:
-        return cmd_check_mode()
-    from .harness import check as harness
-    from .harness.attention_check import check_attention
-    from .harness.specs import SPECS
-
-    known = list(SPECS) + ["attention"]
-    ops = args.ops or known
-    for op in ops:
-        if op not in known:
-            print(f"lockstep check: op: unknown op {op!r}; expected one of {sorted(known)}", file=sys.stderr)
-            return 2
-    if args.backend not in available_backends():
-        print(f"lockstep check: backend: unknown backend {args.backend!r}; expected one of {available_backends()}",
-              file=sys.stderr)
-        return 2
-    try:
-        dtypes = [contract.parse_dtype(d) for d in args.dtype.split(",")]
-    except ValueError as e:
-        print(f"lockstep check: {e}", file=sys.stderr)
-        return 2
-
-    reports, rows, failed = [], [], 0
-    started = time.time()
-    for op in ops:
-        for dtype in dtypes:
-            if op == "attention":
-                r = check_attention(dtype, backend=args.backend, grad=not args.no_grad, seed=args.seed)
-            else:
-                r = harness.check_op(op, dtype, backend=args.backend, grad=not args.no_grad, seed=args.seed,
-                                     device=args.device)
-            if args.large and op in SPECS and SPECS[op].large:
-                r.sweeps.append(harness.check_large(op, dtype, backend=args.backend, seed=args.seed))
-            reports.append(r)
-            a = r.accuracy
-            fail = r.first_failure
-            inv = "pass" if r.invariant else f"FAIL {fail.sweep}: max diff {_fmt(fail.max_diff)}"
-            acc = "pass" if a.passed else "FAIL"
-            rows.append([op, r.dtype, _fmt(a.forward_max_abs), _fmt(a.forward_max_rel), _fmt(a.gradient_max_abs),
-                         f"{a.ratio_vs_eager:.2f}" if math.isfinite(a.ratio_vs_eager) else "inf",
-                         acc, f"{sum(s.passed for s in r.sweeps)}/{len(r.sweeps)}", inv])
-            failed += not r.passed
-            if args.verbose:
-                for s in r.sweeps:
-                    print(f"  {op} {r.dtype} {s.sweep}: {'pass' if s.passed else 'FAIL'} "
-                          f"(rows {s.compared}, max diff {_fmt(s.max_diff)}) {s.detail}")
-    print(f"lockstep check: backend={args.backend} threads={torch.get_num_threads()} torch={torch.__version__}")
-    print(_table(["op", "dtype", "fwd max abs", "fwd max rel", "grad max abs", "err/eager", "accuracy",
-                  "sweeps", "invariance"], rows))
-    print(f"\n{len(reports) - failed} passed, {failed} failed ({time.time() - started:.1f}s)")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"backend": args.backend, "torch": torch.__version__,
-                       "reports": [r.to_dict() for r in reports]}, f, indent=1, default=str)
-    if args.html:
-        from .report import write_html
-
-        write_html({"check": json.loads(json.dumps([r.to_dict() for r in reports], default=str))}, args.html,
-                   f"lockstep check (backend {args.backend})")
-        print(f"report: {args.html}")
-    return 1 if failed else 0
-
-
 def cmd_check_model(args: argparse.Namespace) -> int:
     from .harness.model_check import check_model, prompt_set
-    from .model import ModelConfig, Transformer, load_model
+    from .model import model_from_source
 
-    try:
-        dtypes = [contract.parse_dtype(d) for d in args.dtype.split(",")]
-    except ValueError as e:
-        print(f"lockstep check-model: {e}", file=sys.stderr)
-        return 2
     failed, rows = 0, []
-    for dtype in dtypes:
-        if args.model == "tiny":
-            model = Transformer.from_config(ModelConfig.tiny(args.family), seed=args.seed, dtype=dtype)
-        else:
-            try:
-                model = load_model(args.model, dtype=dtype)
-            except (OSError, ValueError) as e:
-                print(f"lockstep check-model: {e}", file=sys.stderr)
-                return 2
+    for dtype in args.dtype:
+        model = model_from_source(args.model, dtype, args.family, args.seed)
         report = check_model(model, prompt_set(model.config.vocab_size, args.seed))
         fail = next((s for s in report.sweeps if not s.passed), None)
         rows.append([report.dtype, f"{sum(s.passed for s in report.sweeps)}/{len(report.sweeps)}",
@@ -162,120 +198,77 @@ def cmd_check_model(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
+    import dataclasses
+
     from . import verify
-    from .model import ModelConfig, Transformer, load_model
+    from .model import model_from_source
 
-    try:
-        dtypes = [contract.parse_dtype(d) for d in args.dtype.split(",")]
-    except ValueError as e:
-        print(f"lockstep verify: {e}", file=sys.stderr)
-        return 2
-    if args.model == "tiny":
-        def make(dtype):
-            return Transformer.from_config(ModelConfig.tiny(args.family), seed=args.seed, dtype=dtype)
-        what = f"built-in tiny {args.family} model (random weights)"
-    else:
-        try:
-            load_model(args.model, dtype=torch.float32)
-        except (OSError, ValueError) as e:
-            print(f"lockstep verify: {e}", file=sys.stderr)
-            return 2
-
-        def make(dtype):
-            return load_model(args.model, dtype=dtype)
-        what = args.model
+    _prepare_outputs(args)
+    model_from_source(args.model, torch.float32, args.family, args.seed)     # a bad folder fails here, first
+    what = f"built-in tiny {args.family} model (random weights)" if args.model == "tiny" else args.model
     print(f"lockstep verify: {what}; engine logprobs vs trainer logprobs (lockstep.logprobs)")
-    report = verify.run(make, dtypes, max_new_tokens=args.max_new_tokens, seed=args.seed, with_eager=not args.no_eager)
-    if args.json:
-        verify.write_json(report, args.json)
-    if args.html:
-        import dataclasses
-
-        from .report import write_html
-
-        write_html({"verify": dataclasses.asdict(report)}, args.html, "lockstep verify")
-        print(f"report: {args.html}")
+    report = verify.run(lambda dtype: model_from_source(args.model, dtype, args.family, args.seed), args.dtype,
+                        max_new_tokens=args.max_new_tokens, seed=args.seed, with_eager=not args.no_eager)
     print("\nlockstep: 0 / 0 / 0 and identical tokens in every setting" if report.passed else
           "\nlockstep: FAILED (see the rows above)")
+    _write_outputs(args, {"verify": dataclasses.asdict(report)}, "lockstep verify")
     return 0 if report.passed else 1
 
 
 def cmd_parity(args: argparse.Namespace) -> int:
     from . import parity
-    from .model import ModelConfig, Transformer, load_model
+    from .model import model_from_source
 
     def make_model():
-        if args.model == "tiny":
-            return Transformer.from_config(ModelConfig.tiny(args.family), seed=args.seed)
-        return load_model(args.model, dtype=torch.float32)
+        return model_from_source(args.model, torch.float32, args.family, args.seed)
 
-    try:
-        model = make_model()
-        if args.trajectory:
-            from .train import PackedDataset, TrainConfig, Trainer
-
-            a_side, b_side = args.trajectory
-            for side in (a_side, b_side):
-                if side != "plain" and side not in available_backends():
-                    raise ValueError(f"trajectory: unknown side {side!r}; expected 'plain' or a backend "
-                                     f"{available_backends()}")
-            tokens = torch.randint(0, model.config.vocab_size, (20000,),
-                                   generator=torch.Generator().manual_seed(args.seed)).tolist()
-            cfg = TrainConfig(steps=args.steps, seq_len=32, micro_batch_tokens=64, accum=2, lr=2e-3, warmup=2)
-
-            def make_trainer():
-                return Trainer(make_model(), PackedDataset(tokens, cfg.seq_len, cfg.micro_batch_tokens, args.seed), cfg)
-
-            result = parity.compare_trajectories(make_trainer, a_side, b_side, args.steps)
-            for r in result["rows"]:
-                print(f"step {r['step']:3d}  loss {r['loss_a']:.6f} {r['loss_b']:.6f}  |dloss| {r['loss_diff']:.2e}  "
-                      f"grad norm {r['grad_norm_a']:.4f} {r['grad_norm_b']:.4f}  max |dparam| {r['max_param_diff']:.2e}")
-            first = result["first_step_outside_contract"]
-            print(f"first step outside the contract (loss {result['loss_tol']}, params {result['param_tol']}): "
-                  f"{first if first is not None else 'none'}")
-            if result["first_diverging_op"]:
-                c = result["first_diverging_op"]
-                for phase in ("forward", "backward"):
-                    d = c["first"][phase]
-                    print(f"  at that step, {phase}: " + ("identical" if d is None else
-                          f"first divergence {d['module'] or '<top>'} {d['op']} [{d['slot']}], max abs diff "
-                          f"{d['max_abs_diff']:.3e}, max ulp diff {d['max_ulp_diff']}"))
-            data = {"trajectory": result}
-        else:
-            a, b = parity.RunConfig.parse(args.a), parity.RunConfig.parse(args.b)
-            comparison = parity.parity(model, a, b, seed=args.seed)
-            print(parity.format_comparison(comparison, str(a), str(b)))
-            data = {"parity": {**comparison.to_dict(), "a": str(a), "b": str(b)}}
-    except (OSError, ValueError) as e:
-        print(f"lockstep parity: {e}", file=sys.stderr)
-        return 2
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(data, f, indent=1, default=str)
-    if args.html:
-        from .report import write_html
-
-        write_html(data, args.html, "lockstep parity")
-        print(f"report: {args.html}")
+    _prepare_outputs(args)
+    if args.trajectory:
+        result = parity.trajectory_on_random_tokens(make_model, *args.trajectory, args.steps, args.seed)
+        print(parity.format_trajectory(result))
+        data = {"trajectory": result}
+    else:
+        a, b = parity.RunConfig.parse(args.a), parity.RunConfig.parse(args.b)
+        comparison = parity.parity(make_model(), a, b, seed=args.seed)
+        print(parity.format_comparison(comparison, str(a), str(b)))
+        data = {"parity": {**comparison.to_dict(), "a": str(a), "b": str(b)}}
+    _write_outputs(args, data, "lockstep parity")
     return 0
 
 
 def cmd_report(args: argparse.Namespace) -> int:
     from .report import from_run_dir
 
-    try:
-        path = from_run_dir(args.run_dir, args.out)
-    except (OSError, ValueError) as e:
-        print(f"lockstep report: {e}", file=sys.stderr)
-        return 2
-    print(f"report: {path}")
+    print(f"report: {from_run_dir(args.run_dir, args.out)}")
     return 0
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from .train import run_cli
+    from . import train
 
-    return run_cli(args)
+    cfg = train.TrainConfig(steps=args.steps, seq_len=args.seq_len, micro_batch_tokens=args.micro_batch_tokens,
+                            accum=args.accum, lr=args.lr, warmup=args.warmup, weight_decay=args.weight_decay,
+                            grad_clip=args.grad_clip, seed=args.seed, master_weights=args.master_weights,
+                            save_every=args.save_every)
+    rank = os.environ.get("RANK") if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None
+    where = f"rank {rank}: " if rank is not None else ""
+    try:
+        summary = train.run(args.model, args.data, args.out, cfg, dtype=args.dtype, resume=args.resume)
+    except train.NonFiniteLoss as e:
+        print(f"\nlockstep train: {where}{e}; the last good checkpoint is kept in {args.out}", file=sys.stderr)
+        return 3
+    except (OSError, ValueError) as e:
+        print(f"lockstep train: {where}{e}", file=sys.stderr)
+        return 2
+    if summary["rank"] != 0:
+        return 0
+    first, last = summary["first"], summary["last"]
+    if first is None:
+        print(f"lockstep train: already at step {summary['step']}; checkpoint {summary['checkpoint']}")
+    else:
+        print(f"lockstep train: {last['step']} steps, loss {first['loss']:.4f} -> {last['loss']:.4f}, "
+              f"{summary['seconds']:.1f}s; checkpoint {summary['checkpoint']}; log {summary['log']}")
+    return 0
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -284,39 +277,49 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return bench.main(args.ops, quick=args.quick, out=args.markdown)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="lockstep", description=__doc__)
-    sub = p.add_subparsers(dest="command", required=True)
+# --- the parser --------------------------------------------------------------------------------
+def _model_arguments(p: argparse.ArgumentParser, default: str | None) -> None:
+    if default is None:
+        p.add_argument("model", help="a local Hugging Face checkpoint folder, or 'tiny' for a built-in random model")
+    else:
+        p.add_argument("model", nargs="?", default=default, help="a local checkpoint folder, or 'tiny'")
+    p.add_argument("--family", default="llama", choices=FAMILIES, help="family of the tiny model")
 
-    c = sub.add_parser("check", help="accuracy against float64 and bitwise invariance sweeps for each op")
-    c.add_argument("ops", nargs="*", help="ops to check (default: all)")
-    c.add_argument("--dtype", default="fp32,bf16,fp16", help="comma-separated dtypes (fp32, bf16, fp16, fp64)")
-    c.add_argument("--backend", default="portable", help="backend under test (portable, eager, ...)")
+
+def build_parser() -> argparse.ArgumentParser:
+    formatter = argparse.ArgumentDefaultsHelpFormatter
+    p = _Parser(prog="lockstep", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    c = sub.add_parser("check", help="accuracy against float64 and bitwise invariance sweeps for each op",
+                       formatter_class=formatter)
+    c.add_argument("ops", nargs="*", type=check_name, help="ops to check (default: every op the backend implements)")
+    c.add_argument("--dtype", type=dtype_list, default="fp32,bf16,fp16", help="comma-separated dtypes")
+    c.add_argument("--backend", type=backend_name, default="portable", help="backend under test")
     c.add_argument("--no-grad", action="store_true", help="forward only")
     c.add_argument("--no-large", dest="large", action="store_false",
                    help="skip the LLM-width sweep (65,536 columns, 152k vocabulary)")
     c.add_argument("--seed", type=int, default=0, help="seed of the generated inputs")
     c.add_argument("--json", metavar="PATH", help="also write the full report as JSON")
-    c.add_argument("-v", "--verbose", action="store_true", help="print every sweep")
     c.add_argument("--html", metavar="PATH", help="also write a self-contained HTML report")
+    c.add_argument("-v", "--verbose", action="store_true", help="print every sweep")
     c.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
-                   help="device of the op inputs (default: cuda when present; the triton backend runs under "
-                        "Triton's interpreter on cpu)")
+                   help="device of the op inputs (the triton backend runs under Triton's interpreter on cpu)")
     c.add_argument("--mode", action="store_true", help="print (and verify) the batch-invariant mode's coverage table")
     c.set_defaults(func=cmd_check)
 
-    v = sub.add_parser("verify", help="the train-inference gate: engine logprobs == trainer logprobs, bitwise")
-    v.add_argument("model", nargs="?", default="tiny", help="a local checkpoint folder, or 'tiny' (default)")
-    v.add_argument("--family", default="llama", help="family of the tiny model (llama, qwen2, qwen3)")
-    v.add_argument("--dtype", default="fp32,bf16", help="comma-separated dtypes")
-    v.add_argument("--max-new-tokens", type=int, default=16)
-    v.add_argument("--seed", type=int, default=0)
+    v = sub.add_parser("verify", help="the train-inference gate: engine logprobs == trainer logprobs, bitwise",
+                       formatter_class=formatter)
+    _model_arguments(v, default="tiny")
+    v.add_argument("--dtype", type=dtype_list, default="fp32,bf16", help="comma-separated dtypes")
+    v.add_argument("--max-new-tokens", type=int, default=16, help="tokens generated per prompt")
+    v.add_argument("--seed", type=int, default=0, help="seed of the prompts, the sampling and the tiny model")
     v.add_argument("--no-eager", action="store_true", help="skip the plain-PyTorch comparison rows")
     v.add_argument("--json", metavar="PATH", help="write the full report as JSON")
     v.add_argument("--html", metavar="PATH", help="write a self-contained HTML report")
     v.set_defaults(func=cmd_verify)
 
-    t = sub.add_parser("train", help="train a model on a text file or folder, deterministically",
+    t = sub.add_parser("train", help="train a model on a text file or folder, deterministically", formatter_class=formatter,
                        description="Train with exact accumulation windows, AdamW, clipping and atomic checkpoints. "
                                    "Two runs with the same arguments give the same bits; --resume continues "
                                    "bitwise as if never interrupted.")
@@ -331,7 +334,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--warmup", type=int, default=10, help="linear warmup steps before the cosine decay")
     t.add_argument("--weight-decay", type=float, default=0.0, help="decoupled AdamW weight decay")
     t.add_argument("--grad-clip", type=float, default=1.0, help="clip the global gradient norm (0: off)")
-    t.add_argument("--dtype", default="fp32", help="compute dtype: fp32 or bf16")
+    t.add_argument("--dtype", type=train_dtype, default="fp32", help="compute dtype: fp32 or bf16")
     t.add_argument("--master-weights", action="store_true", help="keep fp32 master weights (for bf16 compute)")
     t.add_argument("--seed", type=int, default=0, help="seed of the data order and of the tiny model")
     t.add_argument("--save-every", type=int, default=0, help="also checkpoint every N steps (0: only at the end)")
@@ -340,6 +343,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.set_defaults(func=cmd_train)
 
     p_ = sub.add_parser("parity", help="find the first op where two runs diverge, or compare training trajectories",
+                        formatter_class=formatter,
                         description="Config: comma-separated backend=..., layout=alone|batchN|chunkN|decode, "
                                     "dtype=fp32|bf16|fp16. Example: --a backend=eager --b backend=portable, or "
                                     "--a layout=alone --b layout=batch8. --trajectory A B compares two trainers "
@@ -349,10 +353,10 @@ def build_parser() -> argparse.ArgumentParser:
     p_.add_argument("--trajectory", nargs=2, metavar=("A", "B"), help="compare two trainers instead")
     p_.add_argument("--steps", type=int, default=20, help="trajectory steps")
     p_.add_argument("--model", default="tiny", help="checkpoint folder or 'tiny'")
-    p_.add_argument("--family", default="llama")
-    p_.add_argument("--seed", type=int, default=0)
-    p_.add_argument("--json", metavar="PATH")
-    p_.add_argument("--html", metavar="PATH")
+    p_.add_argument("--family", default="llama", choices=FAMILIES, help="family of the tiny model")
+    p_.add_argument("--seed", type=int, default=0, help="seed of the data and of the tiny model")
+    p_.add_argument("--json", metavar="PATH", help="write the comparison as JSON")
+    p_.add_argument("--html", metavar="PATH", help="write a self-contained HTML report")
     p_.set_defaults(func=cmd_parity)
 
     r = sub.add_parser("report", help="write one HTML report from the JSON files of a run folder")
@@ -360,14 +364,14 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--out", help="output path (default RUN_DIR/report.html)")
     r.set_defaults(func=cmd_report)
 
-    m = sub.add_parser("check-model", help="model-level invariance and the float64 chain on a checkpoint")
-    m.add_argument("model", help="a local Hugging Face checkpoint folder, or 'tiny' for a built-in random model")
-    m.add_argument("--family", default="llama", help="family of the tiny model (llama, qwen2, qwen3)")
-    m.add_argument("--dtype", default="fp32,bf16", help="comma-separated dtypes")
-    m.add_argument("--seed", type=int, default=0)
+    m = sub.add_parser("check-model", help="model-level invariance and the float64 chain on a checkpoint",
+                       formatter_class=formatter)
+    _model_arguments(m, default=None)
+    m.add_argument("--dtype", type=dtype_list, default="fp32,bf16", help="comma-separated dtypes")
+    m.add_argument("--seed", type=int, default=0, help="seed of the prompts and of the tiny model")
     m.set_defaults(func=cmd_check_model)
 
-    b = sub.add_parser("bench", help="time ops against eager PyTorch and print ratios")
+    b = sub.add_parser("bench", help="time ops against eager PyTorch and print ratios", formatter_class=formatter)
     b.add_argument("ops", nargs="*", help="ops to time (default: all)")
     b.add_argument("--quick", action="store_true", help="fewer shapes and repeats")
     b.add_argument("--markdown", metavar="PATH", help="append the table to a markdown file")
@@ -376,8 +380,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    return args.func(args)
+    argv = sys.argv[1:] if argv is None else argv
+    command = next((a for a in argv if not a.startswith("-")), "")
+    try:
+        args = build_parser().parse_args(argv)
+        return args.func(args)
+    except UsageError as e:
+        print(f"lockstep {command}: {e}".replace("lockstep : ", "lockstep: "), file=sys.stderr)
+        return 2
+    except (OSError, ValueError) as e:
+        # Bad input found by the library (a missing folder, a malformed checkpoint, a bad config).
+        print(f"lockstep {args.command}: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""The accuracy contract, loaded from the package's contract.toml."""
+"""The contract as data: contract.toml, read here (docs/contract.md explains every number)."""
 
 from __future__ import annotations
 
@@ -53,11 +53,30 @@ class Tolerance:
         return float(excess.max()) if excess.numel() else -1.0
 
 
+def op_entry(op: str) -> dict:
+    """contract.toml's [ops] entry of `op`: its accuracy class and the harness check of its sweeps."""
+    try:
+        return dict(load()["ops"][op])
+    except KeyError:
+        raise ValueError(f"op: {op!r} has no entry in contract.toml [ops]; expected one of "
+                         f"{sorted(load()['ops'])}") from None
+
+
 def op_class(op: str) -> str:
-    for cls, ops in load()["classes"].items():
-        if op in ops:
-            return cls
-    raise KeyError(f"op {op!r} has no class in contract.toml")
+    return op_entry(op)["class"]
+
+
+def backend_ops(backend: str) -> list[str]:
+    """The ops `backend` implements, by contract.toml's [backends] table."""
+    try:
+        return list(load()["backends"][backend]["ops"])
+    except KeyError:
+        raise ValueError(f"backend: {backend!r} has no entry in contract.toml [backends]; expected one of "
+                         f"{sorted(load()['backends'])}") from None
+
+
+def backend_dtypes(backend: str) -> list[torch.dtype]:
+    return [DTYPE_NAMES[d] for d in load()["backends"][backend]["dtypes"]]
 
 
 def tolerance(op: str, dtype: torch.dtype, kind: str = "forward") -> Tolerance:
@@ -85,10 +104,6 @@ def ulp(dtype: torch.dtype, magnitude: float) -> float:
     return float(2.0 ** exponent) * float(info.eps)
 
 
-def coverage() -> dict[str, dict]:
-    return dict(load()["coverage"])
-
-
 def chain_tolerance(dtype: torch.dtype) -> float:
-    """Max |dlogprob| allowed between lockstep and a float64 (or transformers) model (section 4)."""
+    """Max |dlogprob| allowed between lockstep and a float64 (or transformers) model (docs/contract.md, section 4)."""
     return float(load()["chain"]["max_abs_dlogp_vs_float64"][dtype_name(dtype)])

@@ -2,7 +2,7 @@
 
 Every sum across ranks is computed by one owner in rank order (((r0 + r1) + r2) + ...), and the
 result is copied to the others. So every rank holds the same bits, and the bits depend on neither
-message sizes, nor the collective algorithm, nor timing (CONTRACT.md section 5).
+message sizes, nor the collective algorithm, nor timing (docs/contract.md, section 5).
 
 - Data parallel: `GradReducer` buckets the gradients. Each bucket is split into one shard per rank;
   the owner of a shard receives it from every rank (all_to_all), adds the contributions in rank
@@ -35,6 +35,7 @@ import torch.multiprocessing as mp
 from torch import Tensor, nn
 
 from . import ops
+from .fixed_order import ceil_div
 
 DEFAULT_TIMEOUT_S = 120.0
 
@@ -204,7 +205,7 @@ class GradReducer:
     def _launch(self, b: int) -> None:
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.buckets[b]]
         flat = torch.cat([g.reshape(-1).to(torch.float32) for g in grads])
-        shard = -(-flat.numel() // self.world)
+        shard = ceil_div(flat.numel(), self.world)
         padded = torch.zeros(shard * self.world, dtype=flat.dtype)
         padded[:flat.numel()] = flat
         recv = torch.empty_like(padded)
@@ -492,7 +493,7 @@ def tensor_parallel(model) -> nn.Module:
     q/k/v and gate/up become column-parallel (heads and intermediate units split); o and down
     become row-parallel. Embeddings, norms and the LM head stay replicated. Every rank must pass
     the same full model; each keeps its shard."""
-    from .model.transformer import Attention, MLP
+    from .model.transformer import MLP, Attention
 
     n = get_tensor_model_parallel_world_size()
     c = model.config

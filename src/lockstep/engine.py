@@ -17,6 +17,7 @@ from typing import Iterator, Sequence
 
 import torch
 
+from .fixed_order import ceil_div
 from .model import CacheStep, Transformer
 from .sampling import SamplingParams, sample_tokens
 
@@ -65,14 +66,15 @@ class Engine:
         self.max_num_seqs, self.budget, self.block_size = max_num_seqs, max_num_batched_tokens, block_size
         self.max_len = model.config.max_position_embeddings
         if num_blocks is None:
-            num_blocks = max_num_seqs * -(-min(self.max_len, 4096) // block_size)
+            num_blocks = max_num_seqs * ceil_div(min(self.max_len, 4096), block_size)
         if not isinstance(num_blocks, int) or num_blocks < 1:
             raise ValueError(f"num_blocks: expected a positive int, got {num_blocks!r}")
         self.cache = model.allocate_kv_cache(num_blocks, block_size)
         self.free = list(range(num_blocks - 1, -1, -1))
         self.waiting: list[_Request] = []
         self.running: list[_Request] = []
-        self.finished: list[RequestOutput] = []
+        # Finished since the last `step()` returned; the engine keeps no output after handing it out.
+        self._done: list[RequestOutput] = []
         self._next_id = 0
         self.stats = {"steps": 0, "preemptions": 0, "tokens": 0}
 
@@ -88,11 +90,11 @@ class Engine:
             if len(ids) + sampling.max_new_tokens > self.max_len:
                 raise ValueError(f"prompt: {len(ids)} tokens + max_new_tokens {sampling.max_new_tokens} exceed the "
                                  f"model's context of {self.max_len}")
-            need = -(-(len(ids) + sampling.max_new_tokens) // self.block_size)
+            need = ceil_div(len(ids) + sampling.max_new_tokens, self.block_size)
             if need > len(self.free) + sum(len(r.blocks) for r in self.running):
                 raise ValueError(f"prompt: needs {need} KV blocks, the cache has {len(self.cache.k[0])}")
         except (TypeError, ValueError) as e:
-            self.finished.append(RequestOutput(rid, [], finish_reason="error", error=str(e)))
+            self._done.append(RequestOutput(rid, [], finish_reason="error", error=str(e)))
             return rid
         self.waiting.append(_Request(rid, ids, sampling, RequestOutput(rid, list(ids))))
         return rid
@@ -117,7 +119,7 @@ class Engine:
 
     # --- scheduling ---------------------------------------------------------------------------
     def _blocks_for(self, req: _Request, upto: int) -> int:
-        return max(0, -(-upto // self.block_size) - len(req.blocks))
+        return max(0, ceil_div(upto, self.block_size) - len(req.blocks))
 
     def _preempt(self, req: _Request) -> None:
         self.running.remove(req)
@@ -153,11 +155,11 @@ class Engine:
 
     # --- one step -----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one batched forward step; returns the requests that finished in it."""
-        done_before = len(self.finished)
+        """Run one batched forward step; returns the requests that finished since the last step
+        (refused ones included)."""
         plan = self._schedule()
         if not plan:
-            return self._drain(done_before)
+            return self._take_done()
         device = self.model.device
         ids, pos, slots, cu, lens = [], [], [], [0], []
         width = max(len(r.blocks) for r, _ in plan)
@@ -193,7 +195,7 @@ class Engine:
                     elif len(req.out.token_ids) >= req.params.max_new_tokens:
                         self._finish(req, "length")
         self.stats["steps"] += 1
-        return self._drain(done_before)
+        return self._take_done()
 
     def _finish(self, req: _Request, reason: str) -> None:
         req.out.finish_reason = reason
@@ -202,23 +204,18 @@ class Engine:
         self.running.remove(req)
         self.free.extend(reversed(req.blocks))
         req.blocks = []
-        self.finished.append(req.out)
+        self._done.append(req.out)
 
-    def _drain(self, start: int) -> list[RequestOutput]:
-        out = self.finished[start:]
+    def _take_done(self) -> list[RequestOutput]:
+        out, self._done = self._done, []
         return out
 
     # --- conveniences -------------------------------------------------------------------------
     def stream(self) -> Iterator[RequestOutput]:
         """Yield requests as they finish, stepping until none is left."""
-        emitted = 0
-        while True:
-            while emitted < len(self.finished):
-                emitted += 1
-                yield self.finished[emitted - 1]
-            if not self.has_unfinished():
-                return
-            self.step()
+        yield from self._take_done()
+        while self.has_unfinished():
+            yield from self.step()
 
     def generate(self, prompts: Sequence, sampling: SamplingParams | Sequence[SamplingParams] | None = None,
                  progress: bool = False) -> list[RequestOutput]:
@@ -227,18 +224,19 @@ class Engine:
             sampling = [sampling or SamplingParams()] * len(prompts)
         if len(sampling) != len(prompts):
             raise ValueError(f"sampling: expected one SamplingParams or {len(prompts)}, got {len(sampling)}")
-        start = len(self.finished)
         ids = [self.add_request(p, s) for p, s in zip(prompts, sampling)]
+        by_id = {o.request_id: o for o in self._take_done()}
         started, shown = time.time(), 0.0
         while self.has_unfinished():
-            self.step()
+            by_id.update((o.request_id, o) for o in self.step())
             if progress and time.time() - shown > 0.5:
                 shown = time.time()
-                done = len(self.finished) - start
                 rate = self.stats["tokens"] / max(1e-9, shown - started)
-                print(f"\r[engine] {done}/{len(ids)} done, {self.stats['tokens']} tokens, {rate:.0f} tok/s",
+                print(f"\r[engine] {sum(i in by_id for i in ids)}/{len(ids)} done, {self.stats['tokens']} tokens, {rate:.0f} tok/s",
                       end="", file=sys.stderr, flush=True)
+        mine = set(ids)
         if progress:
-            print(file=sys.stderr)
-        by_id = {o.request_id: o for o in self.finished[start:]}
+            print(f"\r[engine] {len(mine)}/{len(ids)} done, {self.stats['tokens']} tokens", file=sys.stderr)
+        # Requests added before this call finished too: their outputs wait for the next step() or stream().
+        self._done.extend(o for rid, o in by_id.items() if rid not in mine)
         return [by_id[i] for i in ids]

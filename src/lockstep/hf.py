@@ -12,7 +12,7 @@ swapped forward calls a lockstep op:
 - *MLP -> down(ops.silu_mul(gate(x), up(x)));
 - rotary embedding -> ops.rope on the position ids (the rotary module passes the positions through,
   and apply_rotary_pos_emb rotates with lockstep's float64 angles);
-- attention -> lockstep.batch_invariant.MaskedAttention: fixed 64-key blocks anchored at each
+- attention -> lockstep.mode.MaskedAttention: fixed 64-key blocks anchored at each
   query's first visible key, so padding, batching and KV-cache decode change no bit.
 """
 
@@ -25,7 +25,7 @@ import torch
 from torch import Tensor, nn
 
 from . import ops
-from .ops.rope import Llama3RopeScaling
+from .rotary import Llama3RopeScaling
 
 FAMILIES = ("llama", "qwen2", "qwen3")
 _ATTN = "lockstep"
@@ -73,13 +73,13 @@ def _make_apply(original):
 def lockstep_attention(module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
                        dropout: float = 0.0, scaling: float | None = None, **kwargs) -> tuple[Tensor, None]:
     """transformers attention function: query [B, Hq, Lq, D], key/value [B, Hkv, Lk, D]."""
-    from .batch_invariant import MaskedAttention, _visible
+    from .mode import MaskedAttention, visible_mask
 
     if dropout:
         raise NotImplementedError("lockstep attention: dropout is not supported (train with attention_dropout=0)")
     lq, lk = query.shape[-2], key.shape[-2]
     is_causal = attention_mask is None and lq > 1 and getattr(module, "is_causal", True)
-    visible = _visible(query, key, attention_mask, False)
+    visible = visible_mask(query, key, attention_mask, False)
     if is_causal:                     # bottom-right: the queries are the last lq of lk positions
         pos = torch.arange(lk - lq, lk, device=query.device)[:, None]
         visible &= torch.arange(lk, device=query.device)[None, :] <= pos
@@ -135,7 +135,7 @@ def patch(model: nn.Module) -> nn.Module:
 def unpatch(model: nn.Module) -> nn.Module:
     """Undo `patch`: the original forwards and attention implementation come back."""
     global _patched_count
-    family = _family(model)
+    _family(model)
     if not getattr(model, "_lockstep_patched", False):
         return model
     for module in model.modules():

@@ -19,6 +19,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import hashlib
 import math
 from dataclasses import asdict, dataclass, field
@@ -27,7 +28,8 @@ from typing import Callable
 import torch
 from torch import Tensor, nn
 
-from . import backend, contract
+from . import contract, registry
+from .fixed_order import ceil_div
 
 
 @dataclass
@@ -89,7 +91,7 @@ class Recorder:
             for name, module in self.model.named_modules():
                 self._hooks.append(module.register_forward_pre_hook(self._enter_module(name)))
                 self._hooks.append(module.register_forward_hook(self._leave_module))
-        backend.RECORDERS.append(self)
+        registry.RECORDERS.append(self)
         return self
 
     def _enter_module(self, name: str) -> Callable:
@@ -101,7 +103,7 @@ class Recorder:
         self._stack.pop()     # returns None, so the module's output is left alone
 
     def __exit__(self, *exc) -> None:
-        backend.RECORDERS.remove(self)
+        registry.RECORDERS.remove(self)
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
@@ -272,8 +274,8 @@ class RunConfig:
                 raise ValueError(f"config: unknown key {key!r}; expected backend, layout or dtype")
             setattr(out, key, value)
         contract.parse_dtype(out.dtype)
-        if out.backend not in backend.available_backends():
-            raise ValueError(f"config: unknown backend {out.backend!r}; expected one of {backend.available_backends()}")
+        if out.backend not in registry.available_backends():
+            raise ValueError(f"config: unknown backend {out.backend!r}; expected one of {registry.available_backends()}")
         if not (out.layout in ("alone", "decode") or (out.layout[:5] == "batch" and out.layout[5:].isdigit())
                 or (out.layout[:5] == "chunk" and out.layout[5:].isdigit())):
             raise ValueError(f"config: unknown layout {out.layout!r}; expected alone, batchN, chunkN or decode")
@@ -291,11 +293,11 @@ def record_run(model, target: Tensor, others: list[Tensor], cfg: RunConfig) -> t
     model = copy.deepcopy(model).to(contract.parse_dtype(cfg.dtype))
     if cfg.layout.startswith("chunk") or cfg.layout == "decode":
         chunk = 1 if cfg.layout == "decode" else int(cfg.layout[5:])
-        with backend.use_backend(cfg.backend):
+        with registry.use_backend(cfg.backend):
             rec = _record_cached(model, target, chunk)
         n = target.numel()
         return rec, RowView(n, 1, (0, n), 0)
-    with backend.use_backend(cfg.backend), Recorder(model) as rec:
+    with registry.use_backend(cfg.backend), Recorder(model) as rec:
         n_batch = 1 if cfg.layout == "alone" else int(cfg.layout[5:])
         seqs = [target] if n_batch == 1 else ([others[0], target] + others[1:n_batch - 1])
         position = seqs.index(target) if n_batch == 1 else 1
@@ -318,7 +320,7 @@ def _record_cached(model, target: Tensor, chunk: int) -> Recorder:
     from .model import CacheStep
 
     n, bs = target.numel(), 8
-    blocks = -(-n // bs)
+    blocks = ceil_div(n, bs)
     cache = model.allocate_kv_cache(blocks, bs)
     table = torch.arange(blocks)[None]
     passes, hidden = [], []
@@ -341,14 +343,8 @@ def _record_cached(model, target: Tensor, chunk: int) -> Recorder:
         merged.forward.append(OpRecord(i, "forward", first.module, op, first.slot, list(t.shape), first.dtype,
                                        digest, mx, norm, t))
     for r in head.forward:
-        merged.forward.append(dataclasses_replace(r, index=len(merged.forward)))
+        merged.forward.append(dataclasses.replace(r, index=len(merged.forward)))
     return merged
-
-
-def dataclasses_replace(record: OpRecord, **changes) -> OpRecord:
-    import dataclasses
-
-    return dataclasses.replace(record, **changes)
 
 
 def parity(model, a: RunConfig, b: RunConfig, seed: int = 0, length: int = 24) -> Comparison:
@@ -370,8 +366,8 @@ class PlainTrainer:
     tokens, torch's clip_grad_norm_, and lockstep's learning-rate schedule."""
 
     def __init__(self, lockstep_model, cfg):
-        from transformers import AutoModelForCausalLM, PretrainedConfig  # noqa: F401
         import transformers
+        from transformers import AutoModelForCausalLM, PretrainedConfig  # noqa: F401
 
         c = lockstep_model.config
         hf_cfg = transformers.AutoConfig.for_model(c.family, **{k: v for k, v in c.to_hf().items()
@@ -426,7 +422,6 @@ def compare_trajectories(make_trainer: Callable[[], object], side_a: str, side_b
     "plain" for PlainTrainer. Tolerances default to 0 (bitwise) for two lockstep trainers and to the
     trainer-parity contract against the plain trainer. Returns per-step rows, the first step outside
     the tolerance and, for two lockstep trainers, the first diverging op of that step."""
-    from .train import grad_norm
 
     trainers = {}
     for side in (side_a, side_b):
@@ -448,7 +443,7 @@ def compare_trajectories(make_trainer: Callable[[], object], side_a: str, side_b
                 recs[side] = t.step(window)
                 named = list(t.named_parameters())
             else:
-                with backend.use_backend(side):
+                with registry.use_backend(side):
                     recs[side] = t.step(window)
                 named = t.named
             recs[side]["param_norm"] = _param_norm(named)
@@ -480,8 +475,48 @@ def _step_divergence(trainer, state: dict, micro_batch: list[Tensor], side_a: st
     recs = []
     for side in (side_a, side_b):
         m = copy.deepcopy(model)
-        with backend.use_backend(side), Recorder(m) as rec:
+        with registry.use_backend(side), Recorder(m) as rec:
             loss, n = cross_entropy_sum(m, micro_batch)
             (loss / n).backward()
         recs.append(rec)
     return compare(recs[0], recs[1]).to_dict()
+
+
+def trajectory_on_random_tokens(make_model: Callable[[], nn.Module], side_a: str, side_b: str, steps: int,
+                                seed: int = 0) -> dict:
+    """`compare_trajectories` of two sides ("plain" or a backend name) training copies of
+    `make_model()` on 20,000 random tokens in sequences of 32, two micro-batches of 64 tokens a step."""
+    from .train import PackedDataset, TrainConfig, Trainer
+
+    for side in (side_a, side_b):
+        if side != "plain" and side not in registry.available_backends():
+            raise ValueError(f"trajectory: unknown side {side!r}; expected 'plain' or a backend "
+                             f"{registry.available_backends()}")
+    vocab = make_model().config.vocab_size
+    tokens = torch.randint(0, vocab, (20000,), generator=torch.Generator().manual_seed(seed)).tolist()
+    cfg = TrainConfig(steps=steps, seq_len=32, micro_batch_tokens=64, accum=2, lr=2e-3, warmup=2)
+
+    def make_trainer():
+        return Trainer(make_model(), PackedDataset(tokens, cfg.seq_len, cfg.micro_batch_tokens, seed), cfg)
+
+    return compare_trajectories(make_trainer, side_a, side_b, steps)
+
+
+def format_trajectory(result: dict) -> str:
+    """`compare_trajectories`' result as text: a line per step, the first step outside the contract
+    and, when known, the first op that diverged in it."""
+    lines = []
+    for r in result["rows"]:
+        lines.append(f"step {r['step']:3d}  loss {r['loss_a']:.6f} {r['loss_b']:.6f}  |dloss| {r['loss_diff']:.2e}  "
+                     f"grad norm {r['grad_norm_a']:.4f} {r['grad_norm_b']:.4f}  max |dparam| {r['max_param_diff']:.2e}")
+    first = result["first_step_outside_contract"]
+    lines.append(f"first step outside the contract (loss {result['loss_tol']}, params {result['param_tol']}): "
+                 f"{first if first is not None else 'none'}")
+    if result["first_diverging_op"]:
+        c = result["first_diverging_op"]
+        for phase in ("forward", "backward"):
+            d = c["first"][phase]
+            lines.append(f"  at that step, {phase}: " + ("identical" if d is None else
+                         f"first divergence {d['module'] or '<top>'} {d['op']} [{d['slot']}], max abs diff "
+                         f"{d['max_abs_diff']:.3e}, max ulp diff {d['max_ulp_diff']}"))
+    return "\n".join(lines)

@@ -25,17 +25,14 @@ import os
 import shutil
 import sys
 import time
-from dataclasses import asdict, dataclass, field
-from typing import Iterator
+from dataclasses import asdict, dataclass
 
 import torch
 from torch import Tensor
 
 from . import ops
-from .model import ModelConfig, Transformer, load_model, pack
-from .model.checkpoint import save_model
-from .model.tokenizer import load_tokenizer
-from .portable.fixed_order import row_sum
+from .fixed_order import row_sum
+from .model import ModelConfig, Transformer, load_model, load_tokenizer, model_from_source, pack
 
 
 # --------------------------------------------------------------------------------------------
@@ -336,7 +333,7 @@ class Trainer:
         final = os.path.join(out_dir, name)
         tmp = os.path.join(out_dir, f".tmp-{name}-{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)
-        save_model(self.model, tmp)
+        self.model.save(tmp)
         save_file({k: v.contiguous() for k, v in self.opt.state_tensors().items()}, os.path.join(tmp, "optimizer.safetensors"))
         state = {"step": self.step_idx, "data": self.data.state(), "rng": self.rng.get_state().tolist(),
                  "train_config": asdict(self.cfg), "model_fingerprint": model_fingerprint(self.model.config)}
@@ -390,12 +387,8 @@ class Trainer:
 
 def make_model_and_tokens(model_arg: str, data_path: str, dtype: torch.dtype, seed: int) -> tuple[Transformer, list[int]]:
     """Load (or build the tiny) model and tokenize the data; token ids beyond the vocab are refused."""
-    if model_arg == "tiny":
-        model = Transformer.from_config(ModelConfig.tiny("llama", vocab_size=320), seed=seed, dtype=dtype)
-        tokenizer = load_tokenizer(None)
-    else:
-        model = load_model(model_arg, dtype=dtype)
-        tokenizer = model.tokenizer
+    model = model_from_source(model_arg, dtype, "llama", seed, vocab_size=320)
+    tokenizer = model.tokenizer if model.tokenizer is not None else load_tokenizer(None)
     texts = read_texts(data_path)
     tokens: list[int] = []
     for t in texts:
@@ -410,31 +403,24 @@ def make_model_and_tokens(model_arg: str, data_path: str, dtype: torch.dtype, se
     return model, tokens
 
 
-def run_cli(args) -> int:
-    """`lockstep train`: see `lockstep train --help`."""
-    from .contract import parse_dtype
-
-    cfg = TrainConfig(steps=args.steps, seq_len=args.seq_len, micro_batch_tokens=args.micro_batch_tokens,
-                      accum=args.accum, lr=args.lr, warmup=args.warmup, weight_decay=args.weight_decay,
-                      grad_clip=args.grad_clip, seed=args.seed, master_weights=args.master_weights,
-                      save_every=args.save_every)
+def run(model: str, data: str, out: str, cfg: TrainConfig, dtype: torch.dtype = torch.float32,
+        resume: bool = False, progress: bool = True) -> dict:
+    """Train `model` ("tiny" or a checkpoint folder) on the text at `data`, writing checkpoints and
+    log.jsonl to `out`; under torchrun, data parallel over the ranks. Returns a summary (first and
+    last record, checkpoint path, log path). Raises ValueError or OSError on bad input before any
+    step, NonFiniteLoss when the loss stops being finite (the last good checkpoint is kept)."""
     from . import dist as ldist
 
     distributed = ldist.init_from_env()
     rank = int(os.environ.get("RANK", "0")) if distributed else 0
     try:
         cfg.validate()
-        model, tokens = make_model_and_tokens(args.model, args.data, parse_dtype(args.dtype), args.seed)
-        data = PackedDataset(tokens, cfg.seq_len, cfg.micro_batch_tokens, cfg.seed)
-        trainer = Trainer(model, data, cfg)
-        if args.resume:
-            trainer.resume(args.out)
+        network, tokens = make_model_and_tokens(model, data, dtype, cfg.seed)
+        trainer = Trainer(network, PackedDataset(tokens, cfg.seq_len, cfg.micro_batch_tokens, cfg.seed), cfg)
+        if resume:
+            trainer.resume(out)
         runner = ldist.DataParallelTrainer(trainer) if distributed else trainer
-    except (OSError, ValueError) as e:
-        print(f"lockstep train: {'rank %d: ' % rank if distributed else ''}{e}", file=sys.stderr)
-        return 2
-    try:
-        return _train_loop(args, cfg, trainer, runner, rank)
+        return _train_loop(out, cfg, trainer, runner, rank, progress)
     finally:
         if distributed:
             import torch.distributed
@@ -442,21 +428,17 @@ def run_cli(args) -> int:
             torch.distributed.destroy_process_group()
 
 
-def _train_loop(args, cfg: TrainConfig, trainer: Trainer, runner, rank: int) -> int:
+def _train_loop(out: str, cfg: TrainConfig, trainer: Trainer, runner, rank: int, progress: bool) -> dict:
     """Steps, progress, JSONL log and checkpoints; rank 0 alone writes (every rank holds the same bits)."""
     save = runner.save
-    os.makedirs(args.out, exist_ok=True)
-    log_path = os.path.join(args.out, "log.jsonl" if rank == 0 else f".log-rank{rank}.jsonl")
+    os.makedirs(out, exist_ok=True)
+    log_path = os.path.join(out, "log.jsonl" if rank == 0 else f".log-rank{rank}.jsonl")
     started = time.time()
     first = last = None
     seen_tokens = 0
     with open(log_path, "a") as log:
         while trainer.step_idx < cfg.steps:
-            try:
-                rec = runner.step()
-            except NonFiniteLoss as e:
-                print(f"\nlockstep train: {e}; the last good checkpoint is kept in {args.out}", file=sys.stderr)
-                return 3
+            rec = runner.step()
             rec["seconds"] = round(time.time() - started, 3)
             log.write(json.dumps(rec) + "\n")
             log.flush()
@@ -466,21 +448,16 @@ def _train_loop(args, cfg: TrainConfig, trainer: Trainer, runner, rank: int) -> 
             rate = seen_tokens / max(1e-9, time.time() - started)
             done = rec["step"] / cfg.steps
             bar = "#" * int(30 * done) + "-" * (30 - int(30 * done))
-            if rank == 0:
+            if rank == 0 and progress:
                 print(f"\r[{bar}] step {rec['step']}/{cfg.steps} loss {rec['loss']:.4f} "
                       f"grad_norm {rec['grad_norm']:.3f} {rate:.0f} tok/s", end="", file=sys.stderr, flush=True)
             if cfg.save_every and rec["step"] % cfg.save_every == 0:
-                save(args.out)
-    if rank == 0:
+                save(out)
+    if rank == 0 and progress:
         print(file=sys.stderr)
-    save(args.out)
-    path = os.path.join(args.out, f"step-{trainer.step_idx:06d}")
+    save(out)
     if rank != 0:
         os.remove(log_path)
-        return 0
-    if first is None:
-        print(f"lockstep train: already at step {trainer.step_idx}; checkpoint {path}")
-        return 0
-    print(f"lockstep train: {last['step']} steps, loss {first['loss']:.4f} -> {last['loss']:.4f}, "
-          f"{time.time() - started:.1f}s; checkpoint {path}; log {log_path}")
-    return 0
+    return {"rank": rank, "step": trainer.step_idx, "first": first, "last": last,
+            "checkpoint": os.path.join(out, f"step-{trainer.step_idx:06d}"), "log": log_path,
+            "seconds": time.time() - started}

@@ -1,4 +1,4 @@
-"""`lockstep verify`: the train-inference gate (CONTRACT.md section 4).
+"""`lockstep verify`: the train-inference gate (docs/contract.md, section 4).
 
 For each dtype it generates completions under a sweep of engine settings. The sweep covers
 max_num_seqs 1, 3 and all; token budgets that cut prefill into chunks; arrival orders; a cache small
@@ -22,9 +22,10 @@ from typing import Callable
 import torch
 
 from . import contract, ops
-from .backend import use_backend
 from .engine import Engine, RequestOutput
+from .fixed_order import ceil_div
 from .model import Transformer, logprobs, pack
+from .registry import use_backend
 from .sampling import SamplingParams
 
 
@@ -82,7 +83,7 @@ def _generate(model: Transformer, prompts: list[list[int]], sp: SamplingParams, 
     num_blocks = None
     if s.tight_cache:
         longest = max(len(p) for p in prompts) + max_new_tokens
-        num_blocks = 2 * -(-longest // block_size) + 1
+        num_blocks = 2 * ceil_div(longest, block_size) + 1
     engine = Engine(model, max_num_seqs=s.max_num_seqs or len(prompts), max_num_batched_tokens=s.budget,
                     block_size=block_size, num_blocks=num_blocks)
     outs = engine.generate([prompts[i] for i in order], sp)

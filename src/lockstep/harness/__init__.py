@@ -1,0 +1,41 @@
+"""The invariance sweeps and accuracy checks behind `lockstep check` and the test suite.
+
+    specs.py            how each op's inputs are built (its harness spec, by op name)
+    check.py            the row sweeps and the accuracy check of one op
+    attention_check.py  attention's sweeps: chunked prefill, paged decode, ...
+    model_check.py      a whole model's sweeps and its float64 chain
+
+`check(op, dtype)` runs the check that contract.toml's [ops] table names for an op.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import contract
+from .attention_check import check_attention
+from .check import OpReport, check_large, check_op
+from .specs import SPECS
+
+
+def checks_of(backend: str) -> list[str]:
+    """The harness checks that cover `backend`'s ops, in contract.toml order, each once."""
+    out: list[str] = []
+    for op in contract.backend_ops(backend):
+        name = contract.op_entry(op)["check"]
+        if name not in out:
+            out.append(name)
+    return out
+
+
+def check(name: str, dtype: torch.dtype, backend: str = "portable", grad: bool = True, seed: int = 0,
+          device: str = "cpu", large: bool = False) -> OpReport:
+    """Every sweep and the accuracy check of harness check `name` (an op name; see `checks_of`).
+
+    large: also the LLM-width sweep, for the ops whose spec has one."""
+    if name == "attention":
+        return check_attention(dtype, backend=backend, grad=grad, seed=seed)
+    report = check_op(name, dtype, backend=backend, grad=grad, seed=seed, device=device)
+    if large and SPECS[name].large:
+        report.sweeps.append(check_large(name, dtype, backend=backend, seed=seed))
+    return report

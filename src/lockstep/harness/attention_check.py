@@ -1,4 +1,4 @@
-"""Invariance sweeps and accuracy for attention (CONTRACT.md section 2.2 and 2.3).
+"""Invariance sweeps and accuracy for attention (docs/contract.md, section 2).
 
 The reference layout is every sequence prefilled whole in one packed call. Each sweep computes the
 same sequences another way and demands bitwise equal outputs (and, where a backward exists, equal
@@ -16,9 +16,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .. import contract, ops, reference
-from ..backend import use_backend
-from .check import AccuracyResult, OpReport, SweepResult, _diff, _max_abs, num_threads
+from .. import contract, ops
+from ..backends import reference
+from ..fixed_order import ceil_div
+from ..registry import use_backend
+from .check import AccuracyResult, OpReport, SweepResult, bitwise_diff, max_abs_error, num_threads
 
 
 @dataclass(frozen=True)
@@ -97,7 +99,7 @@ def _compare(name: str, ref: list[tuple], got: list[tuple], pairs: list[tuple[in
     labels = ("output", "dq", "dk", "dv")
     for ri, gi in pairs:
         for label, a, b in zip(labels, got[gi], ref[ri]):
-            eq, d = _diff(a, b)
+            eq, d = bitwise_diff(a, b)
             rows += a.shape[0] if label == "output" else 0
             if not eq:
                 ok = False
@@ -140,12 +142,12 @@ def _paged_decode(case: AttnCase, backend: str, first_chunk: int = 5) -> list[Te
     step from a paged cache with scattered blocks and NaN in every slot not yet written."""
     s = case.sizes
     n = len(case.seqs)
-    blocks_needed = sum(-(-x.q.shape[0] // s.block_size) for x in case.seqs)
+    blocks_needed = sum(ceil_div(x.q.shape[0], s.block_size) for x in case.seqs)
     num_blocks = blocks_needed + 3
     k_cache = torch.full((num_blocks, s.block_size, s.kv_heads, s.head_dim), float("nan"), dtype=case.dtype)
     v_cache = torch.full_like(k_cache, float("nan"))
     free = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(7)).tolist()
-    max_blocks = max(-(-x.q.shape[0] // s.block_size) for x in case.seqs)
+    max_blocks = max(ceil_div(x.q.shape[0], s.block_size) for x in case.seqs)
     table = torch.zeros((n, max_blocks), dtype=torch.int64)
     owned = [0] * n
     done = [0] * n
@@ -195,7 +197,7 @@ def _accuracy(case: AttnCase, ref: list[tuple], grad: bool) -> AccuracyResult:
     got_out = torch.cat([r[0] for r in ref])
     eager_out = torch.cat([r[0] for r in eager])
     tol = contract.tolerance("attention", case.dtype, "forward")
-    fwd_err, eager_err = _max_abs(got_out, out64), _max_abs(eager_out, out64)
+    fwd_err, eager_err = max_abs_error(got_out, out64), max_abs_error(eager_out, out64)
     rel = (got_out.double() - out64.detach()).abs() / out64.detach().abs().clamp_min(1e-30)
     factor, floor_ulps = contract.relative_to_pytorch()
     relative_ok = fwd_err <= factor * eager_err + floor_ulps * contract.ulp(case.dtype, float(out64.detach().abs().max()))
@@ -206,10 +208,10 @@ def _accuracy(case: AttnCase, ref: list[tuple], grad: bool) -> AccuracyResult:
         for idx, full in ((1, q.grad), (2, k.grad), (3, v.grad)):
             got = torch.cat([r[idx] for r in ref])
             eg = torch.cat([r[idx] for r in eager])
-            err = _max_abs(got, full)
-            g_err, e_g = max(g_err, err), max(e_g, _max_abs(eg, full))
+            err = max_abs_error(got, full)
+            g_err, e_g = max(g_err, err), max(e_g, max_abs_error(eg, full))
             g_excess = max(g_excess, gtol.excess(got, full))
-            relative_ok = relative_ok and err <= factor * _max_abs(eg, full) + floor_ulps * contract.ulp(
+            relative_ok = relative_ok and err <= factor * max_abs_error(eg, full) + floor_ulps * contract.ulp(
                 case.dtype, float(full.abs().max()))
     passed = tol.excess(got_out, out64) <= 0 and (g_excess is None or g_excess <= 0) and relative_ok
     ratio = fwd_err / eager_err if eager_err > 0 else (0.0 if fwd_err == 0 else math.inf)

@@ -3,7 +3,7 @@
 The reference layout is one batch of `Sizes.pool` rows in order. Every sweep builds another layout
 of some of the same rows (alone, in pairs, permuted, padded, next to NaN rows, strided, on one
 thread, again) and demands that each row's output and input gradients are bitwise those of the
-reference layout (CONTRACT.md section 2). Weight gradients must be identical run to run, on 1 and
+reference layout (docs/contract.md, section 2). Weight gradients must be identical run to run, on 1 and
 2 threads, and with zero-gradient padding rows appended.
 """
 
@@ -17,9 +17,10 @@ from typing import Iterator
 import torch
 from torch import Tensor
 
-from .. import contract, ops, reference
-from ..backend import use_backend
-from ..portable.fixed_order import ROW_TILE
+from .. import contract, ops
+from ..backends import reference
+from ..fixed_order import ROW_TILE
+from ..registry import use_backend
 from .specs import LARGE, OpSpec, Sizes, get
 
 GARBAGE_PAD = "pad"   # finite garbage, zero upstream gradient
@@ -168,7 +169,7 @@ def run(pool: Pool, backend: str, layout: list[int], kind: str = GARBAGE_PAD, st
     return Run(out.detach().cpu(), row_grads, param_grads)
 
 
-def _diff(a: Tensor, b: Tensor) -> tuple[bool, float]:
+def bitwise_diff(a: Tensor, b: Tensor) -> tuple[bool, float]:
     """Bitwise comparison with NaN equal to NaN by position; also the max abs difference."""
     if a.shape != b.shape:
         return False, math.inf
@@ -191,7 +192,7 @@ def compare_rows(ref: Run, got: Run, layout: list[int], name: str, params_too: b
         pairs += [(f"d{k}", got.param_grads[k], ref.param_grads[k]) for k in ref.param_grads]
     ok, worst, what = True, 0.0, ""
     for label, a, b in pairs:
-        eq, d = _diff(a, b)
+        eq, d = bitwise_diff(a, b)
         if not eq:
             ok = False
             if d >= worst:
@@ -257,7 +258,7 @@ def _reference_run(pool: Pool) -> Run:
                {k: v.grad for k, v in params.items() if pool.grad})
 
 
-def _max_abs(a: Tensor, b: Tensor) -> float:
+def max_abs_error(a: Tensor, b: Tensor) -> float:
     d = (a.detach().double() - b.detach().double()).abs()
     d = torch.where(d.isnan(), torch.full_like(d, math.inf), d)
     return float(d.max()) if d.numel() else 0.0
@@ -273,23 +274,23 @@ def accuracy(pool: Pool, got: Run) -> AccuracyResult:
     with num_threads(2):
         eager = run(pool, "eager", list(range(pool.sizes.pool)))
     fwd_tol = contract.tolerance(op, dtype, "forward")
-    fwd_err = _max_abs(got.out, ref.out)
+    fwd_err = max_abs_error(got.out, ref.out)
     rel = (got.out.double() - ref.out).abs() / ref.out.abs().clamp_min(1e-30)
     fwd_rel = float(torch.nan_to_num(rel, nan=math.inf).max())
     fwd_excess = fwd_tol.excess(got.out, ref.out)
-    eager_fwd = _max_abs(eager.out, ref.out)
+    eager_fwd = max_abs_error(eager.out, ref.out)
     factor, floor_ulps = contract.relative_to_pytorch()
     out_dtype = pool.out_dtype
     relative_ok = fwd_err <= factor * eager_fwd + floor_ulps * contract.ulp(out_dtype, float(ref.out.abs().max()))
     grad_err = grad_excess = eager_grad = None
     if pool.grad:
         g_tol = contract.tolerance(op, dtype, "gradient")
-        grad_err = max((_max_abs(a, b) for a, b in zip(_all_grads(got), _all_grads(ref))), default=0.0)
+        grad_err = max((max_abs_error(a, b) for a, b in zip(_all_grads(got), _all_grads(ref))), default=0.0)
         grad_excess = max((g_tol.excess(a, b) for a, b in zip(_all_grads(got), _all_grads(ref))), default=-1.0)
-        eager_grad = max((_max_abs(a, b) for a, b in zip(_all_grads(eager), _all_grads(ref))), default=0.0)
+        eager_grad = max((max_abs_error(a, b) for a, b in zip(_all_grads(eager), _all_grads(ref))), default=0.0)
         for a, e, b in zip(_all_grads(got), _all_grads(eager), _all_grads(ref)):
             floor = floor_ulps * contract.ulp(a.dtype, float(b.abs().max()))
-            relative_ok = relative_ok and _max_abs(a, b) <= factor * _max_abs(e, b) + floor
+            relative_ok = relative_ok and max_abs_error(a, b) <= factor * max_abs_error(e, b) + floor
     passed = fwd_excess <= 0 and (grad_excess is None or grad_excess <= 0) and relative_ok
     ratio = fwd_err / eager_fwd if eager_fwd > 0 else (0.0 if fwd_err == 0 else math.inf)
     return AccuracyResult(fwd_err, fwd_rel, fwd_excess, eager_fwd, grad_err, grad_excess, eager_grad,

@@ -1,5 +1,5 @@
 """Model-level checks: per-token logprobs bitwise invariant across layouts, and the chain against
-the same model run on the float64 reference ops (CONTRACT.md sections 2.2 and 4)."""
+the same model run on the float64 reference ops (docs/contract.md, sections 2 and 4)."""
 
 from __future__ import annotations
 
@@ -10,16 +10,17 @@ import torch
 from torch import Tensor
 
 from .. import contract, ops
-from ..backend import use_backend
+from ..fixed_order import ceil_div
 from ..model import CacheStep, Transformer, logprobs
-from .check import SweepResult, _diff
+from ..registry import use_backend
+from .check import SweepResult, bitwise_diff
 
 
 def cached_logprobs(model: Transformer, seq: Tensor, chunk: int, block_size: int = 8) -> Tensor:
     """One sequence through the paged-cache path in chunks of `chunk` tokens (scattered blocks);
     the logprobs of its tokens 1..n-1."""
     n = seq.shape[0]
-    blocks = -(-n // block_size)
+    blocks = ceil_div(n, block_size)
     cache = model.allocate_kv_cache(num_blocks=2 * blocks + 1, block_size=block_size)
     table = torch.randperm(2 * blocks + 1, generator=torch.Generator().manual_seed(n))[:blocks][None]
     hidden = []
@@ -48,7 +49,7 @@ class ModelReport:
 def _compare(name: str, want: list[Tensor], got: list[Tensor]) -> SweepResult:
     ok, worst, rows = True, 0.0, 0
     for a, b in zip(got, want):
-        eq, d = _diff(a.detach(), b.detach())
+        eq, d = bitwise_diff(a.detach(), b.detach())
         ok, worst, rows = ok and eq, max(worst, d if not eq else 0.0), rows + a.numel()
     return SweepResult(name, ok and rows > 0, worst, rows, "" if ok else "logprobs differ")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from ..ops.rope import Llama3RopeScaling
+from ..rotary import Llama3RopeScaling
 
 # Hugging Face model_type -> the fields that make the family what it is.
 FAMILIES: dict[str, dict] = {

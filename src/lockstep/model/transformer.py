@@ -14,8 +14,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from .. import ops
+from .. import checks, ops
 from .config import ModelConfig
+from .files import write_folder
 
 
 class Linear(nn.Module):
@@ -186,9 +187,9 @@ class Transformer(nn.Module):
         return self.model.embed_tokens.weight.device
 
     def _check_ids(self, input_ids: Tensor) -> None:
-        ops._checks.int_tensor("input_ids", input_ids)
-        ops._checks.ndim("input_ids", input_ids, 1, "a 1-D tensor of packed token ids [T]")
-        ops._checks.in_range("input_ids", input_ids, self.config.vocab_size)
+        checks.int_tensor("input_ids", input_ids)
+        checks.ndim("input_ids", input_ids, 1, "a 1-D tensor of packed token ids [T]")
+        checks.in_range("input_ids", input_ids, self.config.vocab_size)
 
     # --- forward paths ------------------------------------------------------------------------
     def embed(self, input_ids: Tensor) -> Tensor:
@@ -230,9 +231,10 @@ class Transformer(nn.Module):
         return KVCache([make() for _ in range(c.num_layers)], [make() for _ in range(c.num_layers)])
 
     def save(self, path: str) -> None:
-        from .checkpoint import save_model
-
-        save_model(self, path)
+        """Write config.json and model.safetensors that `load_model` and transformers both read."""
+        hf = self.config.to_hf()
+        hf["torch_dtype"] = str(self.dtype).removeprefix("torch.")
+        write_folder(path, {n: p.detach() for n, p in self.named_parameters()}, hf)
 
 
 def pack(sequences: list, device: str | torch.device = "cpu") -> tuple[Tensor, Tensor]:

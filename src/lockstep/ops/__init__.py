@@ -4,13 +4,14 @@ Every op validates its arguments here and then runs the implementation chosen by
 registry (`lockstep.use_backend`), so callers never change when a backend does.
 """
 
+from ..rotary import Llama3RopeScaling, rope_inv_freq
 from .attention import attention, paged_attention, write_kv
 from .cross_entropy import cross_entropy
 from .embedding import embedding
 from .linear import linear
 from .log_softmax import log_softmax
 from .rms_norm import rms_norm
-from .rope import Llama3RopeScaling, rope, rope_inv_freq
+from .rope import rope
 from .selected_logprobs import selected_logprobs
 from .silu_mul import silu_mul
 

@@ -13,8 +13,8 @@ import math
 import torch
 from torch import Tensor
 
-from ..backend import resolve
-from . import _checks as c
+from .. import checks as c
+from ..registry import resolve
 
 MAX_HEAD_DIM = 256
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from ..backend import resolve
-from . import _checks as c
+from .. import checks as c
+from ..registry import resolve
 
 
 def embedding(ids: Tensor, weight: Tensor) -> Tensor:

@@ -6,8 +6,8 @@ import math
 
 from torch import Tensor
 
-from ..backend import resolve
-from . import _checks as c
+from .. import checks as c
+from ..registry import resolve
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float = 1e-6, offset: float = 0.0) -> Tensor:

@@ -6,8 +6,8 @@ import math
 
 from torch import Tensor
 
-from ..backend import resolve
-from . import _checks as c
+from .. import checks as c
+from ..registry import resolve
 
 
 def selected_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float = 1.0) -> Tensor:

@@ -1,0 +1,7 @@
+"""The "eager" backend: plain PyTorch, written the way model code usually is. Not invariant.
+
+It exists for comparison: `lockstep check --backend eager` shows where stock PyTorch breaks the
+contract, and the relative-accuracy criterion measures lockstep against it.
+"""
+
+from . import attention, cross_entropy, embedding, linear, log_softmax, rms_norm, rope, selected_logprobs, silu_mul  # noqa: F401

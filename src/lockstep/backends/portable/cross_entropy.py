@@ -1,0 +1,42 @@
+"""Portable cross_entropy: per-row losses as in log_softmax, summed over rows by `column_sum`."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ...fixed_order import accumulate_dtype, reduce_losses, row_scale
+from ...registry import register
+from .log_softmax import shifted_and_lse
+
+
+class _CrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits: Tensor, targets: Tensor, ignore_index: int, reduction: str) -> Tensor:
+        xf = logits.to(accumulate_dtype(logits.dtype))
+        shifted, lse = shifted_and_lse(xf)
+        valid = targets != ignore_index
+        safe = torch.where(valid, targets, 0)
+        picked = shifted.gather(1, safe[:, None])[:, 0]
+        loss = torch.where(valid, lse - picked, torch.zeros_like(lse))
+        count = valid.sum()
+        ctx.save_for_backward(shifted, lse, safe, valid, count)
+        ctx.reduction = reduction
+        ctx.dtype = logits.dtype
+        return reduce_losses(loss, count, reduction, logits.dtype)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        shifted, lse, safe, valid, count = ctx.saved_tensors
+        acc = shifted.dtype
+        scale = row_scale(grad, ctx.reduction, count, shifted.shape[0], acc)
+        d = torch.exp(shifted - lse[:, None])
+        d.scatter_(1, safe[:, None], d.gather(1, safe[:, None]) - 1.0)
+        # where, not a multiply by zero: an ignored row holding NaN must still get a zero gradient.
+        d = torch.where(valid[:, None], d * scale[:, None], torch.zeros_like(d))
+        return d.to(ctx.dtype), None, None, None
+
+
+@register("portable", "cross_entropy")
+def cross_entropy(logits: Tensor, targets: Tensor, ignore_index: int, reduction: str) -> Tensor:
+    return _CrossEntropy.apply(logits.contiguous(), targets, ignore_index, reduction)

@@ -1,0 +1,38 @@
+"""Portable log_softmax: exact row max, fixed-order `row_sum` of exponentials."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ...fixed_order import accumulate_dtype, row_max, row_sum
+from ...registry import register
+
+
+def shifted_and_lse(xf: Tensor) -> tuple[Tensor, Tensor]:
+    """For rows xf [M, V] (accumulation dtype): (xf - max, log sum exp(xf - max)) per row."""
+    shifted = xf - row_max(xf)[:, None]
+    return shifted, torch.log(row_sum(torch.exp(shifted)))
+
+
+class _LogSoftmax(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor) -> Tensor:
+        shifted, lse = shifted_and_lse(x.to(accumulate_dtype(x.dtype)))
+        y = shifted - lse[:, None]
+        # The fp32 result is kept for backward: recomputing softmax from a bf16 output would lose
+        # the precision the forward just paid for.
+        ctx.save_for_backward(y)
+        ctx.dtype = x.dtype
+        return y.to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_y: Tensor):
+        (y,) = ctx.saved_tensors
+        g = grad_y.contiguous().to(y.dtype)
+        return (g - torch.exp(y) * row_sum(g)[:, None]).to(ctx.dtype)
+
+
+@register("portable", "log_softmax")
+def log_softmax(x: Tensor) -> Tensor:
+    return _LogSoftmax.apply(x.contiguous())

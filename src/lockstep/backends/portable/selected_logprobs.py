@@ -1,0 +1,92 @@
+"""Portable selected_logprobs: LM head + log p(target) over fixed vocabulary chunks.
+
+Forward: for each chunk of VOCAB_CHUNK rows of the head (in vocabulary order), logits of the
+chunk by the row-tiled GEMM, then an online log-sum-exp update per row. Backward recomputes each
+chunk's logits; d(hidden) accumulates the chunks in vocabulary order, and each chunk's weight
+gradient reduces over rows in fixed row blocks. Memory is O(tokens x VOCAB_CHUNK).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ...fixed_order import accumulate_dtype, matmul_rows, row_max, row_sum, weight_grad
+from ...registry import register
+
+VOCAB_CHUNK = 4096
+
+
+def _chunk_logits(hidden: Tensor, weight: Tensor, start: int, acc: torch.dtype, temperature: float) -> Tensor:
+    logits = matmul_rows(hidden, weight[start:start + VOCAB_CHUNK].t()).to(acc)
+    return logits if temperature == 1.0 else logits / temperature
+
+
+def _select(logits: Tensor, targets: Tensor, start: int) -> tuple[Tensor, Tensor]:
+    local = targets - start
+    inside = (local >= 0) & (local < logits.shape[1])
+    picked = logits.gather(1, local.clamp(0, logits.shape[1] - 1)[:, None])[:, 0]
+    return inside, picked
+
+
+def selected_logprobs_forward(hidden: Tensor, weight: Tensor, targets: Tensor,
+                              temperature: float = 1.0) -> tuple[Tensor, Tensor]:
+    """Returns (log p(target) [T], log-sum-exp [T]), both in the accumulation dtype."""
+    acc = accumulate_dtype(hidden.dtype)
+    run_max = run_sum = target_logit = None
+    for start in range(0, weight.shape[0], VOCAB_CHUNK):
+        logits = _chunk_logits(hidden, weight, start, acc, temperature)
+        chunk_max = row_max(logits)
+        if run_max is None:
+            run_max = chunk_max
+            run_sum = row_sum(torch.exp(logits - run_max[:, None]))
+            target_logit = torch.zeros_like(run_max)
+        else:
+            new_max = torch.maximum(run_max, chunk_max)
+            run_sum = run_sum * torch.exp(run_max - new_max) + row_sum(torch.exp(logits - new_max[:, None]))
+            run_max = new_max
+        inside, picked = _select(logits, targets, start)
+        target_logit = torch.where(inside, picked, target_logit)
+    lse = run_max + torch.log(run_sum)
+    return target_logit - lse, lse
+
+
+class _SelectedLogprobs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float) -> Tensor:
+        out, lse = selected_logprobs_forward(hidden, weight, targets, temperature)
+        ctx.save_for_backward(hidden, weight, targets, lse)
+        ctx.temperature = temperature
+        return out    # float32, or float64 for float64 inputs
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        hidden, weight, targets, lse = ctx.saved_tensors
+        acc = lse.dtype
+        g = grad_out.contiguous().to(acc)
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        dh = torch.zeros(hidden.shape, dtype=acc, device=hidden.device) if need_h else None
+        dw = torch.empty_like(weight) if need_w else None
+        hidden_acc = hidden.to(acc) if need_w else None
+        for start in range(0, weight.shape[0], VOCAB_CHUNK):
+            logits = _chunk_logits(hidden, weight, start, acc, ctx.temperature)
+            # d log p(t) / d logit_j = [j == t] - p_j
+            dlogits = -torch.exp(logits - lse[:, None])
+            inside, _ = _select(logits, targets, start)
+            local = (targets - start).clamp(0, logits.shape[1] - 1)[:, None]
+            dlogits.scatter_(1, local, dlogits.gather(1, local) + inside[:, None].to(acc))
+            dlogits = dlogits * (g / ctx.temperature)[:, None]
+            stop = start + logits.shape[1]
+            if need_h:
+                # bf16 runs the GEMM natively like the forward; other dtypes in the accumulation
+                # dtype, so that small probabilities do not underflow in fp16.
+                gemm = torch.bfloat16 if hidden.dtype == torch.bfloat16 else acc
+                dh = dh + matmul_rows(dlogits.to(gemm), weight[start:stop].to(gemm)).to(acc)
+            if need_w:
+                dw[start:stop] = weight_grad(dlogits, hidden_acc).to(weight.dtype)
+        return (dh.to(hidden.dtype) if need_h else None), dw, None, None
+
+
+@register("portable", "selected_logprobs")
+def selected_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float) -> Tensor:
+    return _SelectedLogprobs.apply(hidden.contiguous(), weight, targets, temperature)

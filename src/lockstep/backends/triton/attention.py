@@ -1,0 +1,311 @@
+"""Triton attention: fixed 64-key blocks anchored at key 0, the same loop for one query (decode) as
+for many (prefill), paged-cache reads through the block table, and a deterministic backward.
+
+Forward: one program per (block of BLOCK_Q queries of one sequence, query head). It walks the key
+blocks from key 0 in order; a block that a row cannot see is an exact no-op for that row, so a
+query's arithmetic does not depend on which other queries share its program.
+Backward: `attn_bwd_dq_kernel` (same grid) first accumulates delta = sum_j p_j dp_j over the key
+blocks in order, then dq. `attn_bwd_dkdv_kernel` runs one program per (key block, kv head) and adds
+the contributions of the group's query heads and of the query blocks in a fixed order. There are
+no atomics; probabilities are recomputed.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ...fixed_order import KEY_BLOCK, accumulate_dtype
+from ...registry import register
+from .common import cast_out, dot, dot_mixed, dot_precision
+
+BLOCK_Q = 16
+INT_ARGS = ["Hq", "Hkv", "D", "window", "stride_qt", "stride_qh", "stride_kt", "stride_kh", "table_stride",
+            "block_size", "n_blocks"]
+
+
+@triton.jit
+def _key_addr(k_base, b, keys, key_ok, ks, table_ptr, table_stride, block_size, stride_kt, PAGED: tl.constexpr):
+    if PAGED:
+        blk = tl.load(table_ptr + b * table_stride + keys // block_size, mask=key_ok, other=0)
+        return k_base + (blk * block_size + keys % block_size) * stride_kt
+    return k_base + (ks + keys) * stride_kt
+
+
+@triton.jit
+def _visible(keys, key_ok, pos, row_ok, window, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr):
+    vis = key_ok[None, :] & row_ok[:, None]
+    if CAUSAL:
+        vis = vis & (keys[None, :] <= pos[:, None])
+    if HAS_WINDOW:
+        vis = vis & (keys[None, :] > pos[:, None] - window)
+    return vis
+
+
+@triton.jit
+def _probs_and_dp(q, do, k, v, keys, key_ok, pos, row_ok, shift, l_safe, scale, window, CAUSAL: tl.constexpr,
+                  HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr):
+    """Recomputed probabilities p = exp(s - max) / sum of one key block, and dp = dO V^T."""
+    s = dot(q, tl.trans(k), PRECISION) * scale
+    vis = _visible(keys, key_ok, pos, row_ok, window, CAUSAL, HAS_WINDOW)
+    p = tl.where(vis, tl.exp(s - shift[:, None]) / l_safe[:, None], 0.0)
+    return p, dot(do, tl.trans(v), PRECISION)
+
+
+@triton.jit(do_not_specialize=INT_ARGS + ["scale"])
+def attn_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, m_ptr, l_ptr, blk_seq_ptr, blk_q0_ptr, cu_q_ptr, cu_k_ptr,
+                    lens_ptr, table_ptr, Hq, Hkv, D, scale, window, stride_qt, stride_qh, stride_kt, stride_kh,
+                    table_stride, block_size, n_blocks, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                    PAGED: tl.constexpr, PRECISION: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
+                    BLOCK_D: tl.constexpr):
+    """Program (i, h): queries [q0, q0 + BLOCK_Q) of sequence b = blk_seq[i], head h, over key blocks
+    from key 0 in order."""
+    i = tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.load(blk_seq_ptr + i)
+    q0 = tl.load(blk_q0_ptr + i)
+    qs = tl.load(cu_q_ptr + b)
+    len_q = tl.load(cu_q_ptr + b + 1) - qs
+    if PAGED:
+        ks = 0
+        len_k = tl.load(lens_ptr + b)
+    else:
+        ks = tl.load(cu_k_ptr + b)
+        len_k = tl.load(cu_k_ptr + b + 1) - ks
+    hk = h // (Hq // Hkv)
+    rows = q0 + tl.arange(0, BLOCK_Q)
+    row_ok = rows < len_q
+    pos = len_k - len_q + rows
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < D
+    q = tl.load(q_ptr + (qs + rows)[:, None] * stride_qt + h * stride_qh + d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    m_i = tl.full((BLOCK_Q,), float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros((BLOCK_Q,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_Q, BLOCK_D), dtype=tl.float32)
+    hi = len_k
+    if CAUSAL:
+        hi = tl.minimum(len_k, len_k - len_q + tl.minimum(q0 + BLOCK_Q, len_q))
+    lo = 0
+    if HAS_WINDOW:
+        lo = tl.maximum(0, len_k - len_q + q0 - window + 1) // BLOCK_K * BLOCK_K
+    for k0 in range(lo, hi, BLOCK_K):
+        keys = k0 + tl.arange(0, BLOCK_K)
+        key_ok = keys < len_k
+        addr = _key_addr(k_ptr, b, keys, key_ok, ks, table_ptr, table_stride, block_size, stride_kt, PAGED)
+        k = tl.load(addr[:, None] + hk * stride_kh + d[None, :], mask=key_ok[:, None] & d_ok[None, :], other=0.0)
+        s = dot(q, tl.trans(k), PRECISION) * scale
+        s = tl.where(_visible(keys, key_ok, pos, row_ok, window, CAUSAL, HAS_WINDOW), s, float("-inf"))
+        new = tl.maximum(m_i, tl.max(s, axis=1))
+        shift = tl.where(new == float("-inf"), 0.0, new)
+        alpha = tl.exp(m_i - shift)
+        p = tl.exp(s - shift[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        vaddr = _key_addr(v_ptr, b, keys, key_ok, ks, table_ptr, table_stride, block_size, stride_kt, PAGED)
+        v = tl.load(vaddr[:, None] + hk * stride_kh + d[None, :], mask=key_ok[:, None] & d_ok[None, :], other=0.0)
+        acc = acc * alpha[:, None] + dot_mixed(p, v, PRECISION)
+        m_i = new
+    out = acc / tl.where(l_i == 0, 1.0, l_i)[:, None]
+    tl.store(o_ptr + (qs + rows)[:, None] * stride_qt + h * stride_qh + d[None, :], cast_out(out, o_ptr),
+             mask=row_ok[:, None] & d_ok[None, :])
+    tl.store(m_ptr + (qs + rows) * Hq + h, m_i, mask=row_ok)
+    tl.store(l_ptr + (qs + rows) * Hq + h, l_i, mask=row_ok)
+
+
+@triton.jit(do_not_specialize=INT_ARGS + ["scale"])
+def attn_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, m_ptr, l_ptr, dq_ptr, delta_ptr, blk_seq_ptr, blk_q0_ptr,
+                       cu_q_ptr, cu_k_ptr, Hq, Hkv, D, scale, window, stride_qt, stride_qh, stride_kt, stride_kh,
+                       n_blocks, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr,
+                       BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Program (i, h): delta and dq of one block of queries, over the key blocks in order (twice)."""
+    i = tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.load(blk_seq_ptr + i)
+    q0 = tl.load(blk_q0_ptr + i)
+    qs = tl.load(cu_q_ptr + b)
+    len_q = tl.load(cu_q_ptr + b + 1) - qs
+    ks = tl.load(cu_k_ptr + b)
+    len_k = tl.load(cu_k_ptr + b + 1) - ks
+    hk = h // (Hq // Hkv)
+    rows = q0 + tl.arange(0, BLOCK_Q)
+    row_ok = rows < len_q
+    pos = len_k - len_q + rows
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < D
+    qmask = row_ok[:, None] & d_ok[None, :]
+    q = tl.load(q_ptr + (qs + rows)[:, None] * stride_qt + h * stride_qh + d[None, :], mask=qmask, other=0.0)
+    do = tl.load(do_ptr + (qs + rows)[:, None] * stride_qt + h * stride_qh + d[None, :], mask=qmask, other=0.0)
+    m_i = tl.load(m_ptr + (qs + rows) * Hq + h, mask=row_ok, other=0.0)
+    l_i = tl.load(l_ptr + (qs + rows) * Hq + h, mask=row_ok, other=1.0)
+    shift = tl.where(m_i == float("-inf"), 0.0, m_i)
+    l_safe = tl.where(l_i == 0, 1.0, l_i)
+    hi = len_k
+    if CAUSAL:
+        hi = tl.minimum(len_k, len_k - len_q + tl.minimum(q0 + BLOCK_Q, len_q))
+    lo = 0
+    if HAS_WINDOW:
+        lo = tl.maximum(0, len_k - len_q + q0 - window + 1) // BLOCK_K * BLOCK_K
+    delta = tl.zeros((BLOCK_Q,), dtype=tl.float32)
+    for k0 in range(lo, hi, BLOCK_K):
+        keys = k0 + tl.arange(0, BLOCK_K)
+        key_ok = keys < len_k
+        kmask = key_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_ptr + (ks + keys)[:, None] * stride_kt + hk * stride_kh + d[None, :], mask=kmask, other=0.0)
+        v = tl.load(v_ptr + (ks + keys)[:, None] * stride_kt + hk * stride_kh + d[None, :], mask=kmask, other=0.0)
+        p, dp = _probs_and_dp(q, do, k, v, keys, key_ok, pos, row_ok, shift, l_safe, scale, window, CAUSAL,
+                              HAS_WINDOW, PRECISION)
+        delta += tl.sum(p * dp, axis=1)
+    dq = tl.zeros((BLOCK_Q, BLOCK_D), dtype=tl.float32)
+    for k0 in range(lo, hi, BLOCK_K):
+        keys = k0 + tl.arange(0, BLOCK_K)
+        key_ok = keys < len_k
+        kmask = key_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_ptr + (ks + keys)[:, None] * stride_kt + hk * stride_kh + d[None, :], mask=kmask, other=0.0)
+        v = tl.load(v_ptr + (ks + keys)[:, None] * stride_kt + hk * stride_kh + d[None, :], mask=kmask, other=0.0)
+        p, dp = _probs_and_dp(q, do, k, v, keys, key_ok, pos, row_ok, shift, l_safe, scale, window, CAUSAL,
+                              HAS_WINDOW, PRECISION)
+        ds = p * (dp - delta[:, None])
+        dq += dot_mixed(ds, k, PRECISION) * scale
+    tl.store(dq_ptr + (qs + rows)[:, None] * stride_qt + h * stride_qh + d[None, :], cast_out(dq, dq_ptr),
+             mask=qmask)
+    tl.store(delta_ptr + (qs + rows) * Hq + h, delta, mask=row_ok)
+
+
+@triton.jit(do_not_specialize=INT_ARGS + ["scale"])
+def attn_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, m_ptr, l_ptr, delta_ptr, dk_ptr, dv_ptr, kblk_seq_ptr,
+                         kblk_k0_ptr, cu_q_ptr, cu_k_ptr, Hq, Hkv, D, scale, window, stride_qt, stride_qh, stride_kt,
+                         stride_kh, n_blocks, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                         PRECISION: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
+                         BLOCK_D: tl.constexpr):
+    """Program (j, hk): dk and dv of one key block of one kv head; the group's query heads, then the
+    query blocks, are added in order."""
+    j = tl.program_id(0)
+    hk = tl.program_id(1)
+    b = tl.load(kblk_seq_ptr + j)
+    k0 = tl.load(kblk_k0_ptr + j)
+    qs = tl.load(cu_q_ptr + b)
+    len_q = tl.load(cu_q_ptr + b + 1) - qs
+    ks = tl.load(cu_k_ptr + b)
+    len_k = tl.load(cu_k_ptr + b + 1) - ks
+    group = Hq // Hkv
+    keys = k0 + tl.arange(0, BLOCK_K)
+    key_ok = keys < len_k
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < D
+    kmask = key_ok[:, None] & d_ok[None, :]
+    k = tl.load(k_ptr + (ks + keys)[:, None] * stride_kt + hk * stride_kh + d[None, :], mask=kmask, other=0.0)
+    v = tl.load(v_ptr + (ks + keys)[:, None] * stride_kt + hk * stride_kh + d[None, :], mask=kmask, other=0.0)
+    dk = tl.zeros((BLOCK_K, BLOCK_D), dtype=tl.float32)
+    dv = tl.zeros((BLOCK_K, BLOCK_D), dtype=tl.float32)
+    first_q = 0
+    if CAUSAL:
+        first_q = tl.maximum(0, k0 - (len_k - len_q)) // BLOCK_Q * BLOCK_Q
+    last_q = len_q
+    if HAS_WINDOW:
+        last_q = tl.minimum(len_q, k0 + BLOCK_K - 1 + window - (len_k - len_q))
+    for g in range(0, group):
+        h = hk * group + g
+        for q0 in range(first_q, last_q, BLOCK_Q):
+            rows = q0 + tl.arange(0, BLOCK_Q)
+            row_ok = rows < len_q
+            pos = len_k - len_q + rows
+            qmask = row_ok[:, None] & d_ok[None, :]
+            q = tl.load(q_ptr + (qs + rows)[:, None] * stride_qt + h * stride_qh + d[None, :], mask=qmask, other=0.0)
+            do = tl.load(do_ptr + (qs + rows)[:, None] * stride_qt + h * stride_qh + d[None, :], mask=qmask,
+                         other=0.0)
+            m_i = tl.load(m_ptr + (qs + rows) * Hq + h, mask=row_ok, other=0.0)
+            l_i = tl.load(l_ptr + (qs + rows) * Hq + h, mask=row_ok, other=1.0)
+            delta = tl.load(delta_ptr + (qs + rows) * Hq + h, mask=row_ok, other=0.0)
+            shift = tl.where(m_i == float("-inf"), 0.0, m_i)
+            p, dp = _probs_and_dp(q, do, k, v, keys, key_ok, pos, row_ok, shift, tl.where(l_i == 0, 1.0, l_i),
+                                  scale, window, CAUSAL, HAS_WINDOW, PRECISION)
+            dv += dot_mixed(tl.trans(p), do, PRECISION)
+            ds = p * (dp - delta[:, None])
+            dk += dot_mixed(tl.trans(ds), q, PRECISION) * scale
+    tl.store(dk_ptr + (ks + keys)[:, None] * stride_kt + hk * stride_kh + d[None, :], cast_out(dk, dk_ptr),
+             mask=kmask)
+    tl.store(dv_ptr + (ks + keys)[:, None] * stride_kt + hk * stride_kh + d[None, :], cast_out(dv, dv_ptr),
+             mask=kmask)
+
+
+def _blocks(lengths: list[int], step: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    seq, start = [], []
+    for b, n in enumerate(lengths):
+        for s in range(0, n, step):
+            seq.append(b)
+            start.append(s)
+    return (torch.tensor(seq, dtype=torch.int32, device=device), torch.tensor(start, dtype=torch.int32, device=device))
+
+
+def _forward(q, k, v, cu_q, cu_k, lens, table, scale, causal, window, paged):
+    tq, hq, d = q.shape
+    hkv = k.shape[-2]
+    acc = accumulate_dtype(q.dtype)
+    o = torch.zeros_like(q)
+    m = torch.zeros((tq, hq), dtype=acc, device=q.device)
+    l = torch.zeros_like(m)
+    lq = [cu_q[i + 1] - cu_q[i] for i in range(len(cu_q) - 1)]
+    bseq, bq0 = _blocks(lq, BLOCK_Q, q.device)
+    if bseq.numel():
+        cu_q_t = torch.tensor(cu_q, dtype=torch.int32, device=q.device)
+        cu_k_t = torch.tensor(cu_k if cu_k is not None else [0], dtype=torch.int32, device=q.device)
+        lens_t = torch.tensor(lens if lens is not None else [0], dtype=torch.int32, device=q.device)
+        table_t = table.to(torch.int32).contiguous() if table is not None else cu_k_t
+        stride_kt = k.stride(-3) if not paged else k.stride(1)
+        attn_fwd_kernel[(bseq.numel(), hq)](
+            q, k, v, o, m, l, bseq, bq0, cu_q_t, cu_k_t, lens_t, table_t, hq, hkv, d, scale, window or 0,
+            q.stride(0), q.stride(1), stride_kt, k.stride(-2), table_t.stride(0) if table is not None else 0,
+            k.shape[1] if paged else 1, bseq.numel(), CAUSAL=causal, HAS_WINDOW=window is not None, PAGED=paged,
+            PRECISION=dot_precision(q.dtype), BLOCK_Q=BLOCK_Q, BLOCK_K=KEY_BLOCK,
+            BLOCK_D=triton.next_power_of_2(d))
+    return o, m, l
+
+
+class _Attention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, cu_q, cu_k, scale, causal, window):
+        o, m, l = _forward(q, k, v, cu_q, cu_k, None, None, scale, causal, window, paged=False)
+        ctx.save_for_backward(q, k, v, m, l)
+        ctx.args = (cu_q, cu_k, scale, causal, window)
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, m, l = ctx.saved_tensors
+        cu_q, cu_k, scale, causal, window = ctx.args
+        do = do.contiguous()
+        tq, hq, d = q.shape
+        hkv = k.shape[1]
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        delta = torch.zeros_like(m)
+        cu_q_t = torch.tensor(cu_q, dtype=torch.int32, device=q.device)
+        cu_k_t = torch.tensor(cu_k, dtype=torch.int32, device=q.device)
+        common = dict(CAUSAL=causal, HAS_WINDOW=window is not None, PRECISION=dot_precision(q.dtype), BLOCK_Q=BLOCK_Q,
+                      BLOCK_K=KEY_BLOCK, BLOCK_D=triton.next_power_of_2(d))
+        lq = [cu_q[i + 1] - cu_q[i] for i in range(len(cu_q) - 1)]
+        bseq, bq0 = _blocks(lq, BLOCK_Q, q.device)
+        if bseq.numel():
+            attn_bwd_dq_kernel[(bseq.numel(), hq)](q, k, v, do, m, l, dq, delta, bseq, bq0, cu_q_t, cu_k_t, hq, hkv, d,
+                                                   scale, window or 0, q.stride(0), q.stride(1), k.stride(0),
+                                                   k.stride(1), bseq.numel(), **common)
+        lk = [cu_k[i + 1] - cu_k[i] if lq[i] else 0 for i in range(len(cu_k) - 1)]
+        kseq, kk0 = _blocks(lk, KEY_BLOCK, q.device)
+        if kseq.numel():
+            attn_bwd_dkdv_kernel[(kseq.numel(), hkv)](q, k, v, do, m, l, delta, dk, dv, kseq, kk0, cu_q_t, cu_k_t, hq,
+                                                      hkv, d, scale, window or 0, q.stride(0), q.stride(1),
+                                                      k.stride(0), k.stride(1), kseq.numel(), **common)
+        return dq, dk, dv, None, None, None, None, None
+
+
+@register("triton", "attention")
+def attention(q, k, v, cu_q, cu_k, scale, causal, window):
+    return _Attention.apply(q.contiguous(), k.contiguous(), v.contiguous(), cu_q, cu_k, scale, causal, window)
+
+
+@register("triton", "paged_attention")
+def paged_attention(q, k_cache, v_cache, block_table, seq_lens, cu_q, scale, causal, window):
+    with torch.no_grad():
+        o, _, _ = _forward(q.contiguous(), k_cache, v_cache, cu_q, None, list(seq_lens), block_table, scale, causal,
+                           window, paged=True)
+    return o

@@ -1,0 +1,121 @@
+"""Shared pieces of the Triton backend: launch helpers and the fixed tile configuration.
+
+Every kernel takes sizes as runtime arguments and marks them do_not_specialize, so Triton compiles
+one variant per (kernel, dtype, tile config) and never one per batch size (docs/contract.md, section 6).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+# One tile configuration per dtype; none depends on M.
+GEMM_TILES = {torch.float32: (32, 32, 32), torch.bfloat16: (64, 64, 32), torch.float16: (64, 64, 32),
+              torch.float64: (32, 32, 16)}
+LANE_BLOCK = 1024         # lanes per step of a row reduction (at most; fewer for short rows)
+ROWS_PER_PARTIAL = 64     # rows per partial sum in two-pass weight-gradient reductions
+
+
+def gemm_tiles(dtype: torch.dtype) -> tuple[int, int, int]:
+    return GEMM_TILES[dtype]
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """How `dot` multiplies tiles of `dtype`.
+
+    On a GPU: fp32 (and fp64) in full IEEE precision, never TF32 (the contract's fp32 tolerance is
+    1e-4); 16-bit operands on the tensor cores with fp32 accumulation.
+
+    Under the interpreter: "fixed", a product whose every output element is summed by the same
+    fixed tree over K, whatever its row or column in the tile (see `fixed_order_dot`).
+    """
+    if INTERPRET:
+        return "fixed"
+    if dtype in (torch.float32, torch.float64):
+        return "ieee"
+    return "tf32"
+
+
+def lane_block(v: int) -> int:
+    """Lanes per step of a row reduction over v columns: a power of two, at most LANE_BLOCK."""
+    return min(LANE_BLOCK, triton.next_power_of_2(v))
+
+
+@triton.jit
+def fixed_order_dot(a, b):
+    """a [M, K] @ b [K, N] in fp32 (fp64 for fp64 inputs), for the interpreter: every product
+    a[i, k] * b[k, j] is rounded once, and each output element sums its K products by the same tree
+    (numpy's pairwise sum over a contiguous last axis), which depends on K alone.
+
+    The interpreter's own tl.dot calls numpy's matmul, and with it the BLAS kernel that OpenBLAS picks
+    for the CPU. Its Haswell and Zen kernels give an output element other bits at another row or
+    column of the tile, which a GPU never does: the stand-in would then fail an invariant kernel.
+    16-bit products are exact in fp32, so upcasting first equals an fp32-accumulating MMA up to the
+    summation order (docs/adr/0004-triton-backend.md)."""
+    if a.dtype == tl.float64:
+        return tl.sum(a[:, None, :] * tl.trans(b)[None, :, :], axis=2)
+    else:
+        return tl.sum(a.to(tl.float32)[:, None, :] * tl.trans(b.to(tl.float32))[None, :, :], axis=2)
+
+
+@triton.jit
+def dot(a, b, PRECISION: tl.constexpr):
+    """a @ b with fp32 accumulation (see `dot_precision`)."""
+    if PRECISION == "fixed":
+        return fixed_order_dot(a, b)
+    else:
+        return tl.dot(a, b, input_precision=PRECISION)
+
+
+@triton.jit
+def round_bf16(x):
+    """fp32 -> bf16, rounding to nearest even on the bits: what the GPU's conversion does. Triton's
+    interpreter truncates instead."""
+    bits = x.to(tl.float32).to(tl.uint32, bitcast=True)
+    bits = bits + 0x7FFF + ((bits >> 16) & 1)
+    return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def cast_out(x, ptr):
+    """x converted to the element type of `ptr`, rounding to nearest even."""
+    if ptr.dtype.element_ty == tl.bfloat16:
+        return round_bf16(x)
+    else:
+        return x.to(ptr.dtype.element_ty)
+
+
+@triton.jit
+def dot_mixed(a, b, PRECISION: tl.constexpr):
+    """a (fp32, e.g. probabilities) @ b, with a first rounded to b's dtype as the tensor-core dot
+    needs; under the interpreter the rounded operands are multiplied by `fixed_order_dot`."""
+    if PRECISION == "fixed":
+        if b.dtype == tl.bfloat16:
+            return fixed_order_dot(round_bf16(a), b)
+        else:
+            return fixed_order_dot(a.to(b.dtype), b)
+    else:
+        return tl.dot(a.to(b.dtype), b, input_precision=PRECISION)
+
+
+@triton.jit
+def row_lse(x_ptr, V, scale, BLOCK: tl.constexpr):
+    """log-sum-exp of the V values at x_ptr (times scale), over BLOCK lanes from column 0: per lane a
+    running max and a rescaled running sum, then the lanes combined by tl.max / tl.sum."""
+    lanes = tl.arange(0, BLOCK)
+    m = tl.full((BLOCK,), float("-inf"), dtype=tl.float32)
+    s = tl.zeros((BLOCK,), dtype=tl.float32)
+    for v0 in range(0, V, BLOCK):
+        x = tl.load(x_ptr + v0 + lanes, mask=v0 + lanes < V, other=float("-inf")).to(tl.float32) * scale
+        new = tl.maximum(m, x)
+        shift = tl.where(new == float("-inf"), 0.0, new)
+        s = s * tl.exp(m - shift) + tl.exp(x - shift)
+        m = new
+    mx = tl.max(m, axis=0)
+    shift = tl.where(mx == float("-inf"), 0.0, mx)
+    return mx + tl.log(tl.sum(s * tl.exp(m - shift), axis=0))

@@ -1,0 +1,85 @@
+"""Triton rms_norm: one program per row; dweight by a fixed two-pass column sum."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ...fixed_order import accumulate_dtype
+from ...registry import register
+from .common import cast_out, lane_block
+from .reduce import column_sum
+
+
+@triton.jit(do_not_specialize=["H", "eps", "offset"])
+def rms_norm_fwd_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, H, eps, offset, BLOCK: tl.constexpr):
+    """Program r normalises row r: sum of squares in BLOCK-lane steps, then y = x * rstd * (offset + w)."""
+    row = tl.program_id(0)
+    lanes = tl.arange(0, BLOCK)
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for h0 in range(0, H, BLOCK):
+        x = tl.load(x_ptr + row * H + h0 + lanes, mask=h0 + lanes < H, other=0.0).to(tl.float32)
+        acc += x * x
+    rstd = 1.0 / tl.sqrt(tl.sum(acc, axis=0) / H + eps)
+    tl.store(rstd_ptr + row, rstd)
+    for h0 in range(0, H, BLOCK):
+        m = h0 + lanes < H
+        x = tl.load(x_ptr + row * H + h0 + lanes, mask=m, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + h0 + lanes, mask=m, other=0.0).to(tl.float32)
+        tl.store(y_ptr + row * H + h0 + lanes, cast_out(((x * rstd) * (w + offset)), y_ptr), mask=m)
+
+
+@triton.jit(do_not_specialize=["H", "offset"])
+def rms_norm_bwd_kernel(x_ptr, w_ptr, g_ptr, rstd_ptr, dx_ptr, gxhat_ptr, H, offset, BLOCK: tl.constexpr):
+    """Program r: dx of row r, and g * xhat of row r (the rows that dweight sums)."""
+    row = tl.program_id(0)
+    lanes = tl.arange(0, BLOCK)
+    rstd = tl.load(rstd_ptr + row)
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for h0 in range(0, H, BLOCK):
+        m = h0 + lanes < H
+        x = tl.load(x_ptr + row * H + h0 + lanes, mask=m, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + h0 + lanes, mask=m, other=0.0).to(tl.float32)
+        g = tl.load(g_ptr + row * H + h0 + lanes, mask=m, other=0.0).to(tl.float32)
+        acc += (g * (w + offset)) * (x * rstd)
+    dot = tl.sum(acc, axis=0) / H
+    for h0 in range(0, H, BLOCK):
+        m = h0 + lanes < H
+        x = tl.load(x_ptr + row * H + h0 + lanes, mask=m, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + h0 + lanes, mask=m, other=0.0).to(tl.float32)
+        g = tl.load(g_ptr + row * H + h0 + lanes, mask=m, other=0.0).to(tl.float32)
+        xhat = x * rstd
+        tl.store(dx_ptr + row * H + h0 + lanes, cast_out((rstd * (g * (w + offset) - xhat * dot)), dx_ptr),
+                 mask=m)
+        tl.store(gxhat_ptr + row * H + h0 + lanes, g * xhat, mask=m)
+
+
+class _RMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, eps, offset):
+        m, h = x.shape
+        y = torch.empty_like(x)
+        rstd = torch.empty(m, dtype=accumulate_dtype(x.dtype), device=x.device)
+        if m:
+            rms_norm_fwd_kernel[(m,)](x, weight, y, rstd, h, eps, offset, BLOCK=lane_block(h))
+        ctx.save_for_backward(x, weight, rstd)
+        ctx.offset = offset
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        x, weight, rstd = ctx.saved_tensors
+        m, h = x.shape
+        g = g.contiguous()
+        dx = torch.empty_like(x)
+        gxhat = torch.empty((m, h), dtype=accumulate_dtype(x.dtype), device=x.device)
+        if m:
+            rms_norm_bwd_kernel[(m,)](x, weight, g, rstd, dx, gxhat, h, ctx.offset,
+                                      BLOCK=lane_block(h))
+        return dx, column_sum(gxhat).to(weight.dtype), None, None
+
+
+@register("triton", "rms_norm")
+def rms_norm(x, weight, eps, offset):
+    return _RMSNorm.apply(x.contiguous(), weight.contiguous(), eps, offset)

@@ -1,0 +1,213 @@
+"""Fixed-order building blocks: every reduction order lockstep decides, in one place.
+
+The portable backend, the batch-invariant mode, the trainer and the harness all import from here;
+the Triton backend shares the block sizes and the loss reductions. Every reduction the portable
+backend performs goes through one of the functions below, so the order of floating-point additions
+depends only on the reduced length, never on how many rows share the call, their order, the memory
+layout or the thread count (docs/contract.md, section 2):
+
+- `row_sum`: a sum over the last dimension built only from elementwise adds (exact per element in
+  every code path), in a shape that depends on the row length alone.
+- `matmul_rows`: a GEMM whose row dimension is cut into fixed-shape tiles, so the BLAS library sees
+  the same problem shape whatever the batch size (docs/adr/0001-fixed-tiles-and-reduction-order.md).
+- `weight_grad` and `column_sum`: the order in which weight gradients reduce over rows: fixed
+  blocks of `ROW_BLOCK` rows, each block's contribution produced by a fixed-shape kernel and added
+  in block order. Zero rows appended at the end (padding) add exact zeros and change no bit.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+# Rows per GEMM call in the bulk of a batch, and in the tail. Both shapes go through the same
+# M-blocked BLAS kernel, whose reduction order over K depends on K alone (ADR 0001); the small tail
+# tile keeps decode (one row) from paying for a full 128-row tile. Below 4 rows MKL switches to a
+# GEMV path with other bits, so the tail tile must stay >= 4 (tests/test_primitives.py).
+ROW_TILE = 128
+TAIL_TILE = 8
+# Width of the sequential stage of `row_sum`; the remaining WIDTH lanes are folded pairwise.
+SUM_WIDTH = 512
+# Rows per block in weight-gradient reductions.
+ROW_BLOCK = 128
+# Keys per block of attention's online softmax; blocks are anchored at key 0 (ADR 0002).
+KEY_BLOCK = 64
+
+
+def accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
+    """fp32 accumulation for 16- and 32-bit floats; float64 passes through."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def ceil_div(n: int, d: int) -> int:
+    """The number of blocks of `d` that cover `n` (n >= 0, d > 0)."""
+    return -(-n // d)
+
+
+def row_sum(x: Tensor) -> Tensor:
+    """Sum over the last dimension in a fixed order that depends only on its length.
+
+    x: [..., L] float tensor (any layout). Returns [...] of x's dtype.
+
+    The row is cut into consecutive chunks of SUM_WIDTH lanes (the last one zero-padded); the chunks
+    are added lane by lane in order, then the SUM_WIDTH lanes are folded pairwise (lane i with lane
+    i + w/2). Only elementwise adds are used, and an elementwise add is exact IEEE arithmetic in the
+    vectorised and the scalar loop alike, so no thread split or tail handling can change a bit.
+    """
+    length = x.shape[-1]
+    if length == 0:
+        return x.new_zeros(x.shape[:-1])
+    width = SUM_WIDTH if length >= SUM_WIDTH else 1 << (length - 1).bit_length()
+    padded = ceil_div(length, width) * width
+    if padded != length:
+        x = torch.nn.functional.pad(x, (0, padded - length))
+    acc = x[..., 0:width]
+    for start in range(width, padded, width):
+        acc = acc + x[..., start:start + width]
+    while width > 1:
+        width //= 2
+        acc = acc[..., :width] + acc[..., width:2 * width]
+    return acc[..., 0]
+
+
+def row_max(x: Tensor) -> Tensor:
+    """Max over the last dimension. Max is exact in any order, so torch's own kernel is invariant.
+
+    NaN propagates (torch.amax returns NaN for a row holding one)."""
+    return torch.amax(x, dim=-1)
+
+
+def matmul_rows(a: Tensor, b: Tensor, bias: Tensor | None = None) -> Tensor:
+    """a @ b (+ bias), row-invariant: a [M, K], b [K, N] (may be a transposed view), bias [N];
+    or batched: a [B, M, K], b [B, K, N].
+
+    The rows of `a` are processed in tiles of exactly ROW_TILE rows, the tail in tiles of exactly
+    TAIL_TILE rows (zero-padded), so each BLAS call has one of two fixed shapes and a row's result
+    never depends on M or on its position. bf16 runs natively (fp32 accumulation in oneDNN);
+    fp16 is computed in fp32 because CPUs without fp16 arithmetic are faster and exact that way.
+    The bias is added inside the GEMM (addmm) so the result is rounded once. Returns [(B,) M, N]
+    in a's dtype.
+    """
+    out_dtype = a.dtype
+    if a.dtype == torch.float16 and a.device.type == "cpu":
+        a, b = a.float(), b.float()
+        bias = None if bias is None else bias.float()
+    batched = a.dim() == 3
+
+    def gemm(rows: Tensor, out: Tensor | None = None) -> Tensor:
+        if batched:
+            return torch.bmm(rows, b, out=out)
+        if bias is None:
+            return torch.mm(rows, b, out=out)
+        return torch.addmm(bias, rows, b, out=out)
+
+    a = a.contiguous()
+    m, k = a.shape[-2], a.shape[-1]
+    lead = a.shape[:-2]
+    out = a.new_empty(lead + (m, b.shape[-1]))
+    full = (m // ROW_TILE) * ROW_TILE
+    for start in range(0, full, ROW_TILE):
+        gemm(a[..., start:start + ROW_TILE, :], out=out[..., start:start + ROW_TILE, :])
+    rest = m - full
+    if rest:
+        padded = ceil_div(rest, TAIL_TILE) * TAIL_TILE
+        tail = a.new_zeros(lead + (padded, k))
+        tail[..., :rest, :] = a[..., full:, :]
+        for start in range(0, rest, TAIL_TILE):
+            part = gemm(tail[..., start:start + TAIL_TILE, :])
+            stop = min(start + TAIL_TILE, rest)
+            out[..., full + start:full + stop, :] = part[..., : stop - start, :]
+    return out.to(out_dtype)
+
+
+def sum_over_rows(rows: int, block_partial: Callable[[int, int], Tensor]) -> Tensor:
+    """Sum of per-row contributions in the documented fixed order.
+
+    block_partial(start, stop) returns the fixed-shape partial of rows [start, stop) of one block of
+    ROW_BLOCK rows (the caller zero-pads the block). Partials are added in block order, starting
+    from the first block. Returns the accumulated tensor (the caller's accumulation dtype).
+    """
+    total = None
+    for start in range(0, max(rows, 1), ROW_BLOCK):
+        part = block_partial(start, min(start + ROW_BLOCK, rows))
+        total = part if total is None else total + part
+    return total
+
+
+def padded_block(x: Tensor, start: int, stop: int) -> Tensor:
+    """Rows [start, stop) of the second-to-last dimension (the first for 1-D/2-D tensors),
+    zero-padded to ROW_BLOCK rows."""
+    dim = 0 if x.dim() <= 2 else x.dim() - 2
+    block = x.narrow(dim, start, stop - start)
+    if stop - start == ROW_BLOCK:
+        return block
+    shape = list(x.shape)
+    shape[dim] = ROW_BLOCK
+    out = x.new_zeros(shape)
+    out.narrow(dim, 0, stop - start).copy_(block)
+    return out
+
+
+def weight_grad(grad_out: Tensor, inp: Tensor) -> Tensor:
+    """sum over rows r of grad_out[r]^T inp[r], in fixed row blocks: [M, N], [M, K] -> [N, K];
+    batched: [B, M, N], [B, M, K] -> [B, N, K]. In the accumulation dtype.
+
+    Block by block from row 0, one GEMM of fixed shape [N, ROW_BLOCK] @ [ROW_BLOCK, K] adds into the
+    accumulator in place (addmm with beta = 1): out <- out + G_b^T X_b. The last block is
+    zero-padded, so zero-gradient rows appended to the batch add exact zeros.
+    """
+    acc = accumulate_dtype(grad_out.dtype)
+    rows = grad_out.shape[-2]
+    out = grad_out.new_zeros(tuple(grad_out.shape[:-2]) + (grad_out.shape[-1], inp.shape[-1]), dtype=acc)
+    for start in range(0, rows, ROW_BLOCK):
+        stop = min(start + ROW_BLOCK, rows)
+        g = padded_block(grad_out, start, stop).to(acc).transpose(-1, -2)
+        x = padded_block(inp, start, stop).to(acc)
+        if out.dim() == 3:
+            torch.baddbmm(out, g, x, out=out)
+        else:
+            torch.addmm(out, g, x, out=out)
+    return out
+
+
+def column_sum(x: Tensor) -> Tensor:
+    """sum over rows of x [M, N] -> [N] in the accumulation dtype, in fixed row blocks.
+
+    Within a block the ROW_BLOCK rows are folded pairwise with elementwise adds (exact in every code
+    path); blocks are added in order.
+    """
+    x = x.to(accumulate_dtype(x.dtype))
+
+    def block(start: int, stop: int) -> Tensor:
+        b = padded_block(x, start, stop)
+        width = ROW_BLOCK
+        while width > 1:
+            width //= 2
+            b = b[:width] + b[width:2 * width]
+        return b[0]
+
+    return sum_over_rows(x.shape[0], block)
+
+
+def reduce_losses(loss: Tensor, count: Tensor, reduction: str, dtype: torch.dtype) -> Tensor:
+    """Per-row losses [rows] (0 at ignored rows) -> cross_entropy's output: as they are ("none"),
+    their fixed-order sum ("sum") or that sum over the non-ignored count ("mean"). Every backend's
+    cross_entropy reduces through this, so the sum's order is the same on all of them."""
+    if reduction == "none":
+        return loss.to(dtype)
+    total = column_sum(loss[:, None])[0]
+    if reduction == "mean":
+        total = total / count.to(total.dtype)
+    return total.to(dtype)
+
+
+def row_scale(grad: Tensor, reduction: str, count: Tensor, rows: int, dtype: torch.dtype) -> Tensor:
+    """d loss / d (row loss) for each row [rows]: grad itself ("none"), grad / count ("mean") or
+    grad ("sum"); the backward of `reduce_losses`."""
+    if reduction == "none":
+        return grad.contiguous().to(dtype)
+    if reduction == "mean":
+        return (grad.to(dtype) / count.to(dtype)).expand(rows).contiguous()
+    return grad.to(dtype).expand(rows).contiguous()

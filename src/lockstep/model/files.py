@@ -1,0 +1,57 @@
+"""A Hugging Face model folder on disk: config.json and safetensors weights (single or sharded).
+
+Only safetensors are read: .bin files are pickles, a pickle can run code, and a checkpoint is
+untrusted input.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+
+def read_json(path: str, what: str) -> dict:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{what}: {path} is not valid JSON ({e})") from None
+
+
+def safetensors_files(path: str) -> list[str]:
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        weight_map = read_json(index, "model.safetensors.index.json").get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"model.safetensors.index.json: expected a 'weight_map' object in {index}")
+        files = sorted(set(weight_map.values()))
+        missing = [f for f in files if not os.path.exists(os.path.join(path, f))]
+        if missing:
+            raise FileNotFoundError(f"path: shards named in the index are missing from {path}: {missing}")
+        return [os.path.join(path, f) for f in files]
+    single = os.path.join(path, "model.safetensors")
+    if os.path.exists(single):
+        return [single]
+    files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    if files:
+        return [os.path.join(path, f) for f in files]
+    if any(f.endswith(".bin") or f.endswith(".pt") for f in os.listdir(path)):
+        raise ValueError(f"path: {path} holds only pickled weights (.bin/.pt); lockstep never unpickles "
+                         "checkpoints. Convert them to safetensors first.")
+    raise FileNotFoundError(f"path: no *.safetensors weights in {path}")
+
+
+def write_folder(path: str, tensors: dict[str, torch.Tensor], hf_config: dict) -> None:
+    """Write `tensors` to path/model.safetensors (through a temporary file, renamed into place) and
+    `hf_config` to path/config.json."""
+    from safetensors.torch import save_file
+
+    os.makedirs(path, exist_ok=True)
+    state = {n: t.contiguous().cpu() for n, t in tensors.items()}
+    tmp = os.path.join(path, "model.safetensors.tmp")
+    save_file(state, tmp, metadata={"format": "pt"})
+    os.replace(tmp, os.path.join(path, "model.safetensors"))
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(hf_config, f, indent=2)

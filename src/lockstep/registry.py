@@ -1,0 +1,140 @@
+"""The backend registry: one place that decides which implementation of an op runs.
+
+Callers use `lockstep.ops.*` and never name a backend. A backend is a package with one module per
+op, each registering its implementation (`register`); the package is imported the first time the
+backend is used, so `import lockstep` imports no kernel. `use_backend(name)` selects a backend for
+a block of code (per thread); the default, "auto", picks "triton" for CUDA tensors and "portable"
+otherwise.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import threading
+from typing import Callable, Iterator
+
+import torch
+
+# Every op a backend can implement; each has its faces under its own name (README, "Layout").
+OPS = (
+    "embedding",
+    "rms_norm",
+    "linear",
+    "rope",
+    "silu_mul",
+    "log_softmax",
+    "selected_logprobs",
+    "cross_entropy",
+    "attention",
+    "paged_attention",
+)
+
+# Backend name -> the package whose import registers its ops.
+BACKENDS: dict[str, str] = {
+    "portable": "lockstep.backends.portable",
+    "eager": "lockstep.backends.eager",
+    "reference": "lockstep.backends.reference",
+    "triton": "lockstep.backends.triton",
+}
+
+_REGISTRY: dict[str, dict[str, Callable]] = {}
+_FALLBACK: dict[str, str] = {}
+_loaded: set[str] = set()
+_state = threading.local()
+# Active op recorders (lockstep.parity.Recorder); when one is active, every op call goes through it.
+RECORDERS: list = []
+
+
+def register(backend: str, op: str) -> Callable[[Callable], Callable]:
+    """Decorator: register `fn` as `backend`'s implementation of `op`."""
+    if op not in OPS:
+        raise ValueError(f"op: unknown op {op!r}; expected one of {sorted(OPS)}")
+
+    def wrap(fn: Callable) -> Callable:
+        _REGISTRY.setdefault(backend, {})[op] = fn
+        return fn
+
+    return wrap
+
+
+def register_backend(name: str, module: str | None = None, fallback: str | None = None) -> None:
+    """Make `name` a backend: `module` (if given) is imported on first use to register its ops, and
+    ops it does not implement run on `fallback` (for a backend that overrides a few ops)."""
+    if module is not None:
+        BACKENDS[name] = module
+    _REGISTRY.setdefault(name, {})
+    if fallback is not None:
+        _FALLBACK[name] = fallback
+
+
+def load(backend: str) -> None:
+    """Import `backend`'s package (once), which registers its ops."""
+    if backend in _loaded or backend not in BACKENDS:
+        return
+    try:
+        importlib.import_module(BACKENDS[backend])
+    except ImportError as e:
+        hint = " (pip install 'lockstep[triton]')" if backend == "triton" else ""
+        raise ImportError(f"backend: {backend!r} cannot be loaded: {e}{hint}") from e
+    _loaded.add(backend)
+
+
+def _implements(backend: str, op: str) -> bool:
+    try:
+        return op in registered(backend)
+    except ImportError:
+        return False
+
+
+def registered(backend: str) -> dict[str, Callable]:
+    """The ops `backend` registered itself (no fallback), loading it first."""
+    load(backend)
+    return dict(_REGISTRY.get(backend, {}))
+
+
+def available_backends() -> list[str]:
+    """Names accepted by `use_backend`, "auto" included."""
+    return ["auto"] + sorted(set(_REGISTRY) | set(BACKENDS))
+
+
+def current_backend() -> str:
+    """The backend name selected for this thread ("auto" unless `use_backend` is active)."""
+    stack = getattr(_state, "stack", None)
+    return stack[-1] if stack else "auto"
+
+
+@contextlib.contextmanager
+def use_backend(name: str) -> Iterator[str]:
+    """Run the ops inside the block with backend `name` ("auto", "portable", "eager", "triton", ...)."""
+    if not isinstance(name, str) or name not in available_backends():
+        raise ValueError(f"backend: unknown backend {name!r}; expected one of {available_backends()}")
+    load(name)
+    stack = getattr(_state, "stack", None)
+    if stack is None:
+        stack = _state.stack = []
+    stack.append(name)
+    try:
+        yield name
+    finally:
+        stack.pop()
+
+
+def resolve(op: str, device: torch.device) -> Callable:
+    """The implementation of `op` for tensors on `device` under the current selection."""
+    name = current_backend()
+    if name == "auto":
+        name = "portable"
+        if device.type == "cuda" and _implements("triton", op):
+            name = "triton"
+    load(name)
+    impl = _REGISTRY.get(name, {}).get(op)
+    while impl is None and name in _FALLBACK:
+        name = _FALLBACK[name]
+        load(name)
+        impl = _REGISTRY.get(name, {}).get(op)
+    if impl is None:
+        raise NotImplementedError(f"backend {name!r} has no implementation of {op!r}")
+    if RECORDERS:
+        return RECORDERS[-1].wrap(op, impl)
+    return impl

@@ -1,0 +1,86 @@
+"""Every op's faces are where its name says (README, "Layout"), and contract.toml's tables say the
+truth: which ops each backend implements, and the numbers docs/contract.md shows."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from lockstep import contract, ops, registry
+from lockstep.harness.specs import SPECS
+
+ROOT = Path(__file__).resolve().parent.parent
+BACKENDS = sorted(contract.load()["backends"])
+# Backend modules that hold shared kernels rather than one op (the Triton GEMM, column sums, tile helpers).
+SHARED = {"triton": {"common", "gemm", "reduce"}}
+
+
+def face(op: str) -> str:
+    """The name under which an op's module, test and benchmark live (paged_attention is attention's)."""
+    return contract.op_entry(op)["check"]
+
+
+@pytest.mark.parametrize("op", registry.OPS)
+def test_every_op_has_every_face(op):
+    entry = contract.op_entry(op)
+    assert entry["class"] in contract.load()["forward"], entry
+    assert callable(getattr(ops, op)), f"lockstep.ops.{op}"
+    assert (ROOT / f"src/lockstep/ops/{face(op)}.py").exists()
+    assert face(op) == "attention" or face(op) in SPECS, f"harness spec of {op}"
+    assert (ROOT / f"tests/test_{face(op)}.py").exists()
+    assert (ROOT / f"benchmarks/bench_{face(op)}.py").exists()
+
+
+def test_contract_names_every_op_and_nothing_else():
+    assert set(contract.load()["ops"]) == set(registry.OPS)
+    for backend in BACKENDS:
+        assert set(contract.backend_ops(backend)) <= set(registry.OPS), backend
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_each_backend_registers_exactly_the_ops_it_claims_each_in_its_own_module(backend):
+    claimed = set(contract.backend_ops(backend))
+    registered = registry.registered(backend)
+    assert set(registered) == claimed, f"{backend}: registered {sorted(registered)}, contract.toml claims {sorted(claimed)}"
+    for op, fn in registered.items():
+        assert fn.__module__ == f"lockstep.backends.{backend}.{face(op)}", (op, fn.__module__)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_each_backend_module_is_an_op(backend):
+    folder = ROOT / f"src/lockstep/backends/{backend}"
+    modules = {p.stem for p in folder.glob("*.py")} - {"__init__"} - SHARED.get(backend, set())
+    assert modules <= {face(op) for op in registry.OPS}, modules
+
+
+def test_docs_tolerance_tables_match_contract_toml():
+    """docs/contract.md repeats the numbers for the reader; contract.toml stays their one source."""
+    text = (ROOT / "docs/contract.md").read_text()
+    data = contract.load()
+    rows = re.findall(r"^\| (\w+) \| [^|]+ \| ([^|]+) \| ([^|]+) \| ([^|]+) \|$", text, flags=re.M)
+    forward = {cls: [c.strip() for c in cells] for cls, *cells in rows if cls in data["forward"]}
+    assert set(forward) == set(data["forward"])
+
+    def numbers(cell: str) -> list[float]:
+        return [float(x) for x in cell.split("/")]
+
+    for cls, cells in forward.items():
+        want = [list(data["forward"][cls][d]) for d in ("float32", "bfloat16", "float16")]
+        assert [numbers(c) for c in cells] == want, (cls, cells, want)
+    gradient_rows = re.findall(r"^\| (\w+) \| ([\d.e/ -]+) \|$", text, flags=re.M)
+    differing = {cls: list(data["gradient"][cls]["bfloat16"]) for cls in data["gradient"]
+                 if data["gradient"][cls] != data["forward"][cls]}
+    assert {cls: numbers(cell) for cls, cell in gradient_rows} == differing
+    for cls in data["gradient"]:
+        for d in ("float32", "float16"):
+            assert data["gradient"][cls][d] == data["forward"][cls][d], (cls, d, "docs/contract.md says only bf16 differs")
+
+
+def test_check_of_a_backend_covers_exactly_its_ops():
+    from lockstep import harness
+
+    assert harness.checks_of("portable") == ["embedding", "rms_norm", "linear", "rope", "silu_mul", "log_softmax",
+                                             "selected_logprobs", "cross_entropy", "attention"]
+    assert "attention" not in harness.checks_of("reference") or "paged_attention" not in contract.backend_ops("reference")
