@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import lockstep
-from lockstep import mode
+from lockstep import hf, mode
 from lockstep import contract, ops
 
 from _models import hf_config
@@ -117,7 +117,7 @@ def test_strict_raises_on_unsupported_ops():
     with lockstep.batch_invariant():
         torch.var(x, dim=-1)                         # non-strict: runs stock
     with lockstep.batch_invariant(strict=True):
-        with pytest.raises(RuntimeError, match="aten::var.correction has no batch-invariant implementation"):
+        with pytest.raises(RuntimeError, match="aten::var.correction on floating-point inputs has no batch-invariant"):
             torch.var(x, dim=-1)
         torch.softmax(x, -1)                         # covered ops still run
     torch.var(x, dim=-1)
@@ -148,3 +148,154 @@ def test_check_mode_prints_coverage(capsys):
     out = capsys.readouterr().out
     assert "aten::mm" in out and "aten::scaled_dot_product_attention" in out and "unsupported" in out
     assert "FAIL" not in out
+
+
+# Each is f(rows) with the product's rows first: row 0 of f(a[:1]) must equal row 0 of f(a).
+_A, _W = torch.randn(200, 384, generator=torch.Generator().manual_seed(3)), torch.randn(384, 320) / 20
+_B = torch.randn(320)
+GEMM_FORMS = {
+    "mm out=": lambda a: torch.mm(a, _W, out=torch.empty(a.shape[0], 320)),
+    "addmm_": lambda a: torch.zeros(a.shape[0], 320).addmm_(a, _W),
+    "addmm out=": lambda a: torch.addmm(_B, a, _W, out=torch.empty(a.shape[0], 320)),
+    "addmm alpha beta": lambda a: torch.addmm(_B, a, _W, beta=0.5, alpha=2.0),
+    "matmul out=": lambda a: torch.matmul(a, _W, out=torch.empty(a.shape[0], 320)),
+    "bmm out=": lambda a: torch.bmm(a[None], _W[None], out=torch.empty(1, a.shape[0], 320))[0],
+    "baddbmm": lambda a: torch.baddbmm(_B.expand(1, a.shape[0], 320), a[None], _W[None])[0],
+    "baddbmm_": lambda a: torch.zeros(1, a.shape[0], 320).baddbmm_(a[None], _W[None])[0],
+    "addbmm": lambda a: torch.addbmm(_B, torch.stack([a, a]), torch.stack([_W, _W])),
+    "mv (matrix @ vector)": lambda a: a @ _W[:, 0],
+    "addmv": lambda a: torch.addmv(_B[:1].expand(a.shape[0]), a, _W[:, 0]),
+    "linear 3-D": lambda a: torch.nn.functional.linear(a[None], _W.t(), _B)[0],
+    "linear 3-D strided": lambda a: torch.nn.functional.linear(torch.stack([a, a], 1), _W.t(), _B)[:, 0],
+    "einsum": lambda a: torch.einsum("bk,kn->bn", a, _W),
+}
+
+
+@pytest.mark.parametrize("form", list(GEMM_FORMS))
+def test_every_gemm_form_is_row_invariant_in_the_mode(form):
+    fn = GEMM_FORMS[form]
+    with lockstep.batch_invariant():
+        assert torch.equal(fn(_A[:1])[0], fn(_A)[0])
+        assert torch.equal(fn(_A[7:8])[0], fn(_A)[7])
+
+
+def test_gemm_forms_break_invariance_without_the_mode():
+    """The forms above do differ on stock PyTorch, so the test above can fail."""
+    differing = [name for name, fn in GEMM_FORMS.items() if not torch.equal(fn(_A[:1])[0], fn(_A)[0])]
+    assert {"mm out=", "addmm_", "addmm out=", "linear 3-D"} <= set(differing), differing
+
+
+def test_a_linear_layer_gives_the_same_bits_contiguous_or_strided():
+    x = torch.randn(3, 9, 384)
+    with lockstep.batch_invariant():
+        contiguous = torch.nn.functional.linear(x, _W.t(), _B)                      # addmm
+        strided = torch.nn.functional.linear(x.transpose(0, 1), _W.t(), _B)         # bmm + add
+    assert torch.equal(contiguous, strided.transpose(0, 1))
+
+
+def test_dot_matches_a_row_of_mv():
+    with lockstep.batch_invariant():
+        assert torch.equal(torch.dot(_A[5], _W[:, 0]), (_A @ _W[:, 0])[5])
+
+
+def test_strict_lets_exact_integer_ops_run():
+    mask = torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]])
+    with lockstep.batch_invariant(strict=True):
+        assert torch.equal(mask.cumsum(-1), torch.tensor([[0, 0, 1, 2], [1, 2, 3, 4]]))
+        with pytest.raises(RuntimeError, match="aten::cumsum on floating-point inputs"):
+            mask.float().cumsum(-1)
+
+
+def test_unsupported_tells_the_truth():
+    """Every listed op exists, and the float ops of an LLM's forward and backward that reduce in an
+    order lockstep does not control are listed or covered."""
+    listed = set(mode.unsupported())
+    covered = " ".join(op for op, _, _ in mode.COVERAGE)
+    for op in listed:
+        name, _, overload = op.removeprefix("aten::").partition(".")
+        getattr(getattr(torch.ops.aten, name), overload or "default")      # raises when the op does not exist
+    for op in ("aten::var.correction", "aten::native_layer_norm", "aten::cumsum", "aten::logsumexp",
+               "aten::linalg_vector_norm", "aten::embedding_dense_backward", "aten::nll_loss_forward"):
+        assert op in listed
+    for op in ("mm", "addmm", "bmm", "baddbmm", "addbmm", "mv", "addmv", "dot", "_log_softmax", "_softmax", "sum",
+               "mean", "_fused_rms_norm"):
+        assert f"aten::{op}" in covered
+    assert not listed & {f"aten::{op}" for op in ("mm", "addmm", "bmm", "baddbmm", "addbmm", "mv", "addmv", "dot")}
+
+
+def _padded(seqs, side="left"):
+    width = max(len(s) for s in seqs)
+    ids = torch.zeros(len(seqs), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, s in enumerate(seqs):
+        cols = slice(width - len(s), width) if side == "left" else slice(0, len(s))
+        ids[i, cols], mask[i, cols] = s, 1
+    return ids, mask
+
+
+def test_a_patched_model_runs_a_batched_forward_without_position_ids():
+    model = _hf_model("qwen3", torch.float32)
+    ids = torch.randint(0, 300, (3, 9), generator=torch.Generator().manual_seed(0))
+    lockstep.patch(model)
+    try:
+        with torch.no_grad():
+            batched = model(ids, attention_mask=torch.ones_like(ids)).logits
+            alone = model(ids[1:2]).logits
+        assert torch.equal(batched[1], alone[0])
+    finally:
+        lockstep.unpatch(model)
+
+
+def test_position_ids_from_mask_match_generate():
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1], [0, 1, 1, 0, 1]])
+    assert torch.equal(hf.position_ids_from_mask(mask),
+                       torch.tensor([[0, 0, 0, 1, 2], [0, 1, 2, 3, 4], [0, 0, 1, 0, 2]]))
+    with pytest.raises(ValueError, match="attention_mask: expected a 2-D tensor"):
+        hf.position_ids_from_mask(torch.ones(5))
+
+
+def test_patch_derives_positions_for_left_padded_batches_when_asked():
+    import warnings
+
+    model = _hf_model("llama", torch.float32)
+    gen = torch.Generator().manual_seed(2)
+    seqs = [torch.randint(0, 300, (n,), generator=gen) for n in (7, 12, 3)]
+    ids, mask = _padded(seqs)
+    lockstep.patch(model)
+    try:
+        with torch.no_grad():
+            alone = model(seqs[0][None]).logits[0]
+            with pytest.warns(UserWarning, match="padded batch arrived without position_ids") as caught:
+                shifted = model(ids, attention_mask=mask).logits[0, -7:]
+                model(ids, attention_mask=mask)
+            assert len([w for w in caught if "position_ids" in str(w.message)]) == 1, "warns once"
+            assert not torch.equal(shifted, alone), "transformers' default positions shift a left-padded row"
+    finally:
+        lockstep.unpatch(model)
+    lockstep.patch(model, positions_from_mask=True)
+    try:
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("error")
+            derived = model(ids, attention_mask=mask).logits[0, -7:]
+        assert torch.equal(derived, alone)
+    finally:
+        lockstep.unpatch(model)
+
+
+def test_patched_layers_follow_autocast():
+    model = _hf_model("qwen3", torch.float32)
+    ids = torch.randint(0, 300, (2, 6))
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        stock = {n: m(torch.randn(2, m.in_features)).dtype for n, m in model.named_modules()
+                 if isinstance(m, torch.nn.Linear)}
+        stock_logits = model(ids).logits.dtype
+        lockstep.patch(model)
+        try:
+            ours = {n: m(torch.randn(2, m.in_features)).dtype for n, m in model.named_modules()
+                    if isinstance(m, torch.nn.Linear)}
+            ours_logits = model(ids).logits
+            assert torch.equal(model(ids[1:]).logits[0], ours_logits[1])
+        finally:
+            lockstep.unpatch(model)
+    assert ours == stock and set(ours.values()) == {torch.bfloat16}
+    assert ours_logits.dtype == stock_logits

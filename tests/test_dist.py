@@ -10,7 +10,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lockstep import contract, dist as ldist
+from lockstep import contract, train
+from lockstep import dist as ldist
 from lockstep.model import ModelConfig, Transformer, logprobs
 from lockstep.train import PackedDataset, TrainConfig, Trainer
 
@@ -203,18 +204,21 @@ def test_torchrun_launches_training(tmp_path):
     data.write_text("abc def ghi " * 500)
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
     out = tmp_path / "run"
-    proc = subprocess.run([torchrun, "--nproc_per_node", "2", "--master_port", str(ldist._free_port()), "-m",
+    proc = subprocess.run([torchrun, "--nproc_per_node", "2", "--master_port", str(ldist.free_port()), "-m",
                            "lockstep", "train", "--data", str(data), "--steps", "3", "--seq-len", "32",
                            "--micro-batch-tokens", "64", "--out", str(out)], capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = (out / "log.jsonl").read_text().splitlines()
-    assert len(lines) == 3 and (out / "latest").read_text() == "step-000003"
+    log, events = train.read_log(str(out))
+    assert len(log) == 3 and (out / "latest").read_text() == "step-000003"
+    assert events[0]["ranks"] == 2 and events[0]["global_batch_tokens"] == 2 * 64
+    assert "global batch 2 ranks x 1 micro-batch x 64 tokens = 128 tokens per step" in proc.stderr
+    assert not list(out.glob(".log-rank*")), "only rank 0 writes a log"
     # One process accumulating the same two micro-batches gives the same losses.
     single = tmp_path / "single"
     from lockstep import cli
     assert cli.main(["train", "--data", str(data), "--steps", "3", "--seq-len", "32", "--micro-batch-tokens", "64",
                      "--accum", "2", "--out", str(single)]) == 0
-    ours = [json.loads(x)["loss"] for x in lines]
-    ref = [json.loads(x)["loss"] for x in (single / "log.jsonl").read_text().splitlines()]
+    ours = [r["loss"] for r in log]
+    ref = [r["loss"] for r in train.read_log(str(single))[0]]
     assert ours == ref

@@ -1,8 +1,10 @@
+import math
 import re
 
 import pytest
 import torch
 
+import lockstep
 from lockstep import Engine, SamplingParams
 from lockstep.model import ByteTokenizer, ModelConfig, Transformer, logprobs
 from lockstep.sampling import uniform_noise
@@ -134,3 +136,123 @@ def test_engine_bad_arguments(model):
         Engine(model, max_num_seqs=0)
     with pytest.raises(ValueError, match="sampling: expected one SamplingParams or 2"):
         Engine(model).generate([[1], [2]], [SamplingParams()] * 3)
+
+
+def test_a_request_whose_logits_turn_nan_finishes_with_an_error_and_alone():
+    import copy
+
+    model = Transformer.from_config(ModelConfig.tiny("llama", vocab_size=300), seed=4)    # an untied LM head
+    poisoned = copy.deepcopy(model)
+    with torch.no_grad():
+        poisoned.model.embed_tokens.weight[7] = float("nan")   # any request that reads token 7 turns NaN
+    prompts = [p for p in _prompts() if 7 not in p][:3]
+    sp = SamplingParams(temperature=0, max_new_tokens=6)
+    alone = [Engine(model).generate([p], sp)[0] for p in prompts]
+    assert all(7 not in o.token_ids for o in alone), "the clean requests must not sample token 7 themselves"
+    outs = Engine(poisoned, max_num_seqs=4).generate(prompts[:2] + [[3, 7, 5]] + prompts[2:], sp)
+    bad = outs[2]
+    assert bad.finish_reason == "error" and "not finite" in bad.error and bad.token_ids == [], bad
+    for o, a in zip(outs[:2] + outs[3:], alone):
+        assert o.finish_reason == "length" and o.error is None
+        assert o.token_ids == a.token_ids and o.logprobs == a.logprobs
+
+
+def test_engine_keeps_no_output_after_handing_it_out(model):
+    engine = Engine(model)
+    for _ in range(3):
+        engine.generate(_prompts(3), SamplingParams(max_new_tokens=2))
+    assert not engine._done and not engine.has_unfinished()
+    early = engine.add_request([1, 2, 3], SamplingParams(max_new_tokens=2))
+    mine = engine.generate([[4, 5]], SamplingParams(max_new_tokens=2))
+    assert mine[0].request_id != early
+    assert [o.request_id for o in engine.stream()] == [early], "an earlier request's output waits for its caller"
+
+
+def test_generate_progress_ends_on_the_final_count(model, capsys):
+    Engine(model).generate(_prompts(2), SamplingParams(max_new_tokens=2), progress=True)
+    assert capsys.readouterr().err.rstrip().split("\r")[-1].startswith("[engine] 2/2 done")
+
+
+FEATURES = SamplingParams(temperature=0.9, top_k=50, min_p=0.02, top_p=0.95, repetition_penalty=1.3,
+                          max_new_tokens=8, n=3, logprobs=4, seed=5)
+
+
+def test_n_min_p_penalty_and_top_logprobs_are_seeded_and_batch_invariant(model):
+    prompts = _prompts(4)
+    together = Engine(model, max_num_seqs=5, max_num_batched_tokens=16).generate(prompts, FEATURES)
+    assert [(o.request_id, o.index) for o in together] == [(r, i) for r in range(4) for i in range(3)]
+    for k, p in enumerate(prompts):
+        alone = Engine(model).generate([p], FEATURES)
+        mine = together[3 * k:3 * k + 3]
+        assert [(o.token_ids, o.logprobs, o.top_logprobs) for o in alone] == \
+               [(o.token_ids, o.logprobs, o.top_logprobs) for o in mine]
+    completions = {tuple(o.token_ids) for o in together[:3]}
+    assert len(completions) > 1, "the n completions of a prompt draw from different noise streams"
+    for o in together:
+        assert len(o.top_logprobs) == len(o.token_ids) and all(len(t) == 4 for t in o.top_logprobs)
+        for tok, lp, top in zip(o.token_ids, o.logprobs, o.top_logprobs):
+            assert [x[1] for x in top] == sorted((x[1] for x in top), reverse=True)
+            assert top[0][1] >= lp and (tok not in dict(top) or dict(top)[tok] == lp)
+
+
+def test_reported_logprobs_with_every_feature_equal_the_trainers(model):
+    prompts = _prompts(3)
+    outs = Engine(model).generate(prompts, FEATURES)
+    seqs = [prompts[i // 3] + o.token_ids for i, o in enumerate(outs)]
+    for o, lp in zip(outs, logprobs(model, seqs, temperature=FEATURES.temperature)):
+        assert lp[-len(o.token_ids):].tolist() == o.logprobs
+
+
+def test_repetition_penalty_and_min_p_change_what_is_drawn(model):
+    prompt = _prompts(1)[0]
+    plain = Engine(model).generate([prompt], SamplingParams(temperature=0, max_new_tokens=8))[0]
+    penalized = Engine(model).generate([prompt], SamplingParams(temperature=0, max_new_tokens=8,
+                                                                repetition_penalty=50.0))[0]
+    assert len(set(penalized.token_ids)) > len(set(plain.token_ids)), "a strong penalty avoids repeats"
+    narrow = SamplingParams(temperature=2.0, min_p=0.5, max_new_tokens=6, n=4, seed=3)
+    for o in Engine(model).generate([prompt], narrow):
+        lp = logprobs(model, [prompt + o.token_ids], temperature=2.0)[0][-6:]
+        full = [lockstep.ops.vocab_logprobs(h, model.lm_head_weight, 2.0) for h in
+                [model(*lockstep.model.pack([prompt + o.token_ids]))[len(prompt) - 1 + i] for i in range(6)]]
+        for i, tok in enumerate(o.token_ids):
+            assert full[i][tok] >= full[i].max() + math.log(0.5) - 1e-6, "min_p kept only likely tokens"
+        assert lp.tolist() == o.logprobs
+
+
+def test_stop_strings_end_a_completion_and_are_cut_from_its_text():
+    m = Transformer.from_config(ModelConfig.tiny("llama", vocab_size=300), seed=1)
+    m.tokenizer = ByteTokenizer()
+    full = Engine(m).generate(["hello"], SamplingParams(temperature=0, max_new_tokens=12))[0]
+    stop = full.text[3:5]
+    out = Engine(m).generate(["hello"], SamplingParams(temperature=0, max_new_tokens=12, stop=[stop]))[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.text == full.text[:full.text.index(stop)] and stop not in out.text
+    assert out.token_ids == full.token_ids[:len(out.token_ids)] and len(out.token_ids) < 12
+    bad = Engine(Transformer.from_config(ModelConfig.tiny("llama", vocab_size=300))).generate(
+        [[1, 2]], SamplingParams(stop=["x"]))[0]
+    assert bad.finish_reason == "error" and "stop strings need a model with a tokenizer" in bad.error
+
+
+def test_the_sampler_makes_one_pass_over_the_vocabulary_per_token(model, monkeypatch):
+    from lockstep import ops, sampling
+
+    calls = []
+    real = ops.vocab_logprobs
+    monkeypatch.setattr(sampling.ops, "vocab_logprobs", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
+    monkeypatch.setattr(sampling.ops, "selected_logprobs", lambda *a, **k: pytest.fail("a second pass"))
+    outs = Engine(model, max_num_seqs=4).generate(_prompts(4), SamplingParams(temperature=0.7, max_new_tokens=5))
+    assert sum(calls) == sum(len(o.token_ids) for o in outs) and all(c <= 4 for c in calls)
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("n", 0, r"n: expected an int in \[1, 128\]"),
+    ("min_p", 1.5, r"min_p: expected a number in \[0, 1\]"),
+    ("repetition_penalty", 0.0, "repetition_penalty: expected a positive finite number"),
+    ("logprobs", 21, r"logprobs: expected an int in \[0, 20\]"),
+    ("stop", ["ok", ""], "stop: expected a list of non-empty strings"),
+])
+def test_new_sampling_params_are_checked(model, field, value, message):
+    import dataclasses
+
+    out = Engine(model).generate([[1, 2]], dataclasses.replace(SamplingParams(), **{field: value}))
+    assert out[0].finish_reason == "error" and re.search(message, out[0].error), out[0].error

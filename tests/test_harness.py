@@ -78,3 +78,45 @@ def test_cli_check_eager_reports_failures(capsys):
 def test_cli_bad_arguments(argv, message, capsys):
     assert cli.main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+def test_cli_check_writes_into_a_folder_it_creates(tmp_path, capsys):
+    path = tmp_path / "a" / "b" / "x.json"
+    assert cli.main(["check", "silu_mul", "--dtype", "fp32", "--json", str(path), "--html", str(tmp_path / "h" / "r.html")]) == 0
+    assert path.exists() and (tmp_path / "h" / "r.html").exists()
+
+
+def test_cli_check_refuses_an_unwritable_output_before_any_work(tmp_path, capsys, monkeypatch):
+    from lockstep import harness
+
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setattr(harness, "check", lambda *a, **k: pytest.fail("checked before the output path"))
+    assert cli.main(["check", "silu_mul", "--json", str(blocker / "x.json")]) == 2
+    assert "json: cannot create the folder" in capsys.readouterr().err
+
+
+def test_cli_check_prints_each_row_as_it_finishes(capsys, monkeypatch):
+    from lockstep import harness
+
+    real, seen = harness.check, []
+
+    def spy(name, dtype, **kw):
+        seen.append(capsys.readouterr().out)          # what was printed before this check began
+        return real(name, dtype, **kw)
+
+    monkeypatch.setattr(harness, "check", spy)
+    assert cli.main(["check", "silu_mul", "embedding", "--dtype", "fp32"]) == 0
+    assert "silu_mul" in seen[1] and "float32" in seen[1], "the first row is printed before the second check runs"
+
+
+def test_cli_check_says_exact_rather_than_a_zero_ratio(capsys):
+    assert cli.main(["check", "embedding", "--dtype", "fp32", "--no-grad"]) == 0
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("embedding"))
+    assert " exact " in row and " 0.00 " not in row
+
+
+def test_cli_check_refuses_an_op_the_backend_does_not_implement(capsys):
+    # attention's check decodes from a paged cache, and the reference backend has no paged_attention.
+    assert cli.main(["check", "attention", "--backend", "reference"]) == 2
+    assert "backend 'reference' does not implement ['paged_attention']" in capsys.readouterr().err

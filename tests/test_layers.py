@@ -16,11 +16,12 @@ PACKAGE = SRC / "lockstep"
 # Lower layers never import higher ones. A module's layer is that of its longest listed prefix.
 LAYERS = {
     0: ["lockstep.registry", "lockstep.fixed_order", "lockstep.rotary", "lockstep.paged_cache", "lockstep.checks",
+        "lockstep.autocast",
         "lockstep.contract"],
     1: ["lockstep.ops", "lockstep.backends"],
     2: ["lockstep.harness", "lockstep.model", "lockstep.sampling"],
     3: ["lockstep.engine", "lockstep.train", "lockstep.dist", "lockstep.mode", "lockstep.hf"],
-    4: ["lockstep.verify", "lockstep.parity", "lockstep.report", "lockstep.bench"],
+    4: ["lockstep.verify", "lockstep.parity", "lockstep.report", "lockstep.bench", "lockstep.integrations"],
     5: ["lockstep.cli", "lockstep.__main__", "lockstep"],
 }
 # Same-layer groups that must not import each other: the public ops reach the backends only

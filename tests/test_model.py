@@ -197,3 +197,70 @@ def test_check_model_reports_a_chain_failure(monkeypatch, capsys):
     monkeypatch.setattr(contract, "chain_tolerance", lambda dtype: 0.0)
     assert cli.main(["check-model", "tiny", "--dtype", "bf16"]) == 1
     assert "0 passed, 1 failed" in capsys.readouterr().out
+
+
+def _word_tokenizer_folder(path, vocab_size=300):
+    """A model folder with a word-level tokenizer.json whose words are ids 0..n-1."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = ["<unk>", "the", "quick", "fox", "jumps", "over", "lazy", "dog", "."]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    model = Transformer.from_config(ModelConfig.tiny("llama", vocab_size=vocab_size), seed=1)
+    model.save(str(path))
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 512}))
+    return path
+
+
+def test_a_checkpoint_carries_the_tokenizer_of_its_model(tmp_path):
+    from lockstep import cli
+
+    source = _word_tokenizer_folder(tmp_path / "source")
+    assert load_model(str(source)).tokenizer.encode("the quick fox") == [1, 2, 3]
+    data = tmp_path / "d.txt"
+    data.write_text("the quick fox jumps over the lazy dog . " * 200)
+    out = tmp_path / "run"
+    assert cli.main(["train", "--model", str(source), "--data", str(data), "--steps", "2", "--seq-len", "16",
+                     "--micro-batch-tokens", "32", "--out", str(out)]) == 0
+    checkpoint = out / (out / "latest").read_text()
+    assert (checkpoint / "tokenizer.json").exists() and (checkpoint / "tokenizer_config.json").exists()
+    assert load_model(str(checkpoint)).tokenizer.encode("the quick fox") == [1, 2, 3]
+
+
+def test_a_folder_without_a_tokenizer_warns_once_when_text_is_encoded_as_bytes(tmp_path):
+    import warnings
+
+    Transformer.from_config(ModelConfig.tiny("llama", vocab_size=300)).save(str(tmp_path / "m"))
+    model = load_model(str(tmp_path / "m"))
+    with pytest.warns(UserWarning, match="has no tokenizer.json: text is encoded as UTF-8 bytes") as caught:
+        assert len(model.tokenizer.encode("the quick fox")) == 14
+        model.tokenizer.encode("again")
+    assert len([w for w in caught if "tokenizer.json" in str(w.message)]) == 1
+    # The built-in byte tokenizer of a tiny model is the model's own: its checkpoints say so, and no warning.
+    tiny = Transformer.from_config(ModelConfig.tiny("llama", vocab_size=300))
+    from lockstep.model import load_tokenizer
+    tiny.tokenizer = load_tokenizer(None)
+    tiny.save(str(tmp_path / "t"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        load_model(str(tmp_path / "t")).tokenizer.encode("text")
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage"])
+def test_a_damaged_safetensors_file_is_named_in_one_clear_error(tmp_path, damage):
+    Transformer.from_config(ModelConfig.tiny("llama", vocab_size=300)).save(str(tmp_path))
+    weights = tmp_path / "model.safetensors"
+    raw = weights.read_bytes()
+    weights.write_bytes(raw[: len(raw) // 2] if damage == "truncated" else b"\x00garbage" * 100)
+    with pytest.raises(ValueError, match=r"model.safetensors is not a readable safetensors file .*damaged or truncated"):
+        load_model(str(tmp_path))
+
+
+def test_logprobs_refuses_sequences_beyond_the_context_and_float_ids():
+    model = Transformer.from_config(ModelConfig.tiny("llama", max_position_embeddings=256))
+    with pytest.raises(ValueError, match="sequence 0 has 300 tokens .* beyond the model's context of 256"):
+        logprobs(model, [list(range(300))])
+    with pytest.raises(TypeError, match="sequence 1 holds torch.float32 values; expected integer token ids"):
+        logprobs(model, [[1, 2], [1.7, 2.0]])
+    assert logprobs(model, [list(range(256))])[0].shape == (255,)

@@ -105,7 +105,7 @@ def test_recorder_records_engine_and_trainer_calls_alike(model):
     ops_engine = {r.op for r in rec.forward}
     with parity.Recorder(model) as rec2:
         cross_entropy_sum(model, [torch.tensor([1, 2, 3, 4])])[0].backward()
-    assert {"embedding", "rms_norm", "linear", "rope", "silu_mul", "paged_attention", "selected_logprobs"} <= ops_engine
+    assert {"embedding", "rms_norm", "linear", "rope", "silu_mul", "paged_attention", "vocab_logprobs"} <= ops_engine
     assert {"attention", "selected_logprobs"} <= {r.op for r in rec2.forward} and rec2.backward
     assert all(r.module for r in rec2.forward if r.op == "rms_norm")
 
@@ -139,16 +139,34 @@ def test_trajectory_against_the_plain_pytorch_trainer(model):
 
 
 def test_parity_cli_and_report_dir(tmp_path, capsys):
+    # Diverging runs exit 1; identical ones 0.
     assert cli.main(["parity", "--a", "backend=eager", "--b", "backend=portable", "--json",
-                     str(tmp_path / "parity.json")]) == 0
+                     str(tmp_path / "parity.json")]) == 1
     assert "first divergence" in capsys.readouterr().out
     assert cli.main(["parity", "--a", "layout=alone", "--b", "layout=batch8"]) == 0
     assert "identical" in capsys.readouterr().out
-    assert cli.main(["parity", "--a", "layout=sideways"]) == 2
-    assert "unknown layout 'sideways'" in capsys.readouterr().err
+    assert cli.main(["parity", "--a", "layout=alone", "--b", "layout=batch20"]) == 0
     assert cli.main(["report", str(tmp_path)]) == 0
     assert (tmp_path / "report.html").exists()
     assert cli.main(["report", str(tmp_path / "nope")]) == 2
+
+
+def test_parity_cli_never_calls_zero_comparisons_identical(capsys):
+    assert cli.main(["parity", "--a", "layout=alone", "--b", "layout=decode"]) == 0
+    out = capsys.readouterr().out
+    assert "forward : identical" in out.replace("forward  :", "forward :")
+    assert "backward: not compared" in out and "backward: identical" not in out
+
+
+@pytest.mark.parametrize("layout, message", [
+    ("sideways", "unknown layout 'sideways'"),
+    ("chunk0", "layout 'chunk0' needs N in [1, 256], got 0"),
+    ("batch9999", "layout 'batch9999' needs N in [1, 256], got 9999"),
+])
+def test_parity_cli_refuses_bad_layouts(layout, message, capsys):
+    assert cli.main(["parity", "--a", f"layout={layout}"]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
 
 
 def _chromium():
@@ -186,3 +204,29 @@ def test_report_renders_in_headless_chromium(tmp_path, model):
     assert 'data-ready="1"' in dom, proc.stderr[-2000:]                  # the inline script ran to its end
     assert 'data-plots="3"' in dom and "<svg" in dom and "<polyline" in dom
     assert "Uncaught" not in proc.stderr
+
+
+def test_report_of_a_training_run_draws_its_curves(tmp_path, capsys):
+    data = tmp_path / "d.txt"
+    data.write_text("the cat sat on the mat. " * 300)
+    run = tmp_path / "run"
+    assert cli.main(["train", "--data", str(data), "--steps", "4", "--seq-len", "32", "--micro-batch-tokens", "64",
+                     "--out", str(run)]) == 0
+    assert cli.main(["report", str(run)]) == 0
+    page = (run / "report.html").read_text()
+    assert "Training run" in page and page.count("<svg") == 3 and ">loss<" in page and "gradient norm" in page
+
+
+def test_chart_axes_ticks_and_legend():
+    import re
+
+    from lockstep.report import line_chart
+
+    svg = line_chart({"|dloss|": [(1, 0.0), (2, 0.0), (3, 2.5e-7), (4, 1e-6)], "max |dparam|": [(1, 0.0), (4, 3e-5)]},
+                     "differences", log=True)
+    labels = re.findall(r"text-anchor='end' font-size='10'>([^<]+)<", svg)
+    assert "0" in labels and all(re.fullmatch(r"1e-?\d+|0", t) for t in labels), labels    # powers of ten, and 0
+    assert len(re.findall(r"class='xtick'", svg)) >= 2
+    legend_y = [float(y) for y in re.findall(r"y='([\d.]+)' font-size='11' class='legend'", svg)]
+    curve_y = [float(y) for pts in re.findall(r"points='([^']+)'", svg) for y in re.findall(r",([\d.]+)", pts)]
+    assert legend_y and max(legend_y) < min(curve_y), "the legend sits above every curve"

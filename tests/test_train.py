@@ -205,8 +205,9 @@ def test_cli_trains_and_loss_falls(tmp_path, capsys):
     out = tmp_path / "run"
     assert cli.main(["train", "--data", str(data), "--steps", "25", "--lr", "3e-3", "--micro-batch-tokens", "128",
                      "--seq-len", "32", "--out", str(out)]) == 0
-    log = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+    log, events = train.read_log(str(out))
     assert len(log) == 25 and log[-1]["loss"] < 0.6 * log[0]["loss"]
+    assert [e["event"] for e in events] == ["start"]
     assert (out / "latest").read_text() == "step-000025"
     # resume to 30 steps
     assert cli.main(["train", "--data", str(data), "--steps", "30", "--lr", "3e-3", "--micro-batch-tokens", "128",
@@ -246,3 +247,108 @@ def test_tokenizer_vocabulary_mismatch_is_refused(tmp_path):
     data.write_text("hello " * 50)
     with pytest.raises(ValueError, match="beyond the model's vocabulary of 100"):
         train.make_model_and_tokens(str(tmp_path / "m"), str(data), torch.float32, 0)
+
+
+def _cli_train(tmp_path, *extra, steps=4, out="run"):
+    from lockstep import cli
+
+    data = tmp_path / "data.txt"
+    if not data.exists():
+        data.write_text("the cat sat on the mat. " * 300)
+    return cli.main(["train", "--data", str(data), "--steps", str(steps), "--seq-len", "32",
+                     "--micro-batch-tokens", "64", "--out", str(tmp_path / out), *extra])
+
+
+@pytest.mark.parametrize("flag, value, name", [
+    ("--accum", "2", "accum"), ("--lr", "0.01", "lr"), ("--seq-len", "16", "seq_len"),
+    ("--micro-batch-tokens", "128", "micro_batch_tokens"), ("--dtype", "bf16", "dtype"), ("--seed", "3", "seed"),
+    ("--warmup", "2", "warmup"),
+])
+def test_resume_refuses_a_setting_that_changes_the_run(tmp_path, capsys, flag, value, name):
+    assert _cli_train(tmp_path) == 0
+    capsys.readouterr()
+    assert _cli_train(tmp_path, "--resume", flag, value, steps=6) == 2      # the last of a repeated flag wins
+    err = capsys.readouterr().err
+    assert f"{name}: " in err and "in the checkpoint" in err and "start a new run" in err, err
+    assert "Traceback" not in err
+
+
+def test_resume_refuses_other_data(tmp_path, capsys):
+    assert _cli_train(tmp_path) == 0
+    (tmp_path / "data.txt").write_text("a different corpus, entirely. " * 300)
+    assert _cli_train(tmp_path, "--resume", steps=6) == 2
+    assert "data: " in capsys.readouterr().err
+
+
+def test_resume_allows_and_logs_more_steps(tmp_path, capsys):
+    assert _cli_train(tmp_path) == 0
+    assert _cli_train(tmp_path, "--resume", steps=6) == 0
+    assert "steps 4 -> 6" in capsys.readouterr().err
+    steps, events = train.read_log(str(tmp_path / "run"))
+    assert [r["step"] for r in steps] == [1, 2, 3, 4, 5, 6]
+    assert [e["event"] for e in events] == ["start", "resume"] and events[1]["changes"] == {"steps": [4, 6]}
+
+
+def test_a_resumed_log_holds_each_step_once(tmp_path):
+    # A run killed after step 8 whose last complete checkpoint is step 5: the log holds steps 6-8 that the
+    # resumed run recomputes.
+    assert _cli_train(tmp_path, "--save-every", "5", steps=8) == 0
+    run = tmp_path / "run"
+    (run / "latest").write_text("step-000005")
+    assert _cli_train(tmp_path, "--save-every", "5", "--resume", steps=10) == 0
+    steps, events = train.read_log(str(run))
+    assert [r["step"] for r in steps] == list(range(1, 11))
+    assert events[-1]["event"] == "resume" and events[-1]["dropped_log_records"] == 3
+    # ... and the same losses as an uninterrupted run
+    assert _cli_train(tmp_path, "--save-every", "5", steps=10, out="straight") == 0
+    assert [r["loss"] for r in steps] == [r["loss"] for r in train.read_log(str(tmp_path / "straight"))[0]]
+
+
+def test_a_non_empty_out_needs_resume_or_overwrite(tmp_path, capsys):
+    assert _cli_train(tmp_path, steps=3) == 0
+    assert _cli_train(tmp_path, steps=2) == 2
+    assert "is not empty" in capsys.readouterr().err and (tmp_path / "run" / "latest").read_text() == "step-000003"
+    assert _cli_train(tmp_path, "--overwrite", steps=2) == 0
+    run = tmp_path / "run"
+    assert sorted(p.name for p in run.iterdir()) == ["latest", "log.jsonl", "step-000002"]
+    assert [r["step"] for r in train.read_log(str(run))[0]] == [1, 2]
+    (run / "notes.txt").write_text("mine")
+    assert _cli_train(tmp_path, "--overwrite", steps=2) == 2
+    assert "did not write (notes.txt)" in capsys.readouterr().err and (run / "notes.txt").exists()
+
+
+@pytest.mark.parametrize("victim, damage, message", [
+    ("model.safetensors", "truncate", "model.safetensors is not a readable safetensors file"),
+    ("optimizer.safetensors", "garbage", "optimizer.safetensors is not a readable safetensors file"),
+    ("trainer_state.json", "truncate", "trainer_state.json is not valid JSON"),
+])
+def test_a_damaged_checkpoint_is_named_on_resume(tmp_path, capsys, victim, damage, message):
+    assert _cli_train(tmp_path, steps=2) == 0
+    path = tmp_path / "run" / "step-000002" / victim
+    raw = path.read_bytes()
+    path.write_bytes(raw[: len(raw) // 2] if damage == "truncate" else b"\x01 not safetensors " * 50)
+    capsys.readouterr()
+    assert _cli_train(tmp_path, "--resume", steps=3) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--warmup", "-3"], "warmup: expected an int >= 0, got -3"),
+    (["--weight-decay", "-1"], "weight_decay: expected a number >= 0, got -1.0"),
+    (["--save-every", "-1"], "save_every: expected an int >= 0, got -1"),
+    (["--dtype", "fp16"], "dtype: expected fp32 or bf16"),
+    (["--lr", "nan"], "lr: expected a positive number"),
+])
+def test_train_refuses_bad_settings(tmp_path, capsys, args, message):
+    assert _cli_train(tmp_path, *args) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_train_help_shows_the_defaults(capsys):
+    from lockstep import cli
+
+    with pytest.raises(SystemExit):
+        cli.main(["train", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "(default: 256)" in text and "(default: 0.001)" in text and "per rank" in text

@@ -17,7 +17,8 @@ from lockstep.harness.specs import Sizes  # noqa: E402
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SMALL = Sizes(hidden=96, out_features=40, heads=2, head_dim=16, ffn=64, vocab=4200, lm_hidden=32, embed_vocab=20,
               pool=80)      # > every Triton tile (GEMM 32/64 rows, 64-row partial sums); small for the interpreter
-OPS = ["linear", "rms_norm", "rope", "silu_mul", "embedding", "log_softmax", "selected_logprobs", "cross_entropy"]
+OPS = ["linear", "rms_norm", "rope", "silu_mul", "embedding", "log_softmax", "selected_logprobs", "vocab_logprobs",
+       "cross_entropy"]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
@@ -28,7 +29,7 @@ def test_triton_op_contract(op, dtype):
     failures = [f"{s.sweep}: {s.detail} ({s.max_diff:.3e})" for s in report.sweeps if not s.passed]
     assert not failures, failures
     a = report.accuracy
-    assert a.forward_excess <= 0 and a.gradient_excess <= 0, a
+    assert a.forward_excess <= 0 and (a.gradient_excess is None or a.gradient_excess <= 0), a
     assert a.relative_ok, a
 
 

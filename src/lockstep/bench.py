@@ -92,6 +92,11 @@ def cases(quick: bool = False) -> list[Case]:
                     t = torch.randint(0, v, (m,))
                     return (lambda: ops.selected_logprobs(h, w, t)), [h, w]
                 out.append(Case("selected_logprobs", f"tokens={m} D=1024 V={v}", dtype, slp))
+            for m in (1, 32):                 # a sampler's rows: decode steps of 1 and 32 requests
+                def vlp(m=m, v=v, dtype=dtype):
+                    h, w = _leaf(m, 1024, dtype=dtype), _leaf(v, 1024, dtype=dtype, scale=1024 ** -0.5)
+                    return (lambda: ops.vocab_logprobs(h, w)), [h, w]
+                out.append(Case("vocab_logprobs", f"tokens={m} D=1024 V={v}", dtype, vlp, backward=False))
     for dtype in (torch.float32, torch.bfloat16):
         for seq in ((512,) if quick else (512, 2048)):
             for d in ((64,) if quick else (64, 128)):

@@ -126,10 +126,11 @@ def cmd_check(args: argparse.Namespace) -> int:
     claimed = harness.checks_of(args.backend) if args.backend in contract.load()["backends"] else None
     names = list(dict.fromkeys(args.ops)) or claimed or harness.checks_of("portable")
     if claimed is not None:
-        missing = [n for n in names if n not in claimed]
+        missing = [op for n in names if n not in claimed for op in harness.ops_of_check(n)
+                   if op not in contract.backend_ops(args.backend)]
         if missing:
-            raise UsageError(f"op: backend {args.backend!r} does not implement {missing} (contract.toml "
-                             f"[backends.{args.backend}])")
+            raise UsageError(f"op: backend {args.backend!r} does not implement {missing}, which the requested "
+                             f"checks need (contract.toml [backends.{args.backend}])")
     _prepare_outputs(args)
     header = ["op", "dtype", "fwd max abs", "fwd max rel", "grad max abs", "err/eager", "accuracy", "sweeps",
               "invariance"]
@@ -226,14 +227,14 @@ def cmd_parity(args: argparse.Namespace) -> int:
     if args.trajectory:
         result = parity.trajectory_on_random_tokens(make_model, *args.trajectory, args.steps, args.seed)
         print(parity.format_trajectory(result))
-        data = {"trajectory": result}
+        data, same = {"trajectory": result}, result["first_step_outside_contract"] is None
     else:
         a, b = parity.RunConfig.parse(args.a), parity.RunConfig.parse(args.b)
         comparison = parity.parity(make_model(), a, b, seed=args.seed)
         print(parity.format_comparison(comparison, str(a), str(b)))
-        data = {"parity": {**comparison.to_dict(), "a": str(a), "b": str(b)}}
+        data, same = {"parity": {**comparison.to_dict(), "a": str(a), "b": str(b)}}, comparison.identical
     _write_outputs(args, data, "lockstep parity")
-    return 0
+    return 0 if same else 1
 
 
 def cmd_report(args: argparse.Namespace) -> int:
@@ -253,7 +254,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     rank = os.environ.get("RANK") if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None
     where = f"rank {rank}: " if rank is not None else ""
     try:
-        summary = train.run(args.model, args.data, args.out, cfg, dtype=args.dtype, resume=args.resume)
+        summary = train.run(args.model, args.data, args.out, cfg, dtype=args.dtype, resume=args.resume,
+                            overwrite=args.overwrite)
     except train.NonFiniteLoss as e:
         print(f"\nlockstep train: {where}{e}; the last good checkpoint is kept in {args.out}", file=sys.stderr)
         return 3
@@ -322,14 +324,15 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train", help="train a model on a text file or folder, deterministically", formatter_class=formatter,
                        description="Train with exact accumulation windows, AdamW, clipping and atomic checkpoints. "
                                    "Two runs with the same arguments give the same bits; --resume continues "
-                                   "bitwise as if never interrupted.")
+                                   "bitwise as if never interrupted. Under torchrun each rank runs --accum "
+                                   "micro-batches, so a step trains on ranks x accum x micro-batch-tokens tokens.")
     t.add_argument("--model", default="tiny", help="local checkpoint folder, or 'tiny' (random Llama-style model "
                                                    "with the built-in byte tokenizer)")
     t.add_argument("--data", required=True, help="a text file, or a folder of .txt/.md files")
     t.add_argument("--steps", type=int, default=100, help="optimizer steps (accumulation windows) to reach")
     t.add_argument("--seq-len", type=int, default=64, help="tokens per packed training sequence")
     t.add_argument("--micro-batch-tokens", type=int, default=256, help="tokens per micro-batch (whole sequences)")
-    t.add_argument("--accum", type=int, default=1, help="micro-batches per optimizer step")
+    t.add_argument("--accum", type=int, default=1, help="micro-batches per optimizer step, per rank")
     t.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
     t.add_argument("--warmup", type=int, default=10, help="linear warmup steps before the cosine decay")
     t.add_argument("--weight-decay", type=float, default=0.0, help="decoupled AdamW weight decay")
@@ -339,10 +342,13 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--seed", type=int, default=0, help="seed of the data order and of the tiny model")
     t.add_argument("--save-every", type=int, default=0, help="also checkpoint every N steps (0: only at the end)")
     t.add_argument("--out", required=True, help="output folder: checkpoints (step-N, latest) and log.jsonl")
-    t.add_argument("--resume", action="store_true", help="continue from OUT/latest")
+    t.add_argument("--resume", action="store_true", help="continue from OUT/latest (the settings must be the "
+                                                         "run's own; --steps may grow)")
+    t.add_argument("--overwrite", action="store_true", help="start over in a non-empty OUT, deleting its run")
     t.set_defaults(func=cmd_train)
 
-    p_ = sub.add_parser("parity", help="find the first op where two runs diverge, or compare training trajectories",
+    p_ = sub.add_parser("parity", help="find the first op where two runs diverge, or compare training trajectories "
+                                       "(exit status 1 when they diverge)",
                         formatter_class=formatter,
                         description="Config: comma-separated backend=..., layout=alone|batchN|chunkN|decode, "
                                     "dtype=fp32|bf16|fp16. Example: --a backend=eager --b backend=portable, or "

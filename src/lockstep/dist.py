@@ -43,7 +43,7 @@ DEFAULT_TIMEOUT_S = 120.0
 # --------------------------------------------------------------------------------------------
 # Launching
 # --------------------------------------------------------------------------------------------
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -80,7 +80,7 @@ def spawn(fn: Callable, nprocs: int, *args, backend: str = "gloo", timeout_s: fl
         raise ValueError(f"nprocs: expected a positive int, got {nprocs!r}")
     with tempfile.TemporaryDirectory(prefix="lockstep-spawn-") as errors:
         try:
-            mp.start_processes(_worker, args=(fn, nprocs, _free_port(), backend, timeout_s, args, errors),
+            mp.start_processes(_worker, args=(fn, nprocs, free_port(), backend, timeout_s, args, errors),
                                nprocs=nprocs, join=True, start_method="spawn")
         except Exception as e:
             reports = []
@@ -254,6 +254,8 @@ class DataParallelTrainer:
         assert isinstance(trainer, Trainer)
         self.t, self.group = trainer, group
         self.rank, self.world = dist.get_rank(group), _ranks(group)
+        trainer.layout = {"data_parallel": self.world,
+                          "tensor_parallel": dist.get_world_size(_TP_GROUP) if _TP_GROUP is not None else 1}
         check_consistent(trainer.model, dataclasses.asdict(trainer.cfg) | {"model": repr(trainer.model.config)}, group)
         self.reducer = GradReducer(trainer.named, group)
 
@@ -565,9 +567,12 @@ def save_checkpoint(trainer, out_dir: str) -> str:
     tensors.update({f"opt.{k}": v.contiguous() for k, v in trainer.opt.state_tensors().items()})
     save_file(tensors, os.path.join(tmp, f"rank-{rank}.safetensors"))
     if rank == 0:
+        settings = trainer.settings()
         state = {"step": trainer.step_idx, "data": trainer.data.state(), "rng": trainer.rng.get_state().tolist(),
                  "model_fingerprint": model_fingerprint(trainer.model.config), "world_size": world,
-                 "tensor_parallel_size": dist.get_world_size(_TP_GROUP) if _TP_GROUP is not None else 1}
+                 "tensor_parallel_size": dist.get_world_size(_TP_GROUP) if _TP_GROUP is not None else 1,
+                 "train_config": settings["train_config"], "dtype": settings["dtype"],
+                 "data_fingerprint": settings["data"], "layout": settings["layout"]}
         with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
             json.dump(state, f)
     dist.barrier()
@@ -584,21 +589,19 @@ def save_checkpoint(trainer, out_dir: str) -> str:
 
 def resume_checkpoint(trainer, out_dir: str) -> int:
     """Load this rank's file of out_dir/latest; refuses another model or another world layout."""
-    from safetensors.torch import load_file
+    from .model.files import read_json, read_tensors
+    from .train import latest_checkpoint, model_fingerprint
 
-    from .train import model_fingerprint
-
-    with open(os.path.join(out_dir, "latest")) as f:
-        path = os.path.join(out_dir, f.read().strip())
-    with open(os.path.join(path, "trainer_state.json")) as f:
-        state = json.load(f)
+    path = latest_checkpoint(out_dir)
+    state = read_json(os.path.join(path, "trainer_state.json"), "trainer_state.json")
     tp = dist.get_world_size(_TP_GROUP) if _TP_GROUP is not None else 1
-    if state["model_fingerprint"] != model_fingerprint(trainer.model.config):
+    if state.get("model_fingerprint") != model_fingerprint(trainer.model.config):
         raise ValueError(f"resume: checkpoint {path} belongs to another model")
-    if state["world_size"] != dist.get_world_size() or state["tensor_parallel_size"] != tp:
-        raise ValueError(f"resume: checkpoint {path} was written by {state['world_size']} ranks with tensor-parallel "
-                         f"size {state['tensor_parallel_size']}; this run has {dist.get_world_size()} and {tp}")
-    tensors = load_file(os.path.join(path, f"rank-{dist.get_rank()}.safetensors"))
+    if state.get("world_size") != dist.get_world_size() or state.get("tensor_parallel_size") != tp:
+        raise ValueError(f"resume: checkpoint {path} was written by {state.get('world_size')} ranks with tensor-parallel "
+                         f"size {state.get('tensor_parallel_size')}; this run has {dist.get_world_size()} and {tp}")
+    trainer.resumed_changes = trainer.changes_from(state, path)
+    tensors = read_tensors(os.path.join(path, f"rank-{dist.get_rank()}.safetensors"))
     with torch.no_grad():
         for n, p in trainer.named:
             p.copy_(tensors[f"param.{n}"])

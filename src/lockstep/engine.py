@@ -10,6 +10,7 @@ tokens or logprobs, which is what `lockstep verify` checks.
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 from dataclasses import dataclass, field
@@ -19,12 +20,14 @@ import torch
 
 from .fixed_order import ceil_div
 from .model import CacheStep, Transformer
-from .sampling import SamplingParams, sample_tokens
+from .sampling import SamplingParams, sample
 
 
 @dataclass
 class RequestOutput:
-    """A finished request. logprobs[i] is the logprob of token_ids[i] (see lockstep.sampling)."""
+    """One finished completion. logprobs[i] is the logprob of token_ids[i] (see lockstep.sampling);
+    top_logprobs[i] the (token, logprob) pairs most likely at that step, when asked for. A request
+    with n completions gives n outputs with the same request_id and index 0..n-1."""
 
     request_id: int
     prompt_token_ids: list[int]
@@ -33,6 +36,9 @@ class RequestOutput:
     finish_reason: str | None = None     # "stop", "length" or "error"
     error: str | None = None
     text: str | None = None
+    index: int = 0
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
 
 
 @dataclass
@@ -47,6 +53,10 @@ class _Request:
     @property
     def tokens(self) -> list[int]:
         return self.prompt + self.out.token_ids
+
+    @property
+    def index(self) -> int:
+        return self.out.index
 
 
 class Engine:
@@ -93,10 +103,14 @@ class Engine:
             need = ceil_div(len(ids) + sampling.max_new_tokens, self.block_size)
             if need > len(self.free) + sum(len(r.blocks) for r in self.running):
                 raise ValueError(f"prompt: needs {need} KV blocks, the cache has {len(self.cache.k[0])}")
+            if sampling.stop and self.model.tokenizer is None:
+                raise ValueError("stop: stop strings need a model with a tokenizer; use stop_token_ids")
         except (TypeError, ValueError) as e:
-            self._done.append(RequestOutput(rid, [], finish_reason="error", error=str(e)))
+            n = sampling.n if isinstance(sampling.n, int) and 1 <= sampling.n <= SamplingParams.MAX_N else 1
+            self._done.extend(RequestOutput(rid, [], finish_reason="error", error=str(e), index=i) for i in range(n))
             return rid
-        self.waiting.append(_Request(rid, ids, sampling, RequestOutput(rid, list(ids))))
+        for i in range(sampling.n):
+            self.waiting.append(_Request(rid, ids, sampling, RequestOutput(rid, list(ids), index=i)))
         return rid
 
     def _encode(self, prompt: Sequence[int] | str) -> list[int]:
@@ -185,21 +199,50 @@ class Engine:
                     positions.append(req.computed)           # position of the token being sampled
                     reqs.append(req)
             if rows:
-                tokens, lps = sample_tokens(hidden[rows], self.model.lm_head_weight, samplers, positions)
-                for req, t, lp in zip(reqs, tokens.tolist(), lps.tolist()):
-                    req.out.token_ids.append(t)
-                    req.out.logprobs.append(lp)
+                vocab = self.model.config.vocab_size
+                seen = [_seen(r.tokens, vocab, hidden.device) if r.params.repetition_penalty != 1.0 else None
+                        for r in reqs]
+                draws = sample(hidden[rows], self.model.lm_head_weight, samplers, positions,
+                               [r.index for r in reqs], seen)
+                for req, d in zip(reqs, draws):
+                    if not math.isfinite(d.logprob):
+                        # NaN or Inf logits sample garbage; the row is this request's alone, so only it stops.
+                        self._finish(req, "error", f"the logits at position {req.computed} are not finite (NaN or "
+                                                   "Inf); the request was stopped there")
+                        continue
+                    req.out.token_ids.append(d.token)
+                    req.out.logprobs.append(d.logprob)
+                    if req.params.logprobs:
+                        req.out.top_logprobs.append(d.top)
                     self.stats["tokens"] += 1
-                    if t in req.params.stop_token_ids:
+                    stop_string = self._stop_string(req)
+                    if d.token in req.params.stop_token_ids:
+                        req.out.stop_reason = d.token
+                        self._finish(req, "stop")
+                    elif stop_string is not None:
+                        req.out.stop_reason = stop_string
                         self._finish(req, "stop")
                     elif len(req.out.token_ids) >= req.params.max_new_tokens:
                         self._finish(req, "length")
         self.stats["steps"] += 1
         return self._take_done()
 
-    def _finish(self, req: _Request, reason: str) -> None:
-        req.out.finish_reason = reason
-        if self.model.tokenizer is not None:
+    def _stop_string(self, req: _Request) -> str | None:
+        """The first of the request's stop strings that its text now holds; the text is cut before it
+        (the stop string is not part of a completion's text, as in OpenAI's API)."""
+        if not req.params.stop:
+            return None
+        text = self.model.tokenizer.decode(req.out.token_ids)
+        found = [(text.find(s), s) for s in req.params.stop if s in text]
+        if not found:
+            return None
+        at, stop = min(found)
+        req.out.text = text[:at]
+        return stop
+
+    def _finish(self, req: _Request, reason: str, error: str | None = None) -> None:
+        req.out.finish_reason, req.out.error = reason, error
+        if self.model.tokenizer is not None and req.out.text is None:
             req.out.text = self.model.tokenizer.decode(req.out.token_ids)
         self.running.remove(req)
         self.free.extend(reversed(req.blocks))
@@ -219,24 +262,38 @@ class Engine:
 
     def generate(self, prompts: Sequence, sampling: SamplingParams | Sequence[SamplingParams] | None = None,
                  progress: bool = False) -> list[RequestOutput]:
-        """Run prompts (token-id lists, or strings with a tokenizer) to completion; outputs in prompt order."""
+        """Run prompts (token-id lists, or strings with a tokenizer) to completion. Returns the outputs in
+        prompt order; a prompt sampled with n > 1 gives its n completions in a row (index 0..n-1)."""
         if isinstance(sampling, SamplingParams) or sampling is None:
             sampling = [sampling or SamplingParams()] * len(prompts)
         if len(sampling) != len(prompts):
             raise ValueError(f"sampling: expected one SamplingParams or {len(prompts)}, got {len(sampling)}")
         ids = [self.add_request(p, s) for p, s in zip(prompts, sampling)]
-        by_id = {o.request_id: o for o in self._take_done()}
+        wanted = [(rid, i) for rid, s in zip(ids, sampling) for i in range(s.n if _int_n(s.n) else 1)]
+        by_key = {(o.request_id, o.index): o for o in self._take_done()}
         started, shown = time.time(), 0.0
         while self.has_unfinished():
-            by_id.update((o.request_id, o) for o in self.step())
+            by_key.update(((o.request_id, o.index), o) for o in self.step())
             if progress and time.time() - shown > 0.5:
                 shown = time.time()
                 rate = self.stats["tokens"] / max(1e-9, shown - started)
-                print(f"\r[engine] {sum(i in by_id for i in ids)}/{len(ids)} done, {self.stats['tokens']} tokens, {rate:.0f} tok/s",
+                done = sum(k in by_key for k in wanted)
+                print(f"\r[engine] {done}/{len(wanted)} done, {self.stats['tokens']} tokens, {rate:.0f} tok/s",
                       end="", file=sys.stderr, flush=True)
-        mine = set(ids)
+        mine = set(wanted)
         if progress:
-            print(f"\r[engine] {len(mine)}/{len(ids)} done, {self.stats['tokens']} tokens", file=sys.stderr)
+            print(f"\r[engine] {len(mine)}/{len(wanted)} done, {self.stats['tokens']} tokens", file=sys.stderr)
         # Requests added before this call finished too: their outputs wait for the next step() or stream().
-        self._done.extend(o for rid, o in by_id.items() if rid not in mine)
-        return [by_id[i] for i in ids]
+        self._done.extend(o for key, o in by_key.items() if key not in mine)
+        return [by_key[k] for k in wanted]
+
+
+def _int_n(n: object) -> bool:
+    return isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= SamplingParams.MAX_N
+
+
+def _seen(tokens: list[int], vocab: int, device) -> torch.Tensor:
+    """A bool mask [vocab] of the tokens that occur in `tokens`."""
+    mask = torch.zeros(vocab, dtype=torch.bool, device=device)
+    mask[torch.tensor(tokens, dtype=torch.int64, device=device)] = True
+    return mask

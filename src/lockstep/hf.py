@@ -1,6 +1,7 @@
 """Patch a Hugging Face transformers Llama, Qwen2 or Qwen3 model to run on lockstep ops, in place.
 
     lockstep.patch(model)      # Linear, RMSNorm, rotary embedding, MLP activation and attention
+    lockstep.patch(model, positions_from_mask=True)   # also: padded batches get generate's positions
     ...
     lockstep.unpatch(model)    # restores the original forwards
 
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import importlib
 import math
+import warnings
 
 import torch
 from torch import Tensor, nn
@@ -53,9 +55,10 @@ def _rope_params(config) -> tuple[float, Llama3RopeScaling | None]:
 
 
 def _rotate(x: Tensor, positions: Tensor, config) -> Tensor:
-    """x [B, H, T, D], positions [B, T] -> x rotated by ops.rope."""
+    """x [B, H, T, D], positions [B, T] or [1, T] (shared by the batch) -> x rotated by ops.rope."""
     theta, scaling = _rope_params(config)
     b, h, t, d = x.shape
+    positions = positions.expand(b, t)
     flat = x.transpose(1, 2).reshape(b * t, h, d)
     out = ops.rope(flat, positions.reshape(-1).long(), theta=theta, style="neox", scaling=scaling)
     return out.reshape(b, t, h, d).transpose(1, 2)
@@ -96,6 +99,47 @@ def _register_attention() -> None:
     AttentionMaskInterface.register(_ATTN, sdpa_mask)
 
 
+def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
+    """Position ids [B, T] from a 0/1 attention mask [B, T], as transformers' `generate` derives them:
+    each row counts its own tokens from 0, so a left-padded row starts at 0 where its text does;
+    padding positions get 0. Pass them to a training forward so that it sees the positions the
+    sampler saw."""
+    if not isinstance(attention_mask, Tensor) or attention_mask.dim() != 2:
+        raise ValueError(f"attention_mask: expected a 2-D tensor [batch, tokens], got "
+                         f"{getattr(attention_mask, 'shape', type(attention_mask).__name__)}")
+    return (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)
+
+
+_warned_padding = False
+
+
+def _positions_hook(derive: bool):
+    """A forward pre-hook for the decoder: when a padded batch comes without position_ids, derive them
+    from the mask (derive=True) or warn once that its rows are shifted by their padding."""
+    def hook(module, args, kwargs):
+        global _warned_padding
+        mask = kwargs.get("attention_mask")
+        if kwargs.get("position_ids") is not None or not isinstance(mask, Tensor) or mask.dim() != 2:
+            return None
+        cache = kwargs.get("past_key_values")
+        if cache is not None and hasattr(cache, "get_seq_length") and cache.get_seq_length() > 0:
+            return None                             # decoding: the mask covers the cache too
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        width = ids.shape[1] if isinstance(ids, Tensor) else mask.shape[1]
+        if mask.shape[1] != width or bool(mask.all()):
+            return None
+        if derive:
+            return args, {**kwargs, "position_ids": position_ids_from_mask(mask)}
+        if not _warned_padding:
+            _warned_padding = True
+            warnings.warn("lockstep.patch: a padded batch arrived without position_ids; transformers numbers "
+                          "every row's tokens 0..T-1, so a left-padded row's positions are shifted by its padding "
+                          "and differ from generate's. Pass position_ids=lockstep.hf.position_ids_from_mask(mask), "
+                          "or patch(model, positions_from_mask=True)", stacklevel=2)
+        return None
+    return hook
+
+
 def _family(model) -> str:
     family = getattr(getattr(model, "config", None), "model_type", None)
     if family not in FAMILIES:
@@ -103,8 +147,12 @@ def _family(model) -> str:
     return family
 
 
-def patch(model: nn.Module) -> nn.Module:
-    """Swap the forwards of a transformers Llama/Qwen2/Qwen3 model for lockstep ops (in place)."""
+def patch(model: nn.Module, positions_from_mask: bool = False) -> nn.Module:
+    """Swap the forwards of a transformers Llama/Qwen2/Qwen3 model for lockstep ops (in place).
+
+    positions_from_mask: a forward that gets a padded attention_mask and no position_ids uses
+    `position_ids_from_mask(attention_mask)`, the positions generate uses (off: such a forward
+    warns once)."""
     global _patched_count
     family = _family(model)
     if getattr(model, "_lockstep_patched", False):
@@ -127,6 +175,9 @@ def patch(model: nn.Module) -> nn.Module:
             module.forward = (lambda m: lambda x, position_ids: (_Positions(position_ids, config), None))(module)
     model._lockstep_attn_before = config._attn_implementation
     config._attn_implementation = _ATTN
+    decoder = getattr(model, "model", model)
+    model._lockstep_positions_hook = decoder.register_forward_pre_hook(_positions_hook(positions_from_mask),
+                                                                      with_kwargs=True)
     model._lockstep_patched = True
     _patched_count += 1
     return model
@@ -142,7 +193,8 @@ def unpatch(model: nn.Module) -> nn.Module:
         if "forward" in module.__dict__:
             del module.forward
     model.config._attn_implementation = model._lockstep_attn_before
-    del model._lockstep_patched
+    model._lockstep_positions_hook.remove()
+    del model._lockstep_patched, model._lockstep_positions_hook
     _patched_count -= 1
     if _patched_count == 0:
         for fam, original in list(_saved_apply.items()):

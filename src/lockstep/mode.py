@@ -37,32 +37,41 @@ _depth = 0
 _libs: list = []
 _strict = False
 
-# (aten op, what lockstep does, dtypes)
+# (aten op, what lockstep does, dtypes). "+ out=, _" means the out= overload and the in-place form.
 COVERAGE: list[tuple[str, str, str]] = [
-    ("aten::mm", "fixed 128/8-row GEMM tiles", "fp32 bf16 fp16 fp64"),
-    ("aten::addmm", "fixed row tiles, bias inside the GEMM", "fp32 bf16 fp16 fp64"),
-    ("aten::bmm", "fixed row tiles per batch entry", "fp32 bf16 fp16 fp64"),
-    ("aten::matmul / aten::linear", "decompose into mm / addmm / bmm above", "fp32 bf16 fp16 fp64"),
-    ("aten::_log_softmax (+ backward)", "exact max, fixed-order row_sum", "fp32 bf16 fp16 fp64"),
-    ("aten::_softmax (+ backward)", "exact max, fixed-order row_sum", "fp32 bf16 fp16 fp64"),
+    ("aten::mm (+ out=)", "fixed 128/8-row GEMM tiles", "fp32 bf16 fp16 fp64"),
+    ("aten::addmm (+ out=, _)", "the product on fixed row tiles, rounded, then beta * self added", "fp32 bf16 fp16 fp64"),
+    ("aten::bmm (+ out=)", "fixed row tiles per batch entry", "fp32 bf16 fp16 fp64"),
+    ("aten::baddbmm (+ out=, _)", "as bmm, then beta * self added", "fp32 bf16 fp16 fp64"),
+    ("aten::addbmm (+ out=, _)", "as bmm, the batch entries added in order", "fp32 bf16 fp16 fp64"),
+    ("aten::mv, aten::addmv (+ out=, _)", "a one-column GEMM on fixed row tiles (no GEMV path)", "fp32 bf16 fp16 fp64"),
+    ("aten::dot, aten::vdot (+ out=)", "a one-row GEMM (real dtypes)", "fp32 bf16 fp16 fp64"),
+    ("aten::matmul / aten::linear", "decompose into the GEMMs above (3-D inputs, 1-D inputs, einsum, tensordot)",
+     "fp32 bf16 fp16 fp64"),
+    ("aten::_log_softmax (+ out=, backward)", "exact max, fixed-order row_sum", "fp32 bf16 fp16 fp64"),
+    ("aten::_softmax (+ out=, backward)", "exact max, fixed-order row_sum", "fp32 bf16 fp16 fp64"),
     ("aten::softmax", "decomposes into _softmax", "fp32 bf16 fp16 fp64"),
     ("aten::silu (+ backward)", "1 / (1 + exp(-x)): the same bits in the vector body and the scalar tail",
      "fp32 bf16 fp16 fp64"),
-    ("aten::sum.dim_IntList", "fixed-order row_sum (integer sums run stock: exact anyway)", "fp32 bf16 fp16 fp64"),
-    ("aten::mean.dim", "fixed-order row_sum / n", "fp32 bf16 fp16 fp64"),
+    ("aten::sum (default, dim_IntList, out=)", "fixed-order row_sum (integer sums run stock: exact anyway)",
+     "fp32 bf16 fp16 fp64"),
+    ("aten::mean (default, dim, out=)", "fixed-order row_sum / n", "fp32 bf16 fp16 fp64"),
     ("aten::_fused_rms_norm (+ backward)", "lockstep rms_norm", "fp32 bf16 fp16 fp64"),
     ("aten::scaled_dot_product_attention", "via _scaled_dot_product_flash_attention_for_cpu (+ backward): "
      "fixed 64-key blocks anchored at each sequence's first visible key; causal, bool or 0/-inf "
      "float masks, GQA, decode", "fp32 bf16 fp16 fp64"),
 ]
 
-# Ops with a reduction whose order lockstep does not control (they run stock; strict=True raises).
+# Float ops with a reduction whose order lockstep does not control. They run stock; with strict=True
+# they raise on floating-point inputs (on integer ones they are exact, and run).
 UNSUPPORTED = [
-    "aten::baddbmm", "aten::addbmm", "aten::addmv", "aten::mv", "aten::dot", "aten::vdot",
-    "aten::var.correction", "aten::std.correction", "aten::var_mean.correction", "aten::native_layer_norm",
-    "aten::native_group_norm", "aten::native_batch_norm", "aten::linalg_vector_norm", "aten::norm.ScalarOpt_dim",
-    "aten::cumsum", "aten::cumprod", "aten::prod.dim_int", "aten::logsumexp", "aten::nll_loss_forward",
-    "aten::nll_loss2d_forward", "aten::_scaled_dot_product_attention_math", "aten::convolution",
+    "aten::var.correction", "aten::std.correction", "aten::var_mean.correction", "aten::std_mean.correction",
+    "aten::native_layer_norm", "aten::native_group_norm", "aten::native_batch_norm", "aten::linalg_vector_norm",
+    "aten::norm.ScalarOpt_dim", "aten::cumsum", "aten::cumprod", "aten::prod", "aten::prod.dim_int",
+    "aten::logsumexp", "aten::nll_loss_forward", "aten::nll_loss2d_forward", "aten::embedding_dense_backward",
+    "aten::index_add", "aten::scatter_add", "aten::_scaled_dot_product_attention_math", "aten::convolution",
+    "aten::_scaled_dot_product_flash_attention", "aten::_scaled_dot_product_efficient_attention",
+    "aten::_scaled_dot_product_cudnn_attention",
 ]
 
 
@@ -109,24 +118,88 @@ def _restore(y: Tensor, x_shape: list[int], dims: list[int], keepdim: bool) -> T
 
 
 # --- the kernels ---------------------------------------------------------------------------------
+# The GEMM family. Every variant rounds the product to the output dtype first and adds the rest
+# after, exactly as PyTorch's own bmm + add does: so a linear layer gives the same bits whether
+# PyTorch runs it as addmm (contiguous input) or as bmm + add (a strided 3-D input).
+def _scale_add(prod: Tensor, c: Tensor, beta, alpha) -> Tensor:
+    """alpha * prod + beta * c in the accumulation dtype, rounded once to prod's dtype."""
+    acc = accumulate_dtype(prod.dtype)
+    out = prod.to(acc) * alpha if alpha != 1 else prod.to(acc)
+    if beta != 0:
+        out = out + (c.to(acc) * beta if beta != 1 else c.to(acc))
+    return out.to(prod.dtype)
+
+
 def _mm(self, mat2):
     return matmul_rows(self, mat2)
 
 
 def _addmm(self, mat1, mat2, beta=1, alpha=1):
-    bias_row = self.dim() <= 1 or (self.dim() == 2 and self.shape[0] == 1)     # one bias row for every output row
-    if beta == 1 and alpha == 1 and bias_row:
-        return matmul_rows(mat1, mat2, self.reshape(-1).expand(mat2.shape[1]).contiguous())
-    prod = matmul_rows(mat1, mat2)
-    acc = accumulate_dtype(prod.dtype)
-    out = prod.to(acc) * alpha if alpha != 1 else prod.to(acc)
-    if beta != 0:
-        out = out + self.to(acc) * beta
-    return out.to(prod.dtype)
+    return _scale_add(matmul_rows(mat1, mat2), self, beta, alpha)
 
 
 def _bmm(self, mat2):
     return matmul_rows(self, mat2)
+
+
+def _baddbmm(self, batch1, batch2, beta=1, alpha=1):
+    return _scale_add(matmul_rows(batch1, batch2), self, beta, alpha)
+
+
+def _addbmm(self, batch1, batch2, beta=1, alpha=1):
+    products = matmul_rows(batch1, batch2).to(accumulate_dtype(batch1.dtype))
+    total = products[0]
+    for b in range(1, products.shape[0]):         # the batch entries in order
+        total = total + products[b]
+    return _scale_add(total.to(batch1.dtype), self, beta, alpha)
+
+
+def _mv(self, vec):
+    """A matrix-vector product as a one-column GEMM on fixed row tiles: row i has the bits of row i of
+    the same matrix times any other matrix column (no GEMV path)."""
+    return matmul_rows(self, vec[:, None])[:, 0]
+
+
+def _addmv(self, mat, vec, beta=1, alpha=1):
+    return _scale_add(_mv(mat, vec), self, beta, alpha)
+
+
+def _dot(self, tensor):
+    if self.is_complex():
+        return None
+    return matmul_rows(self[None], tensor[:, None])[0, 0]
+
+
+def _out_variant(fn):
+    """fn's result written into `out` (resized as PyTorch's out= variants do)."""
+    def out_kernel(*args, out, **kwargs):
+        result = fn(*args, **kwargs)
+        if result is None:
+            return None
+        if out.shape != result.shape:
+            out.resize_(result.shape)
+        return out.copy_(result)
+    return out_kernel
+
+
+def _inplace_variant(fn):
+    """fn's result written into its first argument (addmm_, baddbmm_, ...)."""
+    def inplace_kernel(self, *args, **kwargs):
+        result = fn(self, *args, **kwargs)
+        return None if result is None else self.copy_(result)
+    return inplace_kernel
+
+
+def _sum_all(self, dtype=None):
+    x = self if dtype is None else self.to(dtype)
+    if not x.is_floating_point():
+        return None
+    return row_sum(x.reshape(1, -1).to(accumulate_dtype(x.dtype)))[0].to(x.dtype)
+
+
+def _mean_all(self, dtype=None):
+    x = self if dtype is None else self.to(dtype)
+    return (row_sum(x.reshape(1, -1).to(accumulate_dtype(x.dtype)))[0] / max(1, x.numel())).to(x.dtype)
 
 
 def _sum(self, dim=None, keepdim=False, dtype=None):
@@ -334,15 +407,23 @@ def _silu_backward(grad_output, self):
 
 
 # --- registration --------------------------------------------------------------------------------
+_GEMMS = {"mm": _mm, "addmm": _addmm, "bmm": _bmm, "baddbmm": _baddbmm, "addbmm": _addbmm, "mv": _mv,
+          "addmv": _addmv, "dot": _dot, "vdot": _dot}
 _OVERRIDES = {
-    "mm": _mm,
-    "addmm": _addmm,
-    "bmm": _bmm,
+    **_GEMMS,
+    **{f"{name}.out": _out_variant(fn) for name, fn in _GEMMS.items()},
+    **{f"{name}_": _inplace_variant(fn) for name, fn in _GEMMS.items() if name.startswith("add") or name == "baddbmm"},
+    "sum.default": _sum_all,
     "sum.dim_IntList": _sum,
+    "sum.IntList_out": _out_variant(_sum),
+    "mean.default": _mean_all,
     "mean.dim": _mean,
+    "mean.out": _out_variant(_mean),
     "_log_softmax": _log_softmax,
+    "_log_softmax.out": _out_variant(_log_softmax),
     "_log_softmax_backward_data": _log_softmax_backward,
     "_softmax": _softmax,
+    "_softmax.out": _out_variant(_softmax),
     "_softmax_backward_data": _softmax_backward,
     "silu": _silu,
     "silu_backward": _silu_backward,
@@ -357,7 +438,8 @@ def _make(name: str, fn, original):
     def kernel(keyset, *args, **kwargs):
         if _inside():
             return original.call_boxed(keyset, *args, **kwargs)
-        with _kernel(), torch.no_grad():
+        # Autocast has already cast this op's inputs; the kernel's own ops must not be cast again.
+        with _kernel(), torch.no_grad(), _no_autocast():
             out = fn(*args, **kwargs)
         if out is None:                               # a case lockstep leaves to the stock kernel
             return original.call_boxed(keyset, *args, **kwargs)
@@ -366,13 +448,29 @@ def _make(name: str, fn, original):
     return kernel
 
 
+def _floats_in(args, kwargs) -> bool:
+    items = list(args) + list(kwargs.values())
+    flat = [x for a in items for x in (a if isinstance(a, (list, tuple)) else [a])]
+    return any(isinstance(t, Tensor) and (t.is_floating_point() or t.is_complex()) for t in flat)
+
+
 def _raising(name: str, original):
     def kernel(keyset, *args, **kwargs):
-        if _inside():
+        # Integer and boolean inputs are exact in any order (an attention mask's cumsum): they run stock.
+        if _inside() or not _floats_in(args, kwargs):
             return original.call_boxed(keyset, *args, **kwargs)
-        raise RuntimeError(f"lockstep.batch_invariant(strict=True): {name} has no batch-invariant implementation "
-                           "in lockstep (see lockstep.batch_invariant.unsupported())")
+        raise RuntimeError(f"lockstep.batch_invariant(strict=True): {name} on floating-point inputs has no "
+                           "batch-invariant implementation in lockstep (see lockstep.mode.unsupported())")
     return kernel
+
+
+@contextlib.contextmanager
+def _no_autocast() -> Iterator[None]:
+    with contextlib.ExitStack() as stack:
+        for device in ("cpu", "cuda"):
+            if torch.is_autocast_enabled(device):
+                stack.enter_context(torch.autocast(device, enabled=False))
+        yield
 
 
 REGISTERED: list[str] = []

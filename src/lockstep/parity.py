@@ -237,7 +237,9 @@ def format_comparison(c: Comparison, label_a: str, label_b: str) -> str:
     lines = [f"parity: {label_a}  vs  {label_b}"]
     for phase in ("forward", "backward"):
         d = c.first[phase]
-        if d is None:
+        if c.compared[phase] == 0:
+            lines.append(f"  {phase:8s}: not compared (no op records on both sides; a KV-cache layout has no backward)")
+        elif d is None:
             lines.append(f"  {phase:8s}: identical ({c.compared[phase]} op records compared)")
         else:
             lines.append(f"  {phase:8s}: first divergence at #{d.index} {d.module or '<top>'} {d.op} [{d.slot}]: "
@@ -253,6 +255,10 @@ def format_comparison(c: Comparison, label_a: str, label_b: str) -> str:
 # --------------------------------------------------------------------------------------------
 # Configured runs for `lockstep parity`
 # --------------------------------------------------------------------------------------------
+# The largest batch (layout=batchN) and chunk (layout=chunkN) a parity run takes.
+MAX_BATCH = 256
+
+
 @dataclass
 class RunConfig:
     """backend, layout and dtype of one side. layout: "alone", "batch<N>" (the sequence at
@@ -279,6 +285,9 @@ class RunConfig:
         if not (out.layout in ("alone", "decode") or (out.layout[:5] == "batch" and out.layout[5:].isdigit())
                 or (out.layout[:5] == "chunk" and out.layout[5:].isdigit())):
             raise ValueError(f"config: unknown layout {out.layout!r}; expected alone, batchN, chunkN or decode")
+        n = int(out.layout[5:]) if out.layout[:5] in ("batch", "chunk") else 1
+        if not 1 <= n <= MAX_BATCH:
+            raise ValueError(f"config: layout {out.layout!r} needs N in [1, {MAX_BATCH}], got {n}")
         return out
 
     def __str__(self) -> str:
@@ -351,7 +360,9 @@ def parity(model, a: RunConfig, b: RunConfig, seed: int = 0, length: int = 24) -
     gen = torch.Generator().manual_seed(seed)
     vocab = model.config.vocab_size
     target = torch.randint(0, vocab, (length,), generator=gen)
-    others = [torch.randint(0, vocab, (int(n),), generator=gen) for n in torch.randint(3, 40, (8,), generator=gen)]
+    batch = max(int(c.layout[5:]) if c.layout.startswith("batch") else 1 for c in (a, b))
+    lengths = torch.randint(3, 40, (max(8, batch - 1),), generator=gen)
+    others = [torch.randint(0, vocab, (int(n),), generator=gen) for n in lengths]
     rec_a, view_a = record_run(model, target, others, a)
     rec_b, view_b = record_run(model, target, others, b)
     return compare(rec_a, rec_b, view_a, view_b)

@@ -25,6 +25,7 @@ OPS = (
     "silu_mul",
     "log_softmax",
     "selected_logprobs",
+    "vocab_logprobs",
     "cross_entropy",
     "attention",
     "paged_attention",

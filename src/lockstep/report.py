@@ -47,47 +47,83 @@ def _table(header: list[str], rows: list[list], classes: list[list[str]] | None 
     return "\n".join(out) + "</table></div>"
 
 
+def _ticks(lo: float, hi: float, count: int = 5) -> list[float]:
+    """About `count` round values covering [lo, hi] (steps of 1, 2 or 5 times a power of ten)."""
+    span = hi - lo
+    if span <= 0:
+        return [lo]
+    raw = span / max(1, count - 1)
+    power = 10 ** math.floor(math.log10(raw))
+    step = next(m * power for m in (1, 2, 5, 10) if m * power >= raw)
+    first = math.ceil(lo / step) * step
+    return [first + k * step for k in range(int((hi - first) / step + 1e-9) + 1)]
+
+
 def line_chart(series: dict[str, list[tuple[float, float]]], title: str, log: bool = False,
-               width: int = 520, height: int = 260) -> str:
-    """An SVG line chart; with log=True the y axis is log10 (zeros are drawn at the bottom)."""
+               width: int = 520, height: int = 280) -> str:
+    """An SVG line chart with ticks on both axes and the legend above the plot area.
+
+    With log=True the y axis is log10 with a tick at every power of ten; zeros (exact agreement)
+    are drawn on their own line below the lowest decade, labelled 0."""
     colors = ["#1f6feb", "#d1242f", "#1a7f37", "#9a6700", "#8250df"]
     pts = [(x, y) for s in series.values() for x, y in s if y is not None and math.isfinite(y)]
     if not pts:
         return f"<p class=note>{html.escape(title)}: no data</p>"
-    tf = (lambda y: math.log10(y) if y > 0 else None) if log else (lambda y: y)
-    ys = [tf(y) for _, y in pts if tf(y) is not None] or [0.0]
+    left, right, top, bottom = 52, 12, 30 + 16 * ((len(series) + 2) // 3), 34
     x0, x1 = min(x for x, _ in pts), max(x for x, _ in pts)
-    y0, y1 = min(ys), max(ys)
-    if y1 == y0:
-        y0, y1 = y0 - 1, y1 + 1
     if x1 == x0:
         x1 = x0 + 1
-    m = 44
+    if log:
+        logs = [math.log10(y) for _, y in pts if y > 0]
+        lo, hi = (math.floor(min(logs)), math.ceil(max(logs))) if logs else (-1, 0)
+        if hi == lo:
+            hi = lo + 1
+        zero_row = lo - 0.6                               # the line where zeros are drawn
+
+        def y_of(y):
+            return math.log10(y) if y > 0 else zero_row
+        y0, y1 = zero_row - 0.2, hi
+        y_ticks = [(float(e), f"1e{e}") for e in range(lo, hi + 1)] + [(zero_row, "0")]
+    else:
+        ys = [y for _, y in pts]
+        y0, y1 = min(ys), max(ys)
+        if y1 == y0:
+            y0, y1 = y0 - 1, y1 + 1
+        pad = 0.05 * (y1 - y0)
+        y0, y1 = y0 - pad, y1 + pad
+
+        def y_of(y):
+            return y
+        y_ticks = [(v, f"{v:.3g}") for v in _ticks(y0, y1)]
 
     def px(x):
-        return m + (x - x0) / (x1 - x0) * (width - m - 10)
+        return left + (x - x0) / (x1 - x0) * (width - left - right)
 
     def py(y):
-        return height - 28 - (y - y0) / (y1 - y0) * (height - 58)
+        return height - bottom - (y - y0) / (y1 - y0) * (height - top - bottom)
 
     parts = [f"<svg xmlns='http://www.w3.org/2000/svg' width='{width}' height='{height}' role='img' class='plot'>",
              f"<text x='{width / 2}' y='16' text-anchor='middle' font-weight='600'>{html.escape(title)}</text>",
-             f"<line x1='{m}' y1='{height - 28}' x2='{width - 10}' y2='{height - 28}' stroke='#888'/>",
-             f"<line x1='{m}' y1='30' x2='{m}' y2='{height - 28}' stroke='#888'/>"]
-    for i in range(5):
-        yv = y0 + (y1 - y0) * i / 4
-        label = f"1e{yv:.1f}" if log else f"{yv:.3g}"
-        parts.append(f"<text x='{m - 4}' y='{py(yv) + 4:.1f}' text-anchor='end' font-size='10'>{label}</text>")
-    parts.append(f"<text x='{width / 2}' y='{height - 6}' text-anchor='middle' font-size='11'>step</text>")
+             f"<line x1='{left}' y1='{height - bottom}' x2='{width - right}' y2='{height - bottom}' stroke='#888'/>",
+             f"<line x1='{left}' y1='{top}' x2='{left}' y2='{height - bottom}' stroke='#888'/>"]
+    for yv, label in y_ticks:
+        parts.append(f"<line x1='{left - 3}' y1='{py(yv):.1f}' x2='{width - right}' y2='{py(yv):.1f}' stroke='#eee'/>")
+        parts.append(f"<text x='{left - 5}' y='{py(yv) + 3.5:.1f}' text-anchor='end' font-size='10'>{label}</text>")
+    for xv in _ticks(x0, x1):
+        label = f"{xv:g}"
+        parts.append(f"<line x1='{px(xv):.1f}' y1='{height - bottom}' x2='{px(xv):.1f}' y2='{height - bottom + 4}' "
+                     "stroke='#888'/>")
+        parts.append(f"<text x='{px(xv):.1f}' y='{height - bottom + 15}' text-anchor='middle' font-size='10' "
+                     f"class='xtick'>{label}</text>")
+    parts.append(f"<text x='{(left + width - right) / 2}' y='{height - 4}' text-anchor='middle' font-size='11'>step</text>")
     for i, (name, s) in enumerate(series.items()):
-        coords = []
-        for x, y in s:
-            t = tf(y) if y is not None and math.isfinite(y) else None
-            coords.append(f"{px(x):.1f},{py(t if t is not None else y0):.1f}")
+        coords = [f"{px(x):.1f},{py(y_of(y)):.1f}" for x, y in s if y is not None and math.isfinite(y)]
         color = colors[i % len(colors)]
         dash = " stroke-dasharray='6 3'" if i % 2 else ""
         parts.append(f"<polyline fill='none' stroke='{color}' stroke-width='2'{dash} points='{' '.join(coords)}'/>")
-        parts.append(f"<text x='{m + 8 + 150 * i}' y='{height - 36 - 0}' fill='{color}' font-size='11'>{html.escape(name)}</text>")
+        lx, ly = left + 165 * (i % 3), 30 + 16 * (i // 3)
+        parts.append(f"<line x1='{lx}' y1='{ly - 4}' x2='{lx + 18}' y2='{ly - 4}' stroke='{color}' stroke-width='2'{dash}/>"
+                     f"<text x='{lx + 22}' y='{ly}' font-size='11' class='legend'>{html.escape(name)}</text>")
     parts.append("</svg>")
     return "".join(parts)
 
@@ -169,7 +205,9 @@ def _parity_section(p: dict) -> str:
     out = [f"<h2>First divergence: {html.escape(p.get('a', 'A'))} vs {html.escape(p.get('b', 'B'))}</h2>"]
     for phase in ("forward", "backward"):
         d = p["first"].get(phase)
-        if d is None:
+        if not p["compared"].get(phase):
+            out.append(f"<p class=na>{phase}: not compared (no op records on both sides)</p>")
+        elif d is None:
             out.append(f"<p class=pass>{phase}: identical ({p['compared'][phase]} op records compared)</p>")
         else:
             out.append(f"<p class=fail>{phase}: first divergence at record #{d['index']} <b>{html.escape(d['module'] or '<top>')}"
@@ -205,8 +243,24 @@ def _trajectory_section(t: dict) -> str:
     return f"<h2>Training trajectories: {html.escape(a)} vs {html.escape(b)}</h2>{head}<div class=charts>{''.join(charts)}</div>{table}{extra}"
 
 
+def _training_section(t: dict) -> str:
+    """A `lockstep train` run: loss, gradient norm and learning rate per step, and its starts."""
+    steps = t["steps"]
+    charts = [line_chart({"loss": [(r["step"], r["loss"]) for r in steps]}, "loss"),
+              line_chart({"grad norm": [(r["step"], r["grad_norm"]) for r in steps]}, "gradient norm"),
+              line_chart({"learning rate": [(r["step"], r["lr"]) for r in steps]}, "learning rate")]
+    events = _table(["event", "at step", "ranks", "accum", "global batch tokens", "changes"],
+                    [[e.get("event"), e.get("step"), e.get("ranks"), e.get("accum"), e.get("global_batch_tokens"),
+                      ", ".join(f"{k} {a} -> {b}" for k, (a, b) in (e.get("changes") or {}).items()) or "-"]
+                     for e in t["events"]])
+    last = steps[-1] if steps else {}
+    return (f"<h2>Training run</h2><p>{len(steps)} steps; last loss {_fmt(last.get('loss'))}, grad norm "
+            f"{_fmt(last.get('grad_norm'))}.</p><div class=charts>{''.join(charts)}</div>{events}")
+
+
 def build_html(data: dict, title: str = "lockstep report") -> str:
-    """data may hold "check" (list of op reports), "verify", "parity" and "trajectory" dicts."""
+    """data may hold "check" (list of op reports), "verify", "parity", "trajectory" and "training"
+    ({"steps": [...], "events": [...]}, a `lockstep train` log)."""
     sections = []
     if data.get("check"):
         sections.append(_check_section(data["check"]))
@@ -216,6 +270,8 @@ def build_html(data: dict, title: str = "lockstep report") -> str:
         sections.append(_parity_section(data["parity"]))
     if data.get("trajectory"):
         sections.append(_trajectory_section(data["trajectory"]))
+    if data.get("training"):
+        sections.append(_training_section(data["training"]))
     if not sections:
         sections.append("<p>No results found.</p>")
     body = "\n".join(sections)
@@ -236,7 +292,8 @@ FILES = {"check": "check.json", "verify": "verify.json", "parity": "parity.json"
 
 
 def from_run_dir(run_dir: str, out: str | None = None) -> str:
-    """Read RUN_DIR/{check,verify,parity,trajectory}.json (whichever exist) and write report.html."""
+    """Read RUN_DIR/{check,verify,parity,trajectory}.json and a `lockstep train` log.jsonl (whichever
+    exist) and write RUN_DIR/report.html (or `out`)."""
     if not os.path.isdir(run_dir):
         raise FileNotFoundError(f"run_dir: {run_dir!r} is not a folder")
     data = {}
@@ -244,11 +301,20 @@ def from_run_dir(run_dir: str, out: str | None = None) -> str:
         path = os.path.join(run_dir, name)
         if os.path.exists(path):
             with open(path) as f:
-                loaded = json.load(f)
+                try:
+                    loaded = json.load(f)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"run_dir: {path} is not valid JSON ({e})") from None
             if key == "check":
                 data[key] = loaded.get("reports", loaded)
             else:
                 data[key] = loaded.get(key, loaded)    # parity.json and trajectory.json wrap their payload
+    if os.path.exists(os.path.join(run_dir, "log.jsonl")):
+        from .train import read_log
+
+        steps, events = read_log(run_dir)
+        data["training"] = {"steps": steps, "events": events}
     if not data:
-        raise FileNotFoundError(f"run_dir: none of {sorted(FILES.values())} in {run_dir}")
-    return write_html(data, out or os.path.join(run_dir, "report.html"), f"lockstep report: {os.path.basename(os.path.abspath(run_dir))}")
+        raise FileNotFoundError(f"run_dir: none of {sorted(FILES.values()) + ['log.jsonl']} in {run_dir}")
+    return write_html(data, out or os.path.join(run_dir, "report.html"),
+                      f"lockstep report: {os.path.basename(os.path.abspath(run_dir))}")

@@ -22,6 +22,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import shutil
 import sys
 import time
@@ -33,6 +34,7 @@ from torch import Tensor
 from . import ops
 from .fixed_order import row_sum
 from .model import ModelConfig, Transformer, load_model, load_tokenizer, model_from_source, pack
+from .model.files import read_json, read_tensors
 
 
 # --------------------------------------------------------------------------------------------
@@ -229,6 +231,13 @@ class PackedDataset:
     def state(self) -> dict:
         return {"epoch": self.epoch, "index": self.index}
 
+    def fingerprint(self) -> str:
+        """A digest of the sequences and how they are drawn: equal exactly when two datasets give the
+        same micro-batches in the same order."""
+        h = hashlib.sha256(f"{self.per_batch} {self.seed} {tuple(self.sequences.shape)}".encode())
+        h.update(self.sequences.numpy().tobytes())
+        return h.hexdigest()[:16]
+
     def load_state(self, s: dict) -> None:
         self.epoch, self.index = int(s["epoch"]), int(s["index"])
         self._order = self._perm(self.epoch)
@@ -258,12 +267,29 @@ class TrainConfig:
     def validate(self) -> None:
         for name in ("steps", "seq_len", "micro_batch_tokens", "accum"):
             v = getattr(self, name)
-            if not isinstance(v, int) or v < 1:
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name}: expected a positive int, got {v!r}")
-        if not self.lr > 0:
+        for name in ("warmup", "save_every", "log_every"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise ValueError(f"{name}: expected an int >= 0, got {v!r}")
+        if not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0):
             raise ValueError(f"lr: expected a positive number, got {self.lr!r}")
-        if self.grad_clip < 0:
-            raise ValueError(f"grad_clip: expected >= 0 (0 disables clipping), got {self.grad_clip!r}")
+        if not (isinstance(self.weight_decay, (int, float)) and math.isfinite(self.weight_decay)
+                and self.weight_decay >= 0):
+            raise ValueError(f"weight_decay: expected a number >= 0, got {self.weight_decay!r}")
+        if not (isinstance(self.grad_clip, (int, float)) and math.isfinite(self.grad_clip) and self.grad_clip >= 0):
+            raise ValueError(f"grad_clip: expected a number >= 0 (0 disables clipping), got {self.grad_clip!r}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"min_lr_ratio: expected a number in [0, 1], got {self.min_lr_ratio!r}")
+        if not (len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas)):
+            raise ValueError(f"betas: expected two numbers in [0, 1), got {self.betas!r}")
+        if not self.eps > 0:
+            raise ValueError(f"eps: expected a positive number, got {self.eps!r}")
+
+
+# What a resumed run may change (logged); every other setting defines the run and must match.
+RESUMABLE = ("steps", "save_every", "log_every")
 
 
 class NonFiniteLoss(RuntimeError):
@@ -287,6 +313,8 @@ class Trainer:
                          master_weights=cfg.master_weights)
         self.step_idx = 0
         self.rng = torch.Generator().manual_seed(cfg.seed)
+        # How the run is spread over processes; a data-parallel wrapper sets it.
+        self.layout = {"data_parallel": 1, "tensor_parallel": 1}
 
     def window(self) -> list[list[Tensor]]:
         return [self.data.next_batch() for _ in range(self.cfg.accum)]
@@ -324,6 +352,12 @@ class Trainer:
         return {"step": self.step_idx, "loss": loss_value, "grad_norm": float(norm), "lr": lr, "tokens": total_tokens}
 
     # --- checkpoints --------------------------------------------------------------------------
+    def settings(self) -> dict:
+        """What defines this run, as a checkpoint records it: the training config, the compute dtype,
+        the data (a fingerprint of its sequences and order) and the layout."""
+        return {"train_config": asdict(self.cfg), "dtype": str(self.model.dtype).removeprefix("torch."),
+                "data": self.data.fingerprint(), "layout": dict(self.layout)}
+
     def save(self, out_dir: str) -> str:
         """Write out_dir/step-NNNNNN atomically and point out_dir/latest at it."""
         from safetensors.torch import save_file
@@ -335,8 +369,10 @@ class Trainer:
         shutil.rmtree(tmp, ignore_errors=True)
         self.model.save(tmp)
         save_file({k: v.contiguous() for k, v in self.opt.state_tensors().items()}, os.path.join(tmp, "optimizer.safetensors"))
+        settings = self.settings()
         state = {"step": self.step_idx, "data": self.data.state(), "rng": self.rng.get_state().tolist(),
-                 "train_config": asdict(self.cfg), "model_fingerprint": model_fingerprint(self.model.config)}
+                 "model_fingerprint": model_fingerprint(self.model.config), "train_config": settings["train_config"],
+                 "dtype": settings["dtype"], "data_fingerprint": settings["data"], "layout": settings["layout"]}
         with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
             json.dump(state, f)
         for f_name in os.listdir(tmp):
@@ -354,28 +390,56 @@ class Trainer:
         return final
 
     def resume(self, out_dir: str) -> int:
-        """Load out_dir/latest; returns the step. Refuses a checkpoint of another model."""
-        from safetensors.torch import load_file
-
-        latest = os.path.join(out_dir, "latest")
-        if not os.path.exists(latest):
-            raise FileNotFoundError(f"resume: no checkpoint in {out_dir} (no 'latest' file)")
-        with open(latest) as f:
-            path = os.path.join(out_dir, f.read().strip())
-        with open(os.path.join(path, "trainer_state.json")) as f:
-            state = json.load(f)
-        if state["model_fingerprint"] != model_fingerprint(self.model.config):
+        """Load out_dir/latest; returns the step. Refuses a checkpoint of another model, and a change
+        of any setting that defines the run (`changes_from` says which); the allowed changes are kept
+        in `self.resumed_changes`."""
+        path = latest_checkpoint(out_dir)
+        state = read_json(os.path.join(path, "trainer_state.json"), "trainer_state.json")
+        if state.get("model_fingerprint") != model_fingerprint(self.model.config):
             raise ValueError(f"resume: checkpoint {path} belongs to another model (config fingerprint "
-                             f"{state['model_fingerprint']}, this model {model_fingerprint(self.model.config)})")
+                             f"{state.get('model_fingerprint')}, this model {model_fingerprint(self.model.config)})")
+        self.resumed_changes = self.changes_from(state, path)
         loaded = load_model(path, dtype=self.model.dtype, device=self.model.device)
+        optimizer = read_tensors(os.path.join(path, "optimizer.safetensors"))
         with torch.no_grad():
             for (n, p), (_, q) in zip(self.model.named_parameters(), loaded.named_parameters()):
                 p.copy_(q)
-        self.opt.load_state_tensors(load_file(os.path.join(path, "optimizer.safetensors")), state["step"])
-        self.data.load_state(state["data"])
-        self.rng.set_state(torch.tensor(state["rng"], dtype=torch.uint8))
+        try:
+            self.opt.load_state_tensors(optimizer, state["step"])
+            self.data.load_state(state["data"])
+            self.rng.set_state(torch.tensor(state["rng"], dtype=torch.uint8))
+        except (KeyError, TypeError, RuntimeError) as e:
+            raise ValueError(f"resume: checkpoint {path} is incomplete or damaged ({type(e).__name__}: {e})") from None
         self.step_idx = state["step"]
         return self.step_idx
+
+    def changes_from(self, state: dict, path: str = "the checkpoint") -> dict:
+        """The settings that differ between a checkpoint's `state` and this trainer, as
+        {name: [old, new]}. Raises ValueError, naming the setting and both values, when one that
+        defines the run differs (RESUMABLE lists those that may change)."""
+        now = self.settings()
+        old_cfg = state.get("train_config", {})
+        changes, refused = {}, []
+        for name, new in now["train_config"].items():
+            if name not in old_cfg:
+                continue
+            old = old_cfg[name]
+            if isinstance(new, (list, tuple)):            # JSON gives lists where the config has tuples
+                old, new = list(old), list(new)
+            if old == new:
+                continue
+            if name in RESUMABLE:
+                changes[name] = [old, new]
+            else:
+                refused.append((name, old, new))
+        for name, key in (("dtype", "dtype"), ("data", "data_fingerprint"), ("layout", "layout")):
+            if key in state and state[key] != now[name]:
+                refused.append((name, state[key], now[name]))
+        if refused:
+            what = "; ".join(f"{n}: {o!r} in the checkpoint, {v!r} now" for n, o, v in refused)
+            raise ValueError(f"resume: {path} was written with other settings ({what}). A resumed run keeps the "
+                             f"settings that define it; start a new run in another --out to change them")
+        return changes
 
     def params_hash(self) -> str:
         h = hashlib.sha256()
@@ -385,10 +449,25 @@ class Trainer:
         return h.hexdigest()
 
 
+def latest_checkpoint(out_dir: str) -> str:
+    """The folder out_dir/latest points at; errors name what is missing or damaged."""
+    latest = os.path.join(out_dir, "latest")
+    if not os.path.exists(latest):
+        raise FileNotFoundError(f"resume: no checkpoint in {out_dir} (no 'latest' file)")
+    with open(latest, errors="replace") as f:
+        name = f.read().strip()
+    path = os.path.join(out_dir, name)
+    if not re.fullmatch(r"step-\d{6}", name) or not os.path.isdir(path):
+        raise ValueError(f"resume: {latest} names {name!r}, which is not a checkpoint folder in {out_dir}")
+    return path
+
+
 def make_model_and_tokens(model_arg: str, data_path: str, dtype: torch.dtype, seed: int) -> tuple[Transformer, list[int]]:
     """Load (or build the tiny) model and tokenize the data; token ids beyond the vocab are refused."""
     model = model_from_source(model_arg, dtype, "llama", seed, vocab_size=320)
-    tokenizer = model.tokenizer if model.tokenizer is not None else load_tokenizer(None)
+    if model.tokenizer is None:                   # the tiny model: the built-in byte tokenizer
+        model.tokenizer = load_tokenizer(None)
+    tokenizer = model.tokenizer
     texts = read_texts(data_path)
     tokens: list[int] = []
     for t in texts:
@@ -403,24 +482,91 @@ def make_model_and_tokens(model_arg: str, data_path: str, dtype: torch.dtype, se
     return model, tokens
 
 
+# What `lockstep train` writes into its output folder (and all that --overwrite may delete).
+RUN_FILES = re.compile(r"(step-\d{6}|\.tmp-step-\d{6}(-\d+)?|latest|\.latest\.tmp|log\.jsonl(\.tmp)?|\.log-rank\d+\.jsonl)")
+
+
+def prepare_out(out: str, resume: bool, overwrite: bool) -> None:
+    """Refuse to start a new run in a folder that holds one, unless `overwrite` (which deletes only
+    what a run writes, and refuses a folder that holds anything else)."""
+    if resume or not os.path.isdir(out) or not os.listdir(out):
+        return
+    entries = sorted(os.listdir(out))
+    if not overwrite:
+        raise ValueError(f"out: {out} is not empty ({', '.join(entries[:4])}{', ...' if len(entries) > 4 else ''}); "
+                         "pass --resume to continue the run in it, or --overwrite to start over")
+    foreign = [e for e in entries if not RUN_FILES.fullmatch(e)]
+    if foreign:
+        raise ValueError(f"out: {out} holds files that lockstep train did not write ({', '.join(foreign[:4])}); "
+                         "refusing to overwrite it")
+    for e in entries:
+        path = os.path.join(out, e)
+        shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+
+
+def read_log(out: str) -> tuple[list[dict], list[dict]]:
+    """A run folder's log.jsonl as (step records, event records): one step record per optimizer step
+    (step, loss, grad_norm, lr, tokens, seconds) and an event record at each start and resume
+    (ranks, accum, global batch, layout, the settings a resume changed)."""
+    steps, events = [], []
+    with open(os.path.join(out, "log.jsonl"), errors="replace") as f:
+        for line in f:
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            (events if "event" in rec else steps).append(rec)
+    return steps, events
+
+
+def truncate_log(log_path: str, step: int) -> int:
+    """Keep the records of log.jsonl up to `step` (those of a resumed checkpoint); returns how many
+    step records were dropped. Rewritten through a temporary file, so a crash never loses it."""
+    if not os.path.exists(log_path):
+        return 0
+    kept, dropped = [], 0
+    with open(log_path, errors="replace") as f:
+        for line in f:
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                dropped += 1                      # a line cut short by a kill
+                continue
+            if "step" in rec and "event" not in rec and rec["step"] > step:
+                dropped += 1
+                continue
+            kept.append(line if line.endswith("\n") else line + "\n")
+    tmp = log_path + ".tmp"
+    with open(tmp, "w") as f:
+        f.writelines(kept)
+    os.replace(tmp, log_path)
+    return dropped
+
+
 def run(model: str, data: str, out: str, cfg: TrainConfig, dtype: torch.dtype = torch.float32,
-        resume: bool = False, progress: bool = True) -> dict:
+        resume: bool = False, overwrite: bool = False, progress: bool = True) -> dict:
     """Train `model` ("tiny" or a checkpoint folder) on the text at `data`, writing checkpoints and
-    log.jsonl to `out`; under torchrun, data parallel over the ranks. Returns a summary (first and
-    last record, checkpoint path, log path). Raises ValueError or OSError on bad input before any
-    step, NonFiniteLoss when the loss stops being finite (the last good checkpoint is kept)."""
+    log.jsonl to `out`; under torchrun, data parallel over the ranks.
+
+    The global batch of a step is ranks x cfg.accum micro-batches of cfg.micro_batch_tokens tokens:
+    each rank runs `accum` micro-batches. It is printed at the start and logged. Returns a summary
+    (first and last step record, checkpoint path, log path). Raises ValueError or OSError on bad input
+    before any step, NonFiniteLoss when the loss stops being finite (the last good checkpoint is
+    kept)."""
     from . import dist as ldist
 
     distributed = ldist.init_from_env()
     rank = int(os.environ.get("RANK", "0")) if distributed else 0
     try:
         cfg.validate()
+        if rank == 0:
+            prepare_out(out, resume, overwrite)
         network, tokens = make_model_and_tokens(model, data, dtype, cfg.seed)
         trainer = Trainer(network, PackedDataset(tokens, cfg.seq_len, cfg.micro_batch_tokens, cfg.seed), cfg)
-        if resume:
-            trainer.resume(out)
         runner = ldist.DataParallelTrainer(trainer) if distributed else trainer
-        return _train_loop(out, cfg, trainer, runner, rank, progress)
+        if resume:
+            runner.resume(out)
+        return _train_loop(out, cfg, trainer, runner, rank, progress, resumed=resume)
     finally:
         if distributed:
             import torch.distributed
@@ -428,20 +574,39 @@ def run(model: str, data: str, out: str, cfg: TrainConfig, dtype: torch.dtype = 
             torch.distributed.destroy_process_group()
 
 
-def _train_loop(out: str, cfg: TrainConfig, trainer: Trainer, runner, rank: int, progress: bool) -> dict:
+def _train_loop(out: str, cfg: TrainConfig, trainer: Trainer, runner, rank: int, progress: bool,
+                resumed: bool) -> dict:
     """Steps, progress, JSONL log and checkpoints; rank 0 alone writes (every rank holds the same bits)."""
     save = runner.save
     os.makedirs(out, exist_ok=True)
-    log_path = os.path.join(out, "log.jsonl" if rank == 0 else f".log-rank{rank}.jsonl")
+    log_path = os.path.join(out, "log.jsonl")
+    ranks = trainer.layout["data_parallel"]
+    per_step = trainer.data.per_batch * cfg.seq_len
+    start = {"event": "resume" if resumed else "start", "step": trainer.step_idx, "ranks": ranks,
+             "accum": cfg.accum, "micro_batch_tokens": per_step, "global_batch_tokens": ranks * cfg.accum * per_step,
+             "layout": dict(trainer.layout)}
+    if resumed:
+        start["changes"] = getattr(trainer, "resumed_changes", {})
+    if rank == 0:
+        start["dropped_log_records"] = truncate_log(log_path, trainer.step_idx) if resumed else 0
+        print(f"lockstep train: global batch {ranks} rank{'s' if ranks > 1 else ''} x {cfg.accum} micro-batch"
+              f"{'es' if cfg.accum > 1 else ''} x {per_step} tokens = {start['global_batch_tokens']} tokens per step"
+              + (f"; resumed at step {trainer.step_idx}" if resumed else "")
+              + "".join(f"; {k} {a} -> {b}" for k, (a, b) in start.get("changes", {}).items()), file=sys.stderr)
     started = time.time()
     first = last = None
     seen_tokens = 0
-    with open(log_path, "a") as log:
+    log = open(log_path, "a") if rank == 0 else None
+    try:
+        if log:
+            log.write(json.dumps(start) + "\n")
+            log.flush()
         while trainer.step_idx < cfg.steps:
             rec = runner.step()
             rec["seconds"] = round(time.time() - started, 3)
-            log.write(json.dumps(rec) + "\n")
-            log.flush()
+            if log:
+                log.write(json.dumps(rec) + "\n")
+                log.flush()
             first = first or rec
             last = rec
             seen_tokens += rec["tokens"]
@@ -453,11 +618,12 @@ def _train_loop(out: str, cfg: TrainConfig, trainer: Trainer, runner, rank: int,
                       f"grad_norm {rec['grad_norm']:.3f} {rate:.0f} tok/s", end="", file=sys.stderr, flush=True)
             if cfg.save_every and rec["step"] % cfg.save_every == 0:
                 save(out)
-    if rank == 0 and progress:
+    finally:
+        if log:
+            log.close()
+    if rank == 0 and progress and first is not None:
         print(file=sys.stderr)
     save(out)
-    if rank != 0:
-        os.remove(log_path)
     return {"rank": rank, "step": trainer.step_idx, "first": first, "last": last,
             "checkpoint": os.path.join(out, f"step-{trainer.step_idx:06d}"), "log": log_path,
             "seconds": time.time() - started}

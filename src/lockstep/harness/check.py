@@ -303,7 +303,7 @@ def check_op(name: str, dtype: torch.dtype, backend: str = "portable", grad: boo
 
     Inputs are generated on the CPU (the same values on any machine) and moved to `device`."""
     spec = get(name)
-    pool = Pool(spec, dtype, sizes or Sizes(), seed, grad, device)
+    pool = Pool(spec, dtype, sizes or Sizes(), seed, grad and spec.differentiable, device)
     sweeps, ref = invariance(pool, backend, seed)
     acc = accuracy(pool, ref) if with_accuracy else None
     return OpReport(name, backend, contract.dtype_name(dtype), acc, sweeps)
@@ -312,7 +312,7 @@ def check_op(name: str, dtype: torch.dtype, backend: str = "portable", grad: boo
 def check_large(name: str, dtype: torch.dtype, backend: str = "portable", seed: int = 0) -> SweepResult:
     """Each row alone vs all rows together at LLM-scale width (65,536 columns, 152k vocabulary)."""
     spec = get(name)
-    pool = Pool(spec, dtype, LARGE, seed, grad=True)
+    pool = Pool(spec, dtype, LARGE, seed, grad=spec.differentiable)
     n = LARGE.pool
     with num_threads(2):
         ref = run(pool, backend, list(range(n)))

@@ -43,6 +43,8 @@ class OpSpec:
     # Scale of the upstream gradient per element. A loss's gradient with respect to a V-wide row of
     # log-probabilities has a norm of order 1, not unit variance in each of its V elements.
     grad_scale: Callable[[Sizes], float] = lambda s: 1.0
+    # False for an inference-only op: its sweeps and accuracy check cover the forward alone.
+    differentiable: bool = True
 
 
 def _randn(gen: torch.Generator, *shape: int, scale: float = 1.0) -> Tensor:
@@ -102,6 +104,14 @@ def _spec_list() -> list[OpSpec]:
             params=lambda g, dt, s: {"weight": _randn(g, s.vocab, s.lm_hidden, scale=s.lm_hidden ** -0.5).to(dt)},
             call=lambda ops, r, p: ops.selected_logprobs(r["hidden"], p["weight"], r["targets"]),
             large=True,
+        ),
+        OpSpec(
+            "vocab_logprobs",
+            rows=lambda n, g, dt, s: {"hidden": _randn(g, n, s.lm_hidden).to(dt)},
+            params=lambda g, dt, s: {"weight": _randn(g, s.vocab, s.lm_hidden, scale=s.lm_hidden ** -0.5).to(dt)},
+            call=lambda ops, r, p: ops.vocab_logprobs(r["hidden"], p["weight"]),
+            large=True,
+            differentiable=False,
         ),
         OpSpec(
             "cross_entropy",

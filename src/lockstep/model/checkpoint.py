@@ -11,7 +11,7 @@ import os
 import torch
 
 from .config import ModelConfig
-from .files import read_json, safetensors_files
+from .files import read_json, read_tensors, safetensors_files
 from .tokenizer import load_tokenizer
 from .transformer import Transformer
 
@@ -25,8 +25,6 @@ def load_model(path: str, dtype: torch.dtype = torch.bfloat16, device: str | tor
     path: folder with config.json and model.safetensors (or shards with model.safetensors.index.json),
     and optionally tokenizer.json. Returns a Transformer in `dtype` on `device`, with `.tokenizer` set.
     Raises ValueError naming any missing, unexpected or mis-shaped tensor."""
-    from safetensors import safe_open
-
     if not os.path.isdir(path):
         raise FileNotFoundError(f"path: {path!r} is not a folder")
     cfg_path = os.path.join(path, "config.json")
@@ -35,14 +33,11 @@ def load_model(path: str, dtype: torch.dtype = torch.bfloat16, device: str | tor
     config = ModelConfig.from_hf(read_json(cfg_path, "config.json"))
     expected = {name: tuple(p.shape) for name, p in Transformer(config).to("meta").named_parameters()}
     tensors: dict[str, torch.Tensor] = {}
+    def skip(name: str) -> bool:           # buffers lockstep does not need; a tied head is the embedding
+        return name.endswith(IGNORED_SUFFIXES) or (config.tie_word_embeddings and name == "lm_head.weight")
+
     for file in safetensors_files(path):
-        with safe_open(file, framework="pt") as f:
-            for name in f.keys():
-                if name.endswith(IGNORED_SUFFIXES):
-                    continue
-                if config.tie_word_embeddings and name == "lm_head.weight":
-                    continue        # tied: the embedding is the head
-                tensors[name] = f.get_tensor(name)
+        tensors.update(read_tensors(file, skip))
     missing = sorted(set(expected) - set(tensors))
     extra = sorted(set(tensors) - set(expected))
     shapes = [f"{n}: expected {list(expected[n])}, got {list(tensors[n].shape)}"

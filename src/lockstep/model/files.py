@@ -13,11 +13,31 @@ import torch
 
 
 def read_json(path: str, what: str) -> dict:
+    """The JSON object in `path`; a ValueError that names the file when it is not one."""
     try:
         with open(path) as f:
-            return json.load(f)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{what}: {path} is not valid JSON ({e})") from None
+            data = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{what}: {path} is not valid JSON ({e}); the file is damaged or truncated") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{what}: {path} holds a JSON {type(data).__name__}, expected an object")
+    return data
+
+
+def read_tensors(path: str, skip=lambda name: False) -> dict[str, torch.Tensor]:
+    """Every tensor of a safetensors file but those `skip` names; a ValueError that names the file
+    when it is not a readable safetensors file (truncated, garbage, or not safetensors at all)."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(path, framework="pt") as f:
+            return {name: f.get_tensor(name) for name in f.keys() if not skip(name)}
+    except Exception as e:          # safetensors raises its own SafetensorError, or OSError, or others
+        if isinstance(e, FileNotFoundError):
+            raise
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ValueError(f"{path} is not a readable safetensors file ({reason}); the file is damaged or "
+                         "truncated") from None
 
 
 def safetensors_files(path: str) -> list[str]:

@@ -1,25 +1,60 @@
-"""Tokenizers: Hugging Face `tokenizers` from a local tokenizer.json, or the built-in byte tokenizer."""
+"""Tokenizers: Hugging Face `tokenizers` from a local tokenizer.json, or the built-in byte tokenizer.
+
+A tokenizer read from a folder remembers it, and `save(path)` copies its files into a checkpoint,
+so that a checkpoint carries the tokenizer of the model it came from.
+"""
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
+import warnings
 
 from .config import ModelConfig
 
+# The files of a Hugging Face tokenizer that a checkpoint folder may hold.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja", "chat_template.json",
+                   "generation_config.json")
+# Written into checkpoints of models that use the built-in byte tokenizer (`lockstep train --model tiny`).
+BYTES_MARKER = "lockstep_byte_tokenizer.json"
+
 
 class ByteTokenizer:
-    """UTF-8 bytes are ids 0-255; 256 is BOS and 257 is EOS. Needs a vocabulary of at least 258."""
+    """UTF-8 bytes are ids 0-255; 256 is BOS and 257 is EOS. Needs a vocabulary of at least 258.
+
+    fallback_for: the folder whose missing tokenizer this one stands in for; encoding a string then
+    warns once, since the model was almost certainly trained with another tokenizer."""
 
     bos_token_id = 256
     eos_token_id = 257
     vocab_size = 258
 
+    def __init__(self, fallback_for: str | None = None):
+        self.fallback_for = fallback_for
+        self._warned = False
+
     def encode(self, text: str, add_bos: bool = True) -> list[int]:
+        if self.fallback_for is not None and not self._warned:
+            self._warned = True
+            warnings.warn(f"{self.fallback_for} has no tokenizer.json: text is encoded as UTF-8 bytes (ids 0-255), "
+                          "not with the model's own tokenizer; pass token ids, or add the tokenizer files",
+                          stacklevel=2)
         ids = list(text.encode("utf-8"))
         return [self.bos_token_id] + ids if add_bos else ids
 
     def decode(self, ids: list[int]) -> str:
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+    def save(self, path: str) -> None:
+        """Mark `path` as a byte-tokenizer checkpoint (BYTES_MARKER), unless this tokenizer only stands
+        in for a missing one."""
+        if self.fallback_for is None:
+            os.makedirs(path, exist_ok=True)
+            with open(os.path.join(path, BYTES_MARKER), "w") as f:
+                json.dump({"tokenizer": "lockstep bytes", "bos_token_id": self.bos_token_id,
+                           "eos_token_id": self.eos_token_id}, f)
 
 
 class HFTokenizer:
@@ -28,6 +63,7 @@ class HFTokenizer:
     def __init__(self, path: str, config: ModelConfig | None = None):
         from tokenizers import Tokenizer
 
+        self.folder = os.path.dirname(os.path.abspath(path))
         self._tok = Tokenizer.from_file(path)
         self.vocab_size = self._tok.get_vocab_size()
         self.bos_token_id = config.bos_token_id if config else None
@@ -41,9 +77,22 @@ class HFTokenizer:
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids)
 
+    def save(self, path: str) -> None:
+        """Copy this tokenizer's files (those of TOKENIZER_FILES in its folder) into `path`."""
+        if os.path.abspath(path) == self.folder:
+            return
+        os.makedirs(path, exist_ok=True)
+        for name in TOKENIZER_FILES:
+            src = os.path.join(self.folder, name)
+            if os.path.isfile(src):
+                shutil.copyfile(src, os.path.join(path, name))
+
 
 def load_tokenizer(path: str | None, config: ModelConfig | None = None):
-    """HFTokenizer when `path` holds tokenizer.json, else ByteTokenizer."""
+    """HFTokenizer when `path` holds tokenizer.json; else the byte tokenizer (which warns on its first
+    string when it stands in for the missing tokenizer of a folder)."""
     if path and os.path.exists(os.path.join(path, "tokenizer.json")):
         return HFTokenizer(os.path.join(path, "tokenizer.json"), config)
-    return ByteTokenizer()
+    if path and os.path.exists(os.path.join(path, BYTES_MARKER)):
+        return ByteTokenizer()
+    return ByteTokenizer(fallback_for=path)

@@ -205,8 +205,19 @@ class Transformer(nn.Module):
         x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
         if cu_seqlens[-1] != x.shape[0]:
             raise ValueError(f"cu_seqlens: expected the last offset to equal the {x.shape[0]} tokens, got {int(cu_seqlens[-1])}")
+        given = positions is not None
         if positions is None:
             positions = positions_from_cu_seqlens(cu_seqlens)
+        context = self.config.max_position_embeddings
+        if positions.numel() and int(positions.max()) >= context:
+            if given:
+                raise ValueError(f"positions: expected values below the model's context of {context} "
+                                 f"(max_position_embeddings), found {int(positions.max())}")
+            lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
+            worst = max(range(len(lengths)), key=lambda i: lengths[i])
+            raise ValueError(f"sequences: sequence {worst} has {lengths[worst]} tokens (position "
+                             f"{int(positions.max())}), beyond the model's context of {context} "
+                             "(max_position_embeddings)")
         for layer in self.model.layers:
             x = layer(x, positions, cu_seqlens)
         return self.model.norm(x)
@@ -231,19 +242,25 @@ class Transformer(nn.Module):
         return KVCache([make() for _ in range(c.num_layers)], [make() for _ in range(c.num_layers)])
 
     def save(self, path: str) -> None:
-        """Write config.json and model.safetensors that `load_model` and transformers both read."""
+        """Write config.json and model.safetensors that `load_model` and transformers both read, and
+        the tokenizer's files."""
         hf = self.config.to_hf()
         hf["torch_dtype"] = str(self.dtype).removeprefix("torch.")
         write_folder(path, {n: p.detach() for n, p in self.named_parameters()}, hf)
+        if self.tokenizer is not None:
+            self.tokenizer.save(path)
 
 
 def pack(sequences: list, device: str | torch.device = "cpu") -> tuple[Tensor, Tensor]:
     """Token-id sequences -> (input_ids [T] int64, cu_seqlens [B + 1] int64)."""
     ids, cu = [], [0]
     for i, s in enumerate(sequences):
-        t = torch.as_tensor(s, dtype=torch.int64, device=device).reshape(-1)
+        t = torch.as_tensor(s, device=device).reshape(-1)
         if t.numel() == 0:
             raise ValueError(f"sequences: sequence {i} is empty")
+        if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+            raise TypeError(f"sequences: sequence {i} holds {t.dtype} values; expected integer token ids")
+        t = t.to(torch.int64)
         ids.append(t)
         cu.append(cu[-1] + t.numel())
     if not ids:

@@ -1,7 +1,9 @@
 """lockstep's operators: batch-invariant and deterministic, forward and backward.
 
 Every op validates its arguments here and then runs the implementation chosen by the backend
-registry (`lockstep.use_backend`), so callers never change when a backend does.
+registry (`lockstep.use_backend`), so callers never change when a backend does. Under
+torch.autocast each op casts its inputs as autocast would for the aten op it stands for
+(lockstep.autocast).
 """
 
 from ..rotary import Llama3RopeScaling, rope_inv_freq
@@ -14,8 +16,9 @@ from .rms_norm import rms_norm
 from .rope import rope
 from .selected_logprobs import selected_logprobs
 from .silu_mul import silu_mul
+from .vocab_logprobs import vocab_logprobs
 
 __all__ = [
     "attention", "paged_attention", "write_kv", "cross_entropy", "embedding", "linear", "log_softmax", "rms_norm", "rope", "rope_inv_freq",
-    "Llama3RopeScaling", "selected_logprobs", "silu_mul",
+    "Llama3RopeScaling", "selected_logprobs", "silu_mul", "vocab_logprobs",
 ]

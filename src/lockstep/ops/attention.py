@@ -13,6 +13,7 @@ import math
 import torch
 from torch import Tensor
 
+from .. import autocast
 from .. import checks as c
 from ..registry import resolve
 
@@ -77,6 +78,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_
     position p sees keys j with p - window < j <= p. Rows past cu_seqlens_q[-1] are padding: their
     output is zero. Returns [Tq, Hq, D] in q's dtype; fp32 inside; differentiable in q, k, v.
     """
+    q, k, v = autocast.cast("attention", q, k, v)
     _check_qkv_heads(q, k, v, "k", "v")
     c.ndim("k", k, 3, "a 3-D tensor [tokens, kv_heads, head_dim]")
     cq = _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], "q")
@@ -88,7 +90,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_
             raise ValueError(f"cu_seqlens_q: sequence {b} has {q1 - q0} queries but only {k1 - k0} keys "
                              "(expected len_q <= len_k)")
     scale = _check_options(scale, window, causal, q.shape[-1])
-    return resolve("attention", q.device)(q, k, v, cq, ck, scale, causal, window)
+    with autocast.off(q.device.type):
+        return resolve("attention", q.device)(q, k, v, cq, ck, scale, causal, window)
 
 
 def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor, seq_lens: Tensor,
@@ -101,6 +104,7 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Te
     (cached prefix plus the new tokens, which `write_kv` must already have written);
     cu_seqlens_q: [B + 1]. Bitwise equal to `attention` over the same keys gathered contiguously.
     """
+    q, k_cache, v_cache = autocast.cast("paged_attention", q, k_cache, v_cache)
     _check_qkv_heads(q, k_cache, v_cache, "k_cache", "v_cache")
     c.ndim("k_cache", k_cache, 4, "a 4-D cache [num_blocks, block_size, kv_heads, head_dim]")
     c.int_tensor("block_table", block_table)
@@ -130,15 +134,20 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Te
         raise ValueError(f"block_table: sequence {b} points at block {int(block_table[b, j])}, outside "
                          f"the cache's {k_cache.shape[0]} blocks")
     scale = _check_options(scale, window, causal, q.shape[-1])
-    return resolve("paged_attention", q.device)(q, k_cache, v_cache, block_table, lens, cq, scale, causal, window)
+    with autocast.off(q.device.type):
+        return resolve("paged_attention", q.device)(q, k_cache, v_cache, block_table, lens, cq, scale, causal, window)
 
 
 def write_kv(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
     """Write new keys and values into the paged cache, in place.
 
     k, v: [T, Hkv, D]; k_cache, v_cache: [num_blocks, block_size, Hkv, D]; slot_mapping: [T] int,
-    slot = block * block_size + offset for each token, all distinct. A plain copy: exact bits.
+    slot = block * block_size + offset for each token, all distinct. A plain copy: exact bits. Under
+    torch.autocast, keys and values computed in the autocast dtype are stored in the cache's (wider)
+    dtype, which holds them exactly.
     """
+    if autocast.enabled(k_cache.device.type) and isinstance(k, Tensor) and isinstance(v, Tensor):
+        k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)
     c.float_tensor("k", k)
     c.ndim("k", k, 3, "a 3-D tensor [tokens, kv_heads, head_dim]")
     c.float_tensor("k_cache", k_cache)

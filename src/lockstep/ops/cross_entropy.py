@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
+from .. import autocast
 from .. import checks as c
 from ..registry import resolve
 
@@ -19,6 +20,7 @@ def cross_entropy(logits: Tensor, targets: Tensor, ignore_index: int = -100, red
     Returns a scalar (or [...] for "none") in logits' dtype; the sum over rows runs in a
     fixed order, so appending ignored rows changes no bit.
     """
+    (logits,) = autocast.cast("cross_entropy", logits)
     c.float_tensor("logits", logits)
     c.at_least_1d("logits", logits)
     c.int_tensor("targets", targets)
@@ -30,6 +32,7 @@ def cross_entropy(logits: Tensor, targets: Tensor, ignore_index: int = -100, red
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction: expected one of {REDUCTIONS}, got {reduction!r}")
     c.in_range("targets", targets, logits.shape[-1], ignore=ignore_index)
-    out = resolve("cross_entropy", logits.device)(
-        logits.reshape(-1, logits.shape[-1]), targets.reshape(-1).long(), ignore_index, reduction)
+    with autocast.off(logits.device.type):
+        out = resolve("cross_entropy", logits.device)(
+            logits.reshape(-1, logits.shape[-1]), targets.reshape(-1).long(), ignore_index, reduction)
     return out.reshape(targets.shape) if reduction == "none" else out

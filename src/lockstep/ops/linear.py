@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
+from .. import autocast
 from .. import checks as c
 from ..registry import resolve
 
@@ -14,6 +15,7 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     x: [..., K] float; weight: [N, K] (nn.Linear layout) and bias: [N], both of x's dtype and device.
     Returns [..., N] in x's dtype; fp32 accumulation. Every leading index of x is an independent row.
     """
+    x, weight, bias = autocast.cast("linear", x, weight, bias)
     c.float_tensor("x", x)
     c.at_least_1d("x", x)
     c.float_tensor("weight", weight)
@@ -29,5 +31,6 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
         if tuple(bias.shape) != (weight.shape[0],):
             raise ValueError(f"bias: expected shape [{weight.shape[0]}], got {tuple(bias.shape)}")
     rows = x.reshape(-1, x.shape[-1])
-    y = resolve("linear", x.device)(rows, weight, bias)
+    with autocast.off(x.device.type):
+        y = resolve("linear", x.device)(rows, weight, bias)
     return y.reshape(*x.shape[:-1], weight.shape[0])

@@ -6,6 +6,7 @@ import math
 
 from torch import Tensor
 
+from .. import autocast
 from .. import checks as c
 from ..registry import resolve
 
@@ -15,6 +16,7 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float = 1e-6, offset: float = 0.0) 
 
     x: [..., H] float; weight: [H] of x's dtype. Returns [..., H] in x's dtype; fp32 inside.
     """
+    x, weight = autocast.cast("rms_norm", x, weight)
     c.float_tensor("x", x)
     c.at_least_1d("x", x)
     c.float_tensor("weight", weight)
@@ -27,5 +29,6 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float = 1e-6, offset: float = 0.0) 
     if not isinstance(offset, (int, float)) or not math.isfinite(offset):
         raise ValueError(f"offset: expected a finite number, got {offset!r}")
     rows = x.reshape(-1, x.shape[-1])
-    y = resolve("rms_norm", x.device)(rows, weight, float(eps), float(offset))
+    with autocast.off(x.device.type):
+        y = resolve("rms_norm", x.device)(rows, weight, float(eps), float(offset))
     return y.reshape(x.shape)

@@ -6,6 +6,7 @@ import math
 
 from torch import Tensor
 
+from .. import autocast
 from .. import checks as c
 from ..registry import resolve
 
@@ -18,6 +19,7 @@ def selected_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor, temperatu
     log-sum-exp, forward and backward, so memory is O(tokens x chunk), not O(tokens x V).
     temperature > 0 divides the fp32 logits (the distribution a sampler at that temperature uses).
     """
+    hidden, weight = autocast.cast("selected_logprobs", hidden, weight)
     c.float_tensor("hidden", hidden)
     c.at_least_1d("hidden", hidden)
     c.float_tensor("weight", weight)
@@ -33,6 +35,7 @@ def selected_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor, temperatu
     c.in_range("targets", targets, weight.shape[0])
     if not isinstance(temperature, (int, float)) or not math.isfinite(temperature) or temperature <= 0:
         raise ValueError(f"temperature: expected a positive finite number, got {temperature!r}")
-    out = resolve("selected_logprobs", hidden.device)(
-        hidden.reshape(-1, hidden.shape[-1]), weight, targets.reshape(-1).long(), float(temperature))
+    with autocast.off(hidden.device.type):
+        out = resolve("selected_logprobs", hidden.device)(
+            hidden.reshape(-1, hidden.shape[-1]), weight, targets.reshape(-1).long(), float(temperature))
     return out.reshape(targets.shape)

@@ -4,4 +4,15 @@ It exists for comparison: `lockstep check --backend eager` shows where stock PyT
 contract, and the relative-accuracy criterion measures lockstep against it.
 """
 
-from . import attention, cross_entropy, embedding, linear, log_softmax, rms_norm, rope, selected_logprobs, silu_mul  # noqa: F401
+from . import (  # noqa: F401
+    attention,
+    cross_entropy,
+    embedding,
+    linear,
+    log_softmax,
+    rms_norm,
+    rope,
+    selected_logprobs,
+    silu_mul,
+    vocab_logprobs,
+)

@@ -1,3 +1,14 @@
 """The portable backend: PyTorch ops in fixed tile shapes and fixed reduction orders, any device."""
 
-from . import attention, cross_entropy, embedding, linear, log_softmax, rms_norm, rope, selected_logprobs, silu_mul  # noqa: F401
+from . import (  # noqa: F401
+    attention,
+    cross_entropy,
+    embedding,
+    linear,
+    log_softmax,
+    rms_norm,
+    rope,
+    selected_logprobs,
+    silu_mul,
+    vocab_logprobs,
+)

@@ -8,6 +8,8 @@ gradient reduces over rows in fixed row blocks. Memory is O(tokens x VOCAB_CHUNK
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch import Tensor
 
@@ -29,25 +31,38 @@ def _select(logits: Tensor, targets: Tensor, start: int) -> tuple[Tensor, Tensor
     return inside, picked
 
 
-def selected_logprobs_forward(hidden: Tensor, weight: Tensor, targets: Tensor,
-                              temperature: float = 1.0) -> tuple[Tensor, Tensor]:
-    """Returns (log p(target) [T], log-sum-exp [T]), both in the accumulation dtype."""
+def online_lse(hidden: Tensor, weight: Tensor, temperature: float,
+               visit: Callable[[int, Tensor], None] | None = None) -> Tensor:
+    """log-sum-exp [T] of hidden @ weight.T / temperature over the vocabulary, chunk by chunk in
+    vocabulary order (accumulation dtype). visit(start, logits) sees each chunk's scaled logits."""
     acc = accumulate_dtype(hidden.dtype)
-    run_max = run_sum = target_logit = None
+    run_max = run_sum = None
     for start in range(0, weight.shape[0], VOCAB_CHUNK):
         logits = _chunk_logits(hidden, weight, start, acc, temperature)
+        if visit is not None:
+            visit(start, logits)
         chunk_max = row_max(logits)
         if run_max is None:
             run_max = chunk_max
             run_sum = row_sum(torch.exp(logits - run_max[:, None]))
-            target_logit = torch.zeros_like(run_max)
         else:
             new_max = torch.maximum(run_max, chunk_max)
             run_sum = run_sum * torch.exp(run_max - new_max) + row_sum(torch.exp(logits - new_max[:, None]))
             run_max = new_max
+    return run_max + torch.log(run_sum)
+
+
+def selected_logprobs_forward(hidden: Tensor, weight: Tensor, targets: Tensor,
+                              temperature: float = 1.0) -> tuple[Tensor, Tensor]:
+    """Returns (log p(target) [T], log-sum-exp [T]), both in the accumulation dtype."""
+    target_logit = torch.zeros(hidden.shape[0], dtype=accumulate_dtype(hidden.dtype), device=hidden.device)
+
+    def pick(start: int, logits: Tensor) -> None:
+        nonlocal target_logit
         inside, picked = _select(logits, targets, start)
         target_logit = torch.where(inside, picked, target_logit)
-    lse = run_max + torch.log(run_sum)
+
+    lse = online_lse(hidden, weight, temperature, pick)
     return target_logit - lse, lse
 
 

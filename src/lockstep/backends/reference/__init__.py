@@ -17,6 +17,7 @@ from .rms_norm import rms_norm
 from .rope import rope
 from .selected_logprobs import selected_logprobs
 from .silu_mul import silu_mul
+from .vocab_logprobs import vocab_logprobs
 
 __all__ = ["attention", "cross_entropy", "embedding", "linear", "log_softmax", "rms_norm", "rope",
-           "selected_logprobs", "silu_mul"]
+           "selected_logprobs", "silu_mul", "vocab_logprobs"]

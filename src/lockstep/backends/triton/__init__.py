@@ -8,4 +8,15 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from . import attention, cross_entropy, embedding, linear, log_softmax, rms_norm, rope, selected_logprobs, silu_mul  # noqa: E402,F401
+from . import (  # noqa: E402,F401
+    attention,
+    cross_entropy,
+    embedding,
+    linear,
+    log_softmax,
+    rms_norm,
+    rope,
+    selected_logprobs,
+    silu_mul,
+    vocab_logprobs,
+)

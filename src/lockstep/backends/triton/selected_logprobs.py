@@ -63,21 +63,28 @@ def _chunks(v: int):
     return [(s, min(v, s + VOCAB_CHUNK)) for s in range(0, v, VOCAB_CHUNK)]
 
 
+def online_lse(hidden, weight, targets, temperature, visit=None):
+    """(target logit [T], log-sum-exp [T]) of hidden @ weight.T / temperature, chunk by chunk in
+    vocabulary order; visit(start, logits) sees each chunk's unscaled fp32 logits."""
+    m = hidden.shape[0]
+    acc = accumulate_dtype(hidden.dtype)
+    run_max = torch.empty(m, dtype=acc, device=hidden.device)
+    run_sum = torch.empty_like(run_max)
+    tgt = torch.empty_like(run_max)
+    for i, (s, e) in enumerate(_chunks(weight.shape[0])):
+        logits = gemm(hidden, weight[s:e].t(), out_dtype=acc)
+        if visit is not None:
+            visit(s, logits)
+        if m:
+            lse_update_kernel[(m,)](logits, targets, run_max, run_sum, tgt, e - s, s, 1.0 / temperature,
+                                    FIRST=i == 0, BLOCK=lane_block(e - s))
+    return tgt, run_max + torch.log(run_sum)
+
+
 class _SelectedLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, targets, temperature):
-        m = hidden.shape[0]
-        acc = accumulate_dtype(hidden.dtype)
-        run_max = torch.empty(m, dtype=acc, device=hidden.device)
-        run_sum = torch.empty_like(run_max)
-        tgt = torch.empty_like(run_max)
-        scale = 1.0 / temperature
-        for i, (s, e) in enumerate(_chunks(weight.shape[0])):
-            logits = gemm(hidden, weight[s:e].t(), out_dtype=acc)
-            if m:
-                lse_update_kernel[(m,)](logits, targets, run_max, run_sum, tgt, e - s, s, scale, FIRST=i == 0,
-                                        BLOCK=lane_block(e - s))
-        lse = run_max + torch.log(run_sum)
+        tgt, lse = online_lse(hidden, weight, targets, temperature)
         ctx.save_for_backward(hidden, weight, targets, lse)
         ctx.temperature = temperature
         return tgt - lse

@@ -1,0 +1,17 @@
+"""Float64 reference vocab_logprobs: the textbook formula, written for clarity; shares no code with
+the kernels."""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from ...registry import register
+from .linear import linear
+from .log_softmax import log_softmax
+
+
+def vocab_logprobs(hidden: Tensor, weight: Tensor, temperature: float = 1.0) -> Tensor:
+    return log_softmax(linear(hidden, weight) / temperature)
+
+
+register("reference", "vocab_logprobs")(vocab_logprobs)

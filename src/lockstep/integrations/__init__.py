@@ -1,0 +1,1 @@
+"""Integrations with other libraries (optional extras): `lockstep.integrations.trl` for TRL."""

@@ -1,0 +1,84 @@
+"""TRL's GRPOTrainer (pinned in the test extra) with lockstep: zero train-inference mismatch.
+
+A few GRPO steps of a tiny Qwen3 on CPU. lockstep.integrations.trl logs, per step, the largest
+difference between a token's sampling-time logprob and the training forward's; it must be exactly 0
+through either route, in fp32, with bf16 weights and under bf16=True (autocast), and it is not 0
+without lockstep."""
+
+import os
+import warnings
+
+import pytest
+import torch
+
+import trl  # noqa: F401  (in the test extra: this file must run, not skip)
+
+from lockstep.integrations import trl as lockstep_trl
+
+PRECISIONS = ["fp32", "bf16-weights", "bf16=True"]
+
+
+def _trainer(precision: str, rollout: bool = False):
+    from datasets import Dataset
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen3Config
+    from trl import GRPOConfig, GRPOTrainer
+
+    os.environ["TRL_EXPERIMENTAL_SILENCE"] = "1"
+    words = ["<pad>", "<eos>", "<unk>"] + [f"w{i}" for i in range(97)]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
+    torch.manual_seed(0)
+    config = Qwen3Config(vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, pad_token_id=0, eos_token_id=1)
+    model = AutoModelForCausalLM.from_config(config)
+    if precision == "bf16-weights":
+        model = model.to(torch.bfloat16)
+    prompts = [" ".join(f"w{(i * 7 + j) % 97}" for j in range(3 + i % 5)) for i in range(16)]  # left padding varies
+    args = GRPOConfig(output_dir="/tmp/lockstep-trl-test", per_device_train_batch_size=4, num_generations=4,
+                      max_completion_length=8, max_steps=3, learning_rate=1e-3, logging_steps=1, report_to=[],
+                      use_cpu=True, save_strategy="no", temperature=0.9, bf16=precision == "bf16=True", seed=1,
+                      disable_tqdm=True)
+    extra = dict(rollout_func=lockstep_trl.rollout_func()) if rollout else {}
+    return GRPOTrainer(model=model, reward_funcs=lambda completions, **kw: [float(len(c)) for c in completions],
+                       args=args, train_dataset=Dataset.from_dict({"prompt": prompts}), processing_class=tokenizer,
+                       **extra)
+
+
+def _mismatch(trainer) -> list[dict]:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.train()
+    rows = [{k: r[k] for k in lockstep_trl.METRICS} for r in trainer.state.log_history if lockstep_trl.METRICS[0] in r]
+    assert len(rows) == 3 and all(r["lockstep/compared_tokens"] > 0 for r in rows), rows
+    return rows
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_exact_makes_generate_and_training_agree_bitwise(precision):
+    trainer = _trainer(precision)
+    lockstep_trl.exact(trainer)
+    for row in _mismatch(trainer):
+        assert row["lockstep/max_abs_dlogp"] == 0 and row["lockstep/approx_kl"] == 0 and row["lockstep/mean_ratio"] == 1
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_lockstep_engine_as_rollout_func_agrees_bitwise(precision):
+    for row in _mismatch(_trainer(precision, rollout=True)):
+        assert row["lockstep/max_abs_dlogp"] == 0 and row["lockstep/approx_kl"] == 0 and row["lockstep/mean_ratio"] == 1
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16=True"])
+def test_without_lockstep_the_same_run_shows_the_mismatch(precision):
+    trainer = _trainer(precision)
+    lockstep_trl.measure(trainer)
+    assert all(row["lockstep/max_abs_dlogp"] > 0 for row in _mismatch(trainer))
+
+
+def test_the_rollout_shares_the_trainers_parameters():
+    trainer = _trainer("fp32")
+    shared = lockstep_trl.shared_transformer(trainer.model)
+    ours = dict(shared.named_parameters())
+    assert all(ours[n] is p for n, p in trainer.model.named_parameters() if n in ours)
+    assert set(ours) == {n for n, _ in trainer.model.named_parameters()}

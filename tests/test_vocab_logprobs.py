@@ -1,0 +1,47 @@
+import pytest
+import torch
+
+import lockstep
+from lockstep import ops
+from lockstep.harness.check import check_large
+
+from _contract_checks import DTYPES, assert_op_contract
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_vocab_logprobs_contract(dtype):
+    assert_op_contract("vocab_logprobs", dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_vocab_logprobs_152k_vocab_one_row_vs_many(dtype):
+    result = check_large("vocab_logprobs", dtype)
+    assert result.passed and result.compared > 0, result
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7, 1.3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("backend", ["portable", "triton"])
+def test_every_entry_has_the_bits_selected_logprobs_gives_it(backend, dtype, temperature):
+    """What a sampler reports (an entry of vocab_logprobs) is what the trainer recomputes
+    (selected_logprobs), bit for bit, whichever token was drawn."""
+    gen = torch.Generator().manual_seed(0)
+    vocab = 4096 + 300                              # two vocabulary chunks
+    hidden = torch.randn(3, 32, generator=gen).to(dtype)
+    weight = (torch.randn(vocab, 32, generator=gen) / 6).to(dtype)
+    with lockstep.use_backend(backend):
+        full = ops.vocab_logprobs(hidden, weight, temperature=temperature)
+        for t in (0, 17, 4095, 4096, vocab - 1):
+            targets = torch.full((3,), t)
+            assert torch.equal(full[:, t], ops.selected_logprobs(hidden, weight, targets, temperature=temperature))
+    assert full.dtype == torch.float32 and full.shape == (3, vocab)
+    torch.testing.assert_close(full.exp().sum(-1), torch.ones(3), atol=1e-4, rtol=0)
+
+
+def test_vocab_logprobs_has_no_gradient_and_checks_its_arguments():
+    h, w = torch.randn(2, 8, requires_grad=True), torch.randn(10, 8)
+    assert not ops.vocab_logprobs(h, w).requires_grad
+    with pytest.raises(ValueError, match="temperature: expected a positive finite number"):
+        ops.vocab_logprobs(h, w, temperature=0.0)
+    with pytest.raises(ValueError, match=r"weight: expected shape \[V, 8\]"):
+        ops.vocab_logprobs(h, torch.randn(10, 9))
