@@ -1,3 +1,4 @@
+import dataclasses
 import math
 import re
 
@@ -74,7 +75,7 @@ def test_preemption_recomputes_to_the_same_bits(model):
     assert engine.stats["preemptions"] > 0
     base = _run(model, prompts, SAMPLINGS[1])
     assert [o.token_ids for o in outs] == [o.token_ids for o in base]
-    assert len(engine.free) == 17, "blocks of finished requests are returned"
+    assert engine.blocks.num_free == 17, "blocks of finished requests are returned"
 
 
 def test_sampling_depends_on_seed_not_on_neighbours(model):
@@ -256,3 +257,68 @@ def test_new_sampling_params_are_checked(model, field, value, message):
 
     out = Engine(model).generate([[1, 2]], dataclasses.replace(SamplingParams(), **{field: value}))
     assert out[0].finish_reason == "error" and re.search(message, out[0].error), out[0].error
+
+
+def _shared_prefix_prompts():
+    gen = torch.Generator().manual_seed(11)
+    system = torch.randint(0, 300, (37,), generator=gen).tolist()            # 2 full blocks of 16, and more
+    return [system + torch.randint(0, 300, (k,), generator=gen).tolist() for k in (3, 9, 1, 20)]
+
+
+@pytest.mark.parametrize("sp", SAMPLINGS + [dataclasses.replace(SAMPLINGS[1], n=4)], ids=["greedy", "temperature", "n=4"])
+@pytest.mark.parametrize("engine_kw", [dict(), dict(max_num_seqs=2), dict(max_num_batched_tokens=7),
+                                       dict(block_size=4, num_blocks=40, max_num_seqs=8)],
+                         ids=["default", "seqs=2", "chunk=7", "tight-cache"])
+def test_a_cached_prefix_changes_no_bit(model, sp, engine_kw):
+    prompts = _shared_prefix_prompts()
+    cached = Engine(model, **engine_kw)
+    with_cache = cached.generate(prompts, sp)
+    without = Engine(model, prefix_caching=False, **engine_kw).generate(prompts, sp)
+    assert [(o.token_ids, o.logprobs) for o in with_cache] == [(o.token_ids, o.logprobs) for o in without]
+    assert cached.stats["cached_tokens"] > 0, "the shared prefix was computed only once"
+    again = cached.generate(prompts[:1], sp)                  # finished requests leave their blocks named
+    assert again[0].cached_tokens > 0 and again[0].token_ids == with_cache[0].token_ids
+    assert cached.blocks.num_free == cached.blocks.num_blocks, "every block is released"
+
+
+def test_n_completions_share_their_prompt_blocks(model):
+    prompt = _shared_prefix_prompts()[3]                       # 57 tokens: 3 full blocks of 16
+    engine = Engine(model, max_num_seqs=4)
+    outs = engine.generate([prompt], dataclasses.replace(SAMPLINGS[1], n=4))
+    assert [o.cached_tokens for o in outs] == [0, 48, 48, 48]
+    alone = [Engine(model, prefix_caching=False).generate([prompt], dataclasses.replace(SAMPLINGS[1], n=4))[i]
+             for i in range(4)]
+    assert [o.token_ids for o in outs] == [o.token_ids for o in alone]
+
+
+def test_abort_frees_a_requests_blocks(model):
+    engine = Engine(model, max_num_seqs=4)
+    rid = engine.add_request(_prompts(1)[0], dataclasses.replace(SAMPLINGS[1], n=3, max_new_tokens=50))
+    engine.step()
+    assert engine.blocks.num_free < engine.blocks.num_blocks
+    engine.abort(rid)
+    assert not engine.has_unfinished() and engine.blocks.num_free == engine.blocks.num_blocks
+
+
+def test_load_weights_forgets_the_prefix_cache_and_refuses_while_running(model):
+    import copy
+
+    m = copy.deepcopy(model)
+    engine = Engine(m)
+    prompt = _shared_prefix_prompts()[0]
+    first = engine.generate([prompt], SAMPLINGS[0])[0]
+    new = {n: p.detach() * 1.01 for n, p in m.named_parameters()}
+    engine.load_weights(new)
+    after = engine.generate([prompt], SAMPLINGS[0])[0]
+    assert after.cached_tokens == 0, "old keys and values are not reused"
+    reference = copy.deepcopy(model)
+    with torch.no_grad():
+        for n, p in reference.named_parameters():
+            p.copy_(new[n])
+    assert after.token_ids == Engine(reference).generate([prompt], SAMPLINGS[0])[0].token_ids
+    engine.add_request(prompt, SAMPLINGS[0])
+    with pytest.raises(RuntimeError, match="load_weights: requests are running"):
+        engine.load_weights(new)
+    with pytest.raises(ValueError, match="weights: do not fit the model"):
+        Engine(m).load_weights({"x": torch.zeros(1)})
+    assert first.token_ids is not None

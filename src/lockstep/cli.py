@@ -7,6 +7,8 @@
     lockstep train ...           deterministic training with checkpoints and bitwise resume
     lockstep parity ...          the first op where two runs diverge, or two training trajectories
     lockstep report RUN_DIR      one HTML page from the JSON files of a run folder
+    lockstep serve MODEL         an OpenAI-compatible server (completions, chat, weight updates)
+    lockstep rl                  GRPO on a small task, rollouts through lockstep serve over HTTP
     lockstep bench [OP ...]      op speed against eager PyTorch, as ratios
 
 MODEL is a local Hugging Face checkpoint folder or "tiny" (a built-in random model). Each handler
@@ -273,6 +275,48 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    try:
+        from . import server
+    except ImportError as e:
+        raise UsageError(f"serve: needs the serve extra (pip install 'lockstep[serve]'): {e}") from None
+    srv = server.build_server(args.model, args.dtype, args.family, args.seed, name=args.served_model_name,
+                              backend=args.backend,
+                              api_key=args.api_key or os.environ.get("LOCKSTEP_API_KEY"),
+                              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                              block_size=args.block_size, num_blocks=args.num_blocks,
+                              prefix_caching=not args.no_prefix_caching)
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not srv.api_key:
+        print(f"lockstep serve: listening on {args.host} without --api-key: anyone who reaches it can use it",
+              file=sys.stderr)
+    print(f"lockstep serve: {srv.name} on http://{args.host}:{args.port} (weights version 0)", file=sys.stderr)
+    server.serve(srv, args.host, args.port, args.log_level)
+    return 0
+
+
+def cmd_rl(args: argparse.Namespace) -> int:
+    from . import rl
+    from .report import from_run_dir
+
+    cfg = rl.RLConfig(steps=args.steps, prompts_per_step=args.prompts_per_step, group=args.group,
+                      temperature=args.temperature, lr=args.lr, seed=args.seed, backend=args.backend)
+    _prepare_outputs(argparse.Namespace(json=os.path.join(args.out, "log.jsonl")))
+    rl.run(cfg, args.out, server_url=args.server)
+    s = rl.summary(args.out)
+    print(f"lockstep rl: {s['steps']} steps; reward {s['reward_first']:.3f} -> {s['reward_last']:.3f}; "
+          f"sampler vs trainer: max |dlogp| {s['max_abs_dlogp']:.3g}, max approx KL {s['max_approx_kl']:.3g}, "
+          f"max |mean ratio - 1| {s['ratio_spread']:.3g}; report {from_run_dir(args.out)}")
+    exact = s["max_abs_dlogp"] == 0 and s["max_approx_kl"] == 0 and s["ratio_spread"] == 0
+    return 0 if exact or args.backend == "eager" else 1
+
+
+def serve_dtype(text: str) -> torch.dtype:
+    dtype = dtype_list(text)
+    if len(dtype) != 1:
+        raise argparse.ArgumentTypeError(f"dtype: expected one dtype, got {text!r}")
+    return dtype[0]
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from . import bench
 
@@ -376,6 +420,45 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--dtype", type=dtype_list, default="fp32,bf16", help="comma-separated dtypes")
     m.add_argument("--seed", type=int, default=0, help="seed of the prompts and of the tiny model")
     m.set_defaults(func=cmd_check_model)
+
+    sv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server with weight updates", formatter_class=formatter,
+                        description="Serve MODEL over OpenAI's completions and chat completions API. Every "
+                                    "answer's logprobs equal the same request sent alone, and lockstep.logprobs "
+                                    "on its tokens.")
+    _model_arguments(sv, default=None)
+    sv.add_argument("--host", default="127.0.0.1", help="address to listen on (the default is this machine only)")
+    sv.add_argument("--port", type=int, default=8000, help="port to listen on")
+    sv.add_argument("--dtype", type=serve_dtype, default="bf16", help="compute dtype")
+    sv.add_argument("--seed", type=int, default=0, help="seed of the tiny model's weights")
+    sv.add_argument("--served-model-name", help="the model name in the API (default: the folder's name)")
+    sv.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (or set LOCKSTEP_API_KEY)")
+    sv.add_argument("--max-num-seqs", type=int, default=64, help="sequences running at once")
+    sv.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens per engine step")
+    sv.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
+    sv.add_argument("--num-blocks", type=int, help="KV-cache blocks (default: max-num-seqs full contexts)")
+    sv.add_argument("--no-prefix-caching", action="store_true", help="do not share the blocks of equal prefixes")
+    sv.add_argument("--backend", type=backend_name, default="auto", help="op backend (eager: stock PyTorch)")
+    sv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    sv.set_defaults(func=cmd_serve)
+
+    g = sub.add_parser("rl", help="GRPO on a small verifiable task, rollouts through lockstep serve over HTTP",
+                       formatter_class=formatter,
+                       description="GRPO on digit addition: rollouts from a `lockstep serve` (started for the run "
+                                   "unless --server), one policy-gradient step per batch, new weights pushed to the "
+                                   "server after every step. Logs the reward and the sampler-trainer mismatch "
+                                   "(exactly 0 with lockstep) and writes OUT/report.html. Exits 1 if lockstep's "
+                                   "mismatch is not exactly 0.")
+    g.add_argument("--steps", type=int, default=40, help="policy-gradient steps")
+    g.add_argument("--prompts-per-step", type=int, default=8, help="prompts sampled per step")
+    g.add_argument("--group", type=int, default=8, help="completions per prompt (GRPO's group)")
+    g.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
+    g.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")
+    g.add_argument("--seed", type=int, default=0, help="seed of the model and the prompts")
+    g.add_argument("--backend", type=backend_name, default="portable",
+                   help="op backend of trainer and server (eager: stock PyTorch, which shows the mismatch)")
+    g.add_argument("--server", metavar="URL", help="use a running lockstep serve (it must hold the initial weights)")
+    g.add_argument("--out", required=True, help="run folder: log.jsonl, report.html, the initial and final model")
+    g.set_defaults(func=cmd_rl)
 
     b = sub.add_parser("bench", help="time ops against eager PyTorch and print ratios", formatter_class=formatter)
     b.add_argument("ops", nargs="*", help="ops to time (default: all)")

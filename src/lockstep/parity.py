@@ -326,18 +326,16 @@ def _record_cached(model, target: Tensor, chunk: int) -> Recorder:
     recording whose records hold the chunks' rows concatenated (paged_attention is named attention,
     so that it lines up with a packed run)."""
     from . import ops
-    from .model import CacheStep
+    from .paged_cache import build_step
 
     n, bs = target.numel(), 8
     blocks = ceil_div(n, bs)
     cache = model.allocate_kv_cache(blocks, bs)
-    table = torch.arange(blocks)[None]
     passes, hidden = [], []
     with torch.no_grad():
         for start in range(0, n, chunk):
             stop = min(n, start + chunk)
-            pos = torch.arange(start, stop)
-            step = CacheStep(torch.tensor([0, stop - start]), torch.tensor([stop]), table, table[0, pos // bs] * bs + pos % bs)
+            step, pos = build_step([(list(range(blocks)), start, stop)], bs)
             with Recorder(model) as rec:
                 hidden.append(model.forward_cached(target[start:stop], pos, step, cache))
             passes.append(rec)

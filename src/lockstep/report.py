@@ -244,18 +244,32 @@ def _trajectory_section(t: dict) -> str:
 
 
 def _training_section(t: dict) -> str:
-    """A `lockstep train` run: loss, gradient norm and learning rate per step, and its starts."""
+    """A `lockstep train` or `lockstep rl` run: the curves its log holds (loss, gradient norm, learning
+    rate; reward and the sampler-trainer mismatch), and its starts and resumes."""
     steps = t["steps"]
-    charts = [line_chart({"loss": [(r["step"], r["loss"]) for r in steps]}, "loss"),
-              line_chart({"grad norm": [(r["step"], r["grad_norm"]) for r in steps]}, "gradient norm"),
-              line_chart({"learning rate": [(r["step"], r["lr"]) for r in steps]}, "learning rate")]
+
+    def series(key):
+        return [(r["step"], r[key]) for r in steps if r.get(key) is not None]
+
+    charts = []
+    if any("reward" in r for r in steps):
+        charts.append(line_chart({"mean reward": series("reward")}, "reward"))
+        charts.append(line_chart({"max |dlogp|": series("max_abs_dlogp"), "approx KL": series("approx_kl")},
+                                 "sampler vs trainer (log10; 0 = the same bits)", log=True))
+        charts.append(line_chart({"mean ratio - 1": [(s_, abs(v - 1)) for s_, v in series("mean_ratio")]},
+                                 "|mean importance ratio - 1| (log10)", log=True))
+    for key, title in (("loss", "loss"), ("grad_norm", "gradient norm"), ("lr", "learning rate")):
+        if any(key in r for r in steps):
+            charts.append(line_chart({key.replace("_", " "): series(key)}, title))
     events = _table(["event", "at step", "ranks", "accum", "global batch tokens", "changes"],
                     [[e.get("event"), e.get("step"), e.get("ranks"), e.get("accum"), e.get("global_batch_tokens"),
                       ", ".join(f"{k} {a} -> {b}" for k, (a, b) in (e.get("changes") or {}).items()) or "-"]
                      for e in t["events"]])
     last = steps[-1] if steps else {}
-    return (f"<h2>Training run</h2><p>{len(steps)} steps; last loss {_fmt(last.get('loss'))}, grad norm "
-            f"{_fmt(last.get('grad_norm'))}.</p><div class=charts>{''.join(charts)}</div>{events}")
+    facts = ", ".join(f"last {k.replace('_', ' ')} {_fmt(last.get(k))}" for k in ("reward", "loss", "grad_norm",
+                                                                                   "max_abs_dlogp") if k in last)
+    return (f"<h2>Training run</h2><p>{len(steps)} steps; {facts}.</p><div class=charts>{''.join(charts)}</div>"
+            f"{events}")
 
 
 def build_html(data: dict, title: str = "lockstep report") -> str:

@@ -12,6 +12,7 @@ its input embeddings is bitwise the same alone and in a batch.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import random
@@ -36,6 +37,8 @@ class Setting:
     budget: int = 64                       # max_num_batched_tokens
     order: str = "given"                   # given, reversed, shuffled
     tight_cache: bool = False              # a cache that holds ~2 requests: forces preemption
+    prefix_caching: bool = True
+    n: int = 1                             # completions per prompt (they share the prompt's blocks)
 
 
 SETTINGS = (
@@ -47,6 +50,8 @@ SETTINGS = (
     Setting("reversed arrival", order="reversed"),
     Setting("shuffled arrival", order="shuffled"),
     Setting("tight cache (preemption)", tight_cache=True),
+    Setting("no prefix caching", prefix_caching=False),
+    Setting("4 completions per prompt", n=4),
 )
 
 
@@ -73,7 +78,9 @@ def aggregates(d: torch.Tensor, clip: tuple[float, float]) -> tuple[float, float
 
 
 def _generate(model: Transformer, prompts: list[list[int]], sp: SamplingParams, s: Setting,
-              max_new_tokens: int) -> list[RequestOutput]:
+              max_new_tokens: int) -> tuple[list[RequestOutput], list[int]]:
+    """The completions of one setting, and the prompt of each: first every prompt's first completion in
+    prompt order, then the others."""
     order = list(range(len(prompts)))
     if s.order == "reversed":
         order.reverse()
@@ -84,24 +91,33 @@ def _generate(model: Transformer, prompts: list[list[int]], sp: SamplingParams, 
     if s.tight_cache:
         longest = max(len(p) for p in prompts) + max_new_tokens
         num_blocks = 2 * ceil_div(longest, block_size) + 1
-    engine = Engine(model, max_num_seqs=s.max_num_seqs or len(prompts), max_num_batched_tokens=s.budget,
-                    block_size=block_size, num_blocks=num_blocks)
-    outs = engine.generate([prompts[i] for i in order], sp)
+    engine = Engine(model, max_num_seqs=s.max_num_seqs or s.n * len(prompts), max_num_batched_tokens=s.budget,
+                    block_size=block_size, num_blocks=num_blocks, prefix_caching=s.prefix_caching)
+    outs = engine.generate([prompts[i] for i in order], dataclasses.replace(sp, n=s.n))
+    # The first completion of each prompt draws from the same noise as a request with n = 1: it is the
+    # one compared across settings; all n are compared with the trainer.
     by_prompt: list[RequestOutput | None] = [None] * len(prompts)
-    for i, o in zip(order, outs):
-        by_prompt[i] = o
-    errors = [o.error for o in by_prompt if o.finish_reason == "error"]
+    extra: list[tuple[int, RequestOutput]] = []
+    for j, o in enumerate(outs):
+        i = order[j // s.n]
+        if o.index == 0:
+            by_prompt[i] = o
+        else:
+            extra.append((i, o))
+    errors = [o.error for o in outs if o.finish_reason == "error"]
     if errors:
         raise RuntimeError(f"engine refused a request in setting {s.name!r}: {errors[0]}")
-    return by_prompt  # type: ignore[return-value]
+    return by_prompt + [o for _, o in extra], [i for i in range(len(prompts))] + [i for i, _ in extra]
 
 
-def _compare(model: Transformer, prompts: list[list[int]], runs: list[list[RequestOutput]], temperature: float,
-             clip: tuple[float, float], alone_too: bool) -> Aggregates:
+def _compare(model: Transformer, prompts: list[list[int]], runs: list[tuple[list[RequestOutput], list[int]]],
+             temperature: float, clip: tuple[float, float], alone_too: bool) -> Aggregates:
+    """runs: (completions, the prompt of each) per setting; the first len(prompts) completions of a run
+    are the prompts' first ones, compared across settings."""
     diffs, agree, total = [], 0, 0
-    base = runs[0]
-    for outs in runs:
-        seqs = [p + o.token_ids for p, o in zip(prompts, outs)]
+    base = runs[0][0][:len(prompts)]
+    for outs, owners in runs:
+        seqs = [prompts[i] + o.token_ids for i, o in zip(owners, outs)]
         with torch.no_grad():
             batched = logprobs(model, seqs, temperature=temperature)
             views = [batched]
@@ -111,7 +127,7 @@ def _compare(model: Transformer, prompts: list[list[int]], runs: list[list[Reque
             for lp, o in zip(view, outs):
                 n = len(o.token_ids)
                 diffs.append(lp[-n:].double() - torch.tensor(o.logprobs, dtype=torch.float64))
-        for o, b in zip(outs, base):
+        for o, b in zip(outs[:len(prompts)], base):
             total += 1
             agree += o.token_ids == b.token_ids
     d = torch.cat(diffs)

@@ -19,6 +19,7 @@ from torch import Tensor
 from .. import contract, ops
 from ..backends import reference
 from ..fixed_order import ceil_div
+from ..paged_cache import build_step
 from ..registry import use_backend
 from .check import AccuracyResult, OpReport, SweepResult, bitwise_diff, max_abs_error, num_threads
 
@@ -147,39 +148,34 @@ def _paged_decode(case: AttnCase, backend: str, first_chunk: int = 5) -> list[Te
     k_cache = torch.full((num_blocks, s.block_size, s.kv_heads, s.head_dim), float("nan"), dtype=case.dtype)
     v_cache = torch.full_like(k_cache, float("nan"))
     free = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(7)).tolist()
-    max_blocks = max(ceil_div(x.q.shape[0], s.block_size) for x in case.seqs)
-    table = torch.zeros((n, max_blocks), dtype=torch.int64)
-    owned = [0] * n
+    blocks: list[list[int]] = [[] for _ in range(n)]
     done = [0] * n
     outs: list[list[Tensor]] = [[] for _ in range(n)]
     step = 0
     while any(done[i] < case.seqs[i].q.shape[0] for i in range(n)):
-        who, qs, lq, lens, new_k, new_v, slots = [], [], [], [], [], [], []
+        who, spans, qs, new_k, new_v = [], [], [], [], []
         for i, seq in enumerate(case.seqs):
             total = seq.q.shape[0]
             if step < i or done[i] >= total:
                 continue
             end = min(total, done[i] + (first_chunk if done[i] == 0 else 1))
-            while owned[i] * s.block_size < end:
-                table[i, owned[i]] = free.pop()
-                owned[i] += 1
-            pos = torch.arange(done[i], end)
-            slots.append(table[i, pos // s.block_size] * s.block_size + pos % s.block_size)
+            while len(blocks[i]) * s.block_size < end:
+                blocks[i].append(free.pop())
+            spans.append((blocks[i], done[i], end))
             new_k.append(seq.k[done[i]:end])
             new_v.append(seq.v[done[i]:end])
             qs.append(seq.q[done[i]:end])
-            lq.append(end - done[i])
-            lens.append(end)
             who.append(i)
             done[i] = end
         step += 1
         if not who:
             continue
-        ops.write_kv(torch.cat(new_k), torch.cat(new_v), k_cache, v_cache, torch.cat(slots))
+        cache_step, _ = build_step(spans, s.block_size)
+        ops.write_kv(torch.cat(new_k), torch.cat(new_v), k_cache, v_cache, cache_step.slot_mapping)
         with use_backend(backend):
-            out = ops.paged_attention(torch.cat(qs), k_cache, v_cache, table[who], torch.tensor(lens), _cu(lq),
-                                      window=s.window)
-        cu = _cu(lq)
+            out = ops.paged_attention(torch.cat(qs), k_cache, v_cache, cache_step.block_table, cache_step.seq_lens,
+                                      cache_step.cu_seqlens_q, window=s.window)
+        cu = cache_step.cu_seqlens_q
         for j, i in enumerate(who):
             outs[i].append(out[int(cu[j]):int(cu[j + 1])])
     return [torch.cat(o) for o in outs]

@@ -11,7 +11,8 @@ from torch import Tensor
 
 from .. import contract, ops
 from ..fixed_order import ceil_div
-from ..model import CacheStep, Transformer, logprobs
+from ..model import Transformer, logprobs
+from ..paged_cache import build_step
 from ..registry import use_backend
 from .check import SweepResult, bitwise_diff
 
@@ -22,14 +23,12 @@ def cached_logprobs(model: Transformer, seq: Tensor, chunk: int, block_size: int
     n = seq.shape[0]
     blocks = ceil_div(n, block_size)
     cache = model.allocate_kv_cache(num_blocks=2 * blocks + 1, block_size=block_size)
-    table = torch.randperm(2 * blocks + 1, generator=torch.Generator().manual_seed(n))[:blocks][None]
+    table = torch.randperm(2 * blocks + 1, generator=torch.Generator().manual_seed(n))[:blocks].tolist()
     hidden = []
     with torch.no_grad():
         for start in range(0, n, chunk):
             stop = min(n, start + chunk)
-            pos = torch.arange(start, stop, device=seq.device)
-            step = CacheStep(torch.tensor([0, stop - start]), torch.tensor([stop]), table,
-                             table[0, pos // block_size] * block_size + pos % block_size)
+            step, pos = build_step([(table, start, stop)], block_size, seq.device)
             hidden.append(model.forward_cached(seq[start:stop], pos, step, cache))
         return ops.selected_logprobs(torch.cat(hidden)[:-1], model.lm_head_weight, seq[1:])
 

@@ -1,9 +1,10 @@
 """lockstep.model: Llama, Qwen2 and Qwen3 decoders built only from lockstep.ops."""
 
+from ..paged_cache import CacheStep
 from .checkpoint import load_model, model_from_source
 from .config import ModelConfig
 from .tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
-from .transformer import CacheStep, KVCache, Transformer, logprobs, pack, positions_from_cu_seqlens
+from .transformer import KVCache, Transformer, logprobs, pack, positions_from_cu_seqlens
 
 __all__ = ["ModelConfig", "Transformer", "KVCache", "CacheStep", "load_model", "model_from_source", "logprobs", "pack",
            "positions_from_cu_seqlens", "ByteTokenizer", "HFTokenizer", "load_tokenizer"]

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from .. import checks, ops
+from ..paged_cache import CacheStep
 from .config import ModelConfig
 from .files import write_folder
 
@@ -126,19 +127,6 @@ class KVCache:
     @property
     def block_size(self) -> int:
         return self.k[0].shape[1]
-
-
-@dataclass
-class CacheStep:
-    """Where the new tokens of one `forward_cached` call go and what they attend to.
-
-    cu_seqlens_q [B + 1]: new tokens per sequence; seq_lens [B]: each sequence's length after
-    the step; block_table [B, max_blocks]; slot_mapping [T]: the cache slot of each new token."""
-
-    cu_seqlens_q: Tensor
-    seq_lens: Tensor
-    block_table: Tensor
-    slot_mapping: Tensor
 
 
 def positions_from_cu_seqlens(cu_seqlens: Tensor) -> Tensor:

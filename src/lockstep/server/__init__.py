@@ -1,0 +1,50 @@
+"""`lockstep serve`: lockstep's Engine behind OpenAI's HTTP API, with weight updates (FastAPI, uvicorn).
+
+    app.py       the endpoints, requests to jobs, answers and server-sent events
+    worker.py    the engine's own thread, and weight updates that never mix two versions
+    protocol.py  the request bodies (unknown fields refused) and OpenAI-shaped answers
+    chat.py      chat messages through the model folder's chat template
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ..model import ByteTokenizer, Transformer, load_model, model_from_source
+from .app import Server, create_app
+
+__all__ = ["Server", "create_app", "build_server", "serve", "weights_from_folder"]
+
+
+def weights_from_folder(path: str, model: Transformer) -> dict[str, torch.Tensor]:
+    """The parameters of the checkpoint folder `path`, refused unless it is the same architecture."""
+    if not isinstance(path, str) or not os.path.isdir(path):
+        raise FileNotFoundError(f"model_path: {path!r} is not a folder")
+    new = load_model(path, dtype=model.dtype, device=model.device)
+    if new.config.to_hf() != model.config.to_hf():
+        theirs, ours = new.config.to_hf(), model.config.to_hf()
+        diff = sorted(k for k in set(theirs) | set(ours) if theirs.get(k) != ours.get(k))
+        raise ValueError(f"model_path: {path} holds another architecture (differs in {diff[:5]})")
+    return {n: p.detach() for n, p in new.named_parameters()}
+
+
+def build_server(source: str, dtype: torch.dtype = torch.float32, family: str = "llama", seed: int = 0,
+                 name: str | None = None, api_key: str | None = None, backend: str = "auto",
+                 **engine_kwargs) -> Server:
+    """A Server for `source` ("tiny" or a checkpoint folder) computing on `backend` ("eager" shows
+    what stock PyTorch would serve); engine_kwargs go to Engine."""
+    model = model_from_source(source, dtype, family, seed)
+    if model.tokenizer is None:                      # the tiny model reads and writes UTF-8 bytes
+        model.tokenizer = ByteTokenizer()
+    return Server(model, name or (os.path.basename(os.path.abspath(source)) if source != "tiny" else f"tiny-{family}"),
+                  engine_kwargs, model_dir=None if source == "tiny" else source, api_key=api_key,
+                  load_weights=lambda path: weights_from_folder(path, model), backend=backend)
+
+
+def serve(server: Server, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:
+    """Serve until interrupted."""
+    import uvicorn
+
+    uvicorn.run(create_app(server), host=host, port=port, log_level=log_level)
