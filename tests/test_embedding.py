@@ -15,7 +15,7 @@ def test_embedding_contract(dtype):
 def test_embedding_weight_grad_adds_occurrences_in_position_order():
     ids = torch.tensor([3, 1, 3, 3, 0, 1])
     grad = torch.tensor([[1e8], [1.0], [1.0], [-1e8], [2.0], [5.0]])
-    dw = embedding_weight_grad(ids, grad, 5)
+    dw = embedding_weight_grad(ids, grad, 5).dense()
     # In position order: ((1e8 + 1) - 1e8) = 0 in fp32; any other order gives a different value.
     assert dw[3, 0] == (torch.tensor(1e8) + 1.0) - 1e8
     assert dw[1, 0] == 6.0 and dw[0, 0] == 2.0 and dw[2, 0] == 0.0 and dw[4, 0] == 0.0
@@ -25,11 +25,11 @@ def test_embedding_weight_grad_unchanged_by_zero_grad_rows_anywhere():
     torch.manual_seed(0)
     ids = torch.randint(0, 20, (100,))
     grad = torch.randn(100, 8)
-    base = embedding_weight_grad(ids, grad, 20)
+    base = embedding_weight_grad(ids, grad, 20).dense()
     pad_ids = torch.randint(0, 20, (30,))
     mixed_ids = torch.cat([pad_ids[:10], ids[:50], pad_ids[10:], ids[50:]])
     mixed_grad = torch.cat([torch.zeros(10, 8), grad[:50], torch.zeros(20, 8), grad[50:]])
-    assert torch.equal(embedding_weight_grad(mixed_ids, mixed_grad, 20), base)
+    assert torch.equal(embedding_weight_grad(mixed_ids, mixed_grad, 20).dense(), base)
 
 
 def test_embedding_shapes_and_int32_ids():
@@ -46,3 +46,26 @@ def test_embedding_shapes_and_int32_ids():
 def test_embedding_bad_ids(ids, message):
     with pytest.raises((TypeError, ValueError), match=message):
         ops.embedding(ids, torch.randn(10, 4))
+
+
+def test_a_tree_of_row_sparse_partials_has_the_dense_trees_bits():
+    """Embedding partials stay sparse in the unit trees; every node must be the dense add's bits,
+    signed zeros included (-0.0 + 0.0 is +0.0, -0.0 + -0.0 is -0.0)."""
+    from lockstep.fixed_order import TreeSum
+    from lockstep.grad_tree import RowSparse
+
+    gen = torch.Generator().manual_seed(0)
+    sparse, dense = TreeSum(), TreeSum()
+    for unit in range(7):
+        rows = torch.unique(torch.randint(0, 12, (5,), generator=gen))
+        values = torch.randn(rows.numel(), 3, generator=gen)
+        values[0, 0] = -0.0                           # a -0.0 in a row that other units may lack
+        values[-1] = torch.where(torch.rand(3, generator=gen) < 0.5, -0.0, values[-1])
+        leaf = RowSparse(rows, values, 12)
+        sparse.add(unit, 1, leaf)
+        dense.add(unit, 1, leaf.dense())
+    got, want = sparse.total().dense(), dense.total()
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+    lone = RowSparse(torch.tensor([2]), torch.tensor([[-0.0]]), 4) + RowSparse(torch.tensor([3]), torch.tensor([[1.0]]), 4)
+    assert torch.equal(lone.dense().view(torch.int32), (torch.tensor([[0.0], [0.0], [-0.0], [0.0]]) +
+                                                       torch.tensor([[0.0], [0.0], [0.0], [1.0]])).view(torch.int32))

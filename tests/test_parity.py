@@ -1,3 +1,4 @@
+import dataclasses
 import json
 import os
 import shutil
@@ -20,9 +21,9 @@ _calls = {"linear": 0}
 
 
 @register("planted-ulp", "linear")
-def _planted_linear(x, weight, bias):
+def _planted_linear(x, weight, bias, *splits):
     """One ulp added to one element of the output of one linear call: layer 1's down_proj."""
-    y = portable_linear(x, weight, bias)
+    y = portable_linear(x, weight, bias, *splits)
     if _calls["linear"] % (2 * LINEARS_PER_LAYER) == LINEARS_PER_LAYER + 6:
         with torch.no_grad():
             delta = torch.zeros_like(y)
@@ -131,6 +132,15 @@ def test_trajectory_against_the_plain_pytorch_trainer(model):
     result = parity.compare_trajectories(make, "portable", "plain", steps=6)
     assert len(result["rows"]) == 6 and result["first_step_outside_contract"] is None
     assert result["loss_tol"] == 2e-5
+    assert all(r["max_param_diff"] <= 3e-5 + 2.0 * r["pytorch_param_spread"] for r in result["rows"])
+    assert all(r["pytorch_param_spread"] > 0 for r in result["rows"])
+    sides = iter([4.0, 1.0, 1.0])            # side a trains at 4x the learning rate: outside, spread or not
+
+    def make_off():
+        t = make()
+        t.cfg = dataclasses.replace(t.cfg, lr=t.cfg.lr * next(sides))
+        return t
+    assert parity.compare_trajectories(make_off, "portable", "plain", steps=1)["first_step_outside_contract"] == 1
     bitwise = parity.compare_trajectories(make, "portable", "portable", steps=3)
     assert bitwise["first_step_outside_contract"] is None and all(r["loss_diff"] == 0 for r in bitwise["rows"])
     diverging = parity.compare_trajectories(make, "portable", "eager", steps=2)

@@ -7,7 +7,7 @@ this test says which primitive broke it.
 import pytest
 import torch
 
-from lockstep.fixed_order import ROW_TILE, TAIL_TILE, column_sum, matmul_rows, row_sum
+from lockstep.fixed_order import ROW_TILE, TAIL_TILES, column_sum, matmul_rows, row_sum
 
 PRIMITIVES = {
     "exp": (torch.exp, 30.0),
@@ -34,14 +34,16 @@ def test_primitive_same_bits_in_vector_and_scalar_paths(name, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_gemm_row_tiles_agree_with_tail_tiles_and_threads(dtype):
     gen = torch.Generator().manual_seed(0)
-    a = torch.randn(ROW_TILE + TAIL_TILE + 7, 300, generator=gen).to(dtype)
+    a = torch.randn(2 * ROW_TILE + 45, 300, generator=gen).to(dtype)
     b = (torch.randn(300, 77, generator=gen) / 17).to(dtype)
     torch.set_num_threads(2)
-    full = matmul_rows(a, b)
-    for i in range(0, a.shape[0], 11):
-        assert torch.equal(matmul_rows(a[i:i + 1], b)[0], full[i]), i
+    alone = torch.cat([matmul_rows(a[i:i + 1], b) for i in range(a.shape[0])])     # 8-row padded tiles
+    # Row counts that run every tile shape after a full one, and padded ones: 13 -> 16, 50 -> 64,
+    # 100 -> 128, 5 -> 8, and all rows (128 + 128 + 32 + 16 padded).
+    for m in [ROW_TILE + t for t in TAIL_TILES] + [13, 50, 100, 5, a.shape[0]]:
+        assert torch.equal(matmul_rows(a[:m], b), alone[:m]), m
     torch.set_num_threads(1)
-    assert torch.equal(matmul_rows(a, b), full)
+    assert torch.equal(matmul_rows(a, b), alone)
 
 
 def test_row_sum_order_depends_only_on_length():
@@ -58,3 +60,15 @@ def test_column_sum_appended_zero_rows_change_nothing():
     x = torch.randn(301, 33, generator=gen)
     assert torch.equal(column_sum(torch.cat([x, torch.zeros(200, 33)])), column_sum(x))
     torch.testing.assert_close(column_sum(x).double(), x.double().sum(0), atol=1e-4, rtol=1e-5)
+
+
+def test_gemm_row_tiles_agree_under_autocast():
+    """Tiles written through `out=` escape autocast and padded ones do not; matmul_rows turns
+    autocast off so that every tile computes in the input's dtype."""
+    gen = torch.Generator().manual_seed(0)
+    a, b = torch.randn(ROW_TILE + 64, 64, generator=gen), torch.randn(64, 48, generator=gen)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        alone = torch.cat([matmul_rows(a[i:i + 1], b) for i in range(a.shape[0])])
+        for m in (5, 100, ROW_TILE + 64):
+            assert torch.equal(matmul_rows(a[:m], b), alone[:m]), m
+    assert torch.equal(matmul_rows(a, b), alone)

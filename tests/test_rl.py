@@ -2,7 +2,6 @@
 after every step. With lockstep the sampler-trainer KL is exactly 0 at every step and the reward
 rises; on the eager backend the same loop shows the mismatch."""
 
-import json
 
 import pytest
 import torch

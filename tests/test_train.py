@@ -1,4 +1,3 @@
-import json
 import math
 import os
 
@@ -15,10 +14,11 @@ def _tokens(n=6000, seed=0):
     return torch.randint(0, 300, (n,), generator=gen).tolist()
 
 
-def _trainer(seed=0, dtype=torch.float32, **kw):
+def _trainer(seed=0, dtype=torch.float32, layout_invariant=True, **kw):
     cfg = TrainConfig(**{**dict(steps=12, seq_len=32, micro_batch_tokens=96, accum=2, lr=3e-3, warmup=3, seed=seed), **kw})
     model = Transformer.from_config(ModelConfig.tiny("qwen3", vocab_size=300), seed=seed, dtype=dtype)
-    return Trainer(model, PackedDataset(_tokens(), cfg.seq_len, cfg.micro_batch_tokens, cfg.seed), cfg)
+    return Trainer(model, PackedDataset(_tokens(), cfg.seq_len, cfg.micro_batch_tokens, cfg.seed), cfg,
+                   layout_invariant=layout_invariant)
 
 
 def _run(t, steps):
@@ -47,30 +47,42 @@ def test_resume_continues_bitwise(tmp_path, dtype, master):
     assert resumed.params_hash() == full.params_hash()
 
 
-def test_padding_rows_change_no_bit_of_the_update():
+def test_padding_changes_no_bit_of_the_update():
+    """Masked tokens after a sequence's end, and a masked sequence at the end of the window."""
     a, b = _trainer(), _trainer()
     window = a.window()
     b.window()
-    pad = torch.zeros(37, dtype=torch.long)
-    padded = [mb + [pad] for mb in window]
-    masks = [[torch.ones(s.numel() - 1, dtype=torch.bool) for s in mb] + [torch.zeros(36, dtype=torch.bool)]
-             for mb in window]
+    padded = [torch.cat([s, torch.zeros(5, dtype=torch.long)]) for s in window] + [torch.zeros(37, dtype=torch.long)]
+    masks = [torch.cat([torch.ones(s.numel() - 1, dtype=torch.bool), torch.zeros(5, dtype=torch.bool)]) for s in window]
+    masks.append(torch.zeros(36, dtype=torch.bool))
     ra = a.step(window)
     rb = b.step(padded, masks)
     assert ra["loss"] == rb["loss"] and ra["grad_norm"] == rb["grad_norm"]
     assert a.params_hash() == b.params_hash()
 
 
-def test_window_normalization_matches_one_big_batch():
-    """K micro-batches accumulate the gradient of the token-mean over the whole window."""
-    a, b = _trainer(accum=2), _trainer(accum=1)
+def test_window_gradients_do_not_depend_on_the_micro_batches():
+    """The window's gradients (of the token-mean over the whole window) and loss are bitwise the same
+    for micro-batches of any size, including micro-batches of unequal length."""
+    a, b = _trainer(accum=2), _trainer(accum=1, micro_batch_tokens=1000)
     window = a.window()
-    window[1] = [s[:20] for s in window[1]]          # micro-batches of different sizes
+    window = [s[:20] if i >= 2 else s for i, s in enumerate(window)]
     la, na = a.accumulate(window)
-    lb, nb = b.accumulate([window[0] + window[1]])
-    assert na == nb and math.isclose(la, lb, rel_tol=1e-6)
-    for (n, p), (_, q) in zip(a.model.named_parameters(), b.model.named_parameters()):
-        torch.testing.assert_close(p.grad, q.grad, atol=1e-7, rtol=1e-5, msg=n)
+    lb, nb = b.accumulate(window)
+    assert (la, na) == (lb, nb)
+    assert a.grads.keys() == b.grads.keys() == {n for n, _ in a.named}
+    for n in a.grads:
+        assert torch.equal(a.grads[n], b.grads[n]), n
+
+
+def test_the_order_before_unit_trees_depends_on_the_micro_batches():
+    """What the unit trees fix: autograd's sum over micro-batches changes bits with their size."""
+    a = _trainer(accum=2, layout_invariant=False)
+    b = _trainer(accum=1, micro_batch_tokens=1000, layout_invariant=False)
+    window = a.window()
+    a.accumulate(window)
+    b.accumulate(window)
+    assert any(not torch.equal(a.grads[n], b.grads[n]) for n in a.grads)
 
 
 def test_parity_with_plain_pytorch_trainer_50_steps():
@@ -260,17 +272,33 @@ def _cli_train(tmp_path, *extra, steps=4, out="run"):
 
 
 @pytest.mark.parametrize("flag, value, name", [
-    ("--accum", "2", "accum"), ("--lr", "0.01", "lr"), ("--seq-len", "16", "seq_len"),
-    ("--micro-batch-tokens", "128", "micro_batch_tokens"), ("--dtype", "bf16", "dtype"), ("--seed", "3", "seed"),
-    ("--warmup", "2", "warmup"),
+    ("--accum", "2", "window (sequences per step; accum 1 -> 2 changed it"), ("--lr", "0.01", "lr: "),
+    ("--seq-len", "16", "seq_len: "), ("--micro-batch-tokens", "128", "micro_batch_tokens 64 -> 128 changed it"),
+    ("--dtype", "bf16", "dtype: "), ("--seed", "3", "seed: "), ("--warmup", "2", "warmup: "),
 ])
 def test_resume_refuses_a_setting_that_changes_the_run(tmp_path, capsys, flag, value, name):
     assert _cli_train(tmp_path) == 0
     capsys.readouterr()
     assert _cli_train(tmp_path, "--resume", flag, value, steps=6) == 2      # the last of a repeated flag wins
     err = capsys.readouterr().err
-    assert f"{name}: " in err and "in the checkpoint" in err and "start a new run" in err, err
+    assert name in err and "in the checkpoint" in err and "start a new run" in err, err
     assert "Traceback" not in err
+
+
+def test_resume_at_another_micro_batch_size_continues_bitwise_and_logs_it(tmp_path, capsys):
+    """The window is kept (2 x 64 tokens -> 1 x 128): the layout may change, and the run goes on as if
+    it had not."""
+    assert _cli_train(tmp_path, "--accum", "2", out="whole", steps=6) == 0
+    assert _cli_train(tmp_path, "--accum", "2", out="split", steps=3) == 0
+    assert _cli_train(tmp_path, "--resume", "--accum", "1", "--micro-batch-tokens", "128", out="split", steps=6) == 0
+    assert "micro_batch_tokens 64 -> 128" in capsys.readouterr().err
+    whole, _ = train.read_log(str(tmp_path / "whole"))
+    split, events = train.read_log(str(tmp_path / "split"))
+    assert [(r["loss"], r["grad_norm"]) for r in split] == [(r["loss"], r["grad_norm"]) for r in whole]
+    layouts = events[-1]["changes"]["layout"]
+    assert (layouts[0]["accum"], layouts[1]["accum"]) == (2, 1)
+    same = [open(tmp_path / d / "step-000006" / "model.safetensors", "rb").read() for d in ("whole", "split")]
+    assert same[0] == same[1]
 
 
 def test_resume_refuses_other_data(tmp_path, capsys):
@@ -351,4 +379,4 @@ def test_train_help_shows_the_defaults(capsys):
     with pytest.raises(SystemExit):
         cli.main(["train", "--help"])
     text = " ".join(capsys.readouterr().out.split())
-    assert "(default: 256)" in text and "(default: 0.001)" in text and "per rank" in text
+    assert "(default: 256)" in text and "(default: 0.001)" in text and "per data-parallel rank" in text

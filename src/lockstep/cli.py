@@ -252,12 +252,12 @@ def cmd_train(args: argparse.Namespace) -> int:
     cfg = train.TrainConfig(steps=args.steps, seq_len=args.seq_len, micro_batch_tokens=args.micro_batch_tokens,
                             accum=args.accum, lr=args.lr, warmup=args.warmup, weight_decay=args.weight_decay,
                             grad_clip=args.grad_clip, seed=args.seed, master_weights=args.master_weights,
-                            save_every=args.save_every)
+                            save_every=args.save_every, global_batch_tokens=args.global_batch_tokens)
     rank = os.environ.get("RANK") if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None
     where = f"rank {rank}: " if rank is not None else ""
     try:
         summary = train.run(args.model, args.data, args.out, cfg, dtype=args.dtype, resume=args.resume,
-                            overwrite=args.overwrite)
+                            overwrite=args.overwrite, tensor_parallel=args.tp)
     except train.NonFiniteLoss as e:
         print(f"\nlockstep train: {where}{e}; the last good checkpoint is kept in {args.out}", file=sys.stderr)
         return 3
@@ -368,15 +368,22 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train", help="train a model on a text file or folder, deterministically", formatter_class=formatter,
                        description="Train with exact accumulation windows, AdamW, clipping and atomic checkpoints. "
                                    "Two runs with the same arguments give the same bits; --resume continues "
-                                   "bitwise as if never interrupted. Under torchrun each rank runs --accum "
-                                   "micro-batches, so a step trains on ranks x accum x micro-batch-tokens tokens.")
+                                   "bitwise as if never interrupted. Under torchrun each data-parallel rank runs "
+                                   "--accum micro-batches, so a step trains on ranks x accum x micro-batch-tokens "
+                                   "tokens (or --global-batch-tokens). The layout (micro-batch size, accumulation, "
+                                   "ranks, --tp) changes no bit of the run, and --resume may change it.")
     t.add_argument("--model", default="tiny", help="local checkpoint folder, or 'tiny' (random Llama-style model "
                                                    "with the built-in byte tokenizer)")
     t.add_argument("--data", required=True, help="a text file, or a folder of .txt/.md files")
     t.add_argument("--steps", type=int, default=100, help="optimizer steps (accumulation windows) to reach")
     t.add_argument("--seq-len", type=int, default=64, help="tokens per packed training sequence")
     t.add_argument("--micro-batch-tokens", type=int, default=256, help="tokens per micro-batch (whole sequences)")
-    t.add_argument("--accum", type=int, default=1, help="micro-batches per optimizer step, per rank")
+    t.add_argument("--accum", type=int, default=1, help="micro-batches per optimizer step, per data-parallel rank")
+    t.add_argument("--global-batch-tokens", type=int, default=0,
+                   help="tokens per optimizer step across all ranks (a multiple of --seq-len; each rank runs the "
+                        "micro-batches its share needs); 0: ranks x accum x micro-batch-tokens")
+    t.add_argument("--tp", type=int, default=1, help="tensor-parallel size under torchrun (data-parallel size: "
+                                                    "ranks / tp)")
     t.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
     t.add_argument("--warmup", type=int, default=10, help="linear warmup steps before the cosine decay")
     t.add_argument("--weight-decay", type=float, default=0.0, help="decoupled AdamW weight decay")
@@ -386,8 +393,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--seed", type=int, default=0, help="seed of the data order and of the tiny model")
     t.add_argument("--save-every", type=int, default=0, help="also checkpoint every N steps (0: only at the end)")
     t.add_argument("--out", required=True, help="output folder: checkpoints (step-N, latest) and log.jsonl")
-    t.add_argument("--resume", action="store_true", help="continue from OUT/latest (the settings must be the "
-                                                         "run's own; --steps may grow)")
+    t.add_argument("--resume", action="store_true", help="continue from OUT/latest (the settings and the "
+                                                         "window must be the run's own; --steps may grow, and the "
+                                                         "layout may change: ranks, --tp, micro-batch size)")
     t.add_argument("--overwrite", action="store_true", help="start over in a non-empty OUT, deleting its run")
     t.set_defaults(func=cmd_train)
 

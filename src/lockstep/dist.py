@@ -1,18 +1,19 @@
-"""lockstep.dist: data and tensor parallelism on torch.distributed, with fixed-order reductions.
+"""lockstep.dist: data and tensor parallelism on torch.distributed, with the bits of one process.
 
-Every sum across ranks is computed by one owner in rank order (((r0 + r1) + r2) + ...), and the
-result is copied to the others. So every rank holds the same bits, and the bits depend on neither
-message sizes, nor the collective algorithm, nor timing (docs/contract.md, section 5).
+No sum across ranks is left to a collective's own order. Every rank computes the pieces of the
+canonical tree (lockstep.fixed_order.TreeSum) that its share covers, and the ranks complete the
+same tree, so the result is bitwise what one process computes, at every data- and tensor-parallel
+size (docs/contract.md, section 5; docs/adr/0007).
 
-- Data parallel: `GradReducer` buckets the gradients. Each bucket is split into one shard per rank;
-  the owner of a shard receives it from every rank (all_to_all), adds the contributions in rank
-  order, and the reduced shards are all-gathered. A bucket's communication starts as soon as its
-  gradients are final (a post-accumulate hook), overlapping the rest of the backward. With one
-  micro-batch per rank, N ranks are bitwise identical to one process accumulating the same N
-  micro-batches in rank order: autograd's accumulation is the same left-to-right sum.
-- Tensor parallel: Megatron-style column- and row-parallel linears and a vocabulary-parallel
-  embedding. Attention heads and the MLP are split across ranks; the row-parallel all-reduce
-  gathers the partial sums and adds them in rank order on every rank.
+- Data parallel (`Parallel.complete`): each rank holds a contiguous run of the window's units and
+  its unit trees hold that run's pieces. When the pieces are one level of the tree, two-rank
+  all_reduces complete it level by level; otherwise the pieces are cut into one shard per rank, the
+  owner of a shard receives every rank's pieces of it (all_to_all), completes the tree and the
+  completed shards are all-gathered.
+- Tensor parallel: Megatron-style column- and row-parallel linears. Attention heads and the MLP are
+  split across ranks. Every reduction the split shards runs in `TP_SPLIT` parts at every size
+  (the model's split_k and split_n); a rank computes its run of parts and `tree_all_reduce`
+  completes the tree across the ranks.
 """
 
 from __future__ import annotations
@@ -35,7 +36,9 @@ import torch.multiprocessing as mp
 from torch import Tensor, nn
 
 from . import ops
-from .fixed_order import ceil_div
+from .fixed_order import TreeSum, ceil_div, pieces_of
+from .grad_tree import UnitTrees, dense
+from .model.transformer import Linear, tp_split
 
 DEFAULT_TIMEOUT_S = 120.0
 
@@ -68,7 +71,8 @@ def _worker(rank: int, fn: Callable, world: int, port: int, backend: str, timeou
             json.dump({"rank": rank, "time": time.time(), "traceback": traceback.format_exc()}, f)
         raise
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():          # fn may end the group itself (lockstep.train.run does)
+            dist.destroy_process_group()
 
 
 def spawn(fn: Callable, nprocs: int, *args, backend: str = "gloo", timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
@@ -105,23 +109,26 @@ def init_from_env(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT
 
 
 # --------------------------------------------------------------------------------------------
-# Fixed-order collectives
+# Collectives in the canonical order
 # --------------------------------------------------------------------------------------------
 def _ranks(group) -> int:
     return dist.get_world_size(group)
 
 
-def fixed_order_all_reduce(t: Tensor, group=None) -> Tensor:
-    """Sum of `t` over the group's ranks, added in rank order on every rank (identical bits)."""
+def tree_all_reduce(t: Tensor, group=None, parts_per_rank: int = 1) -> Tensor:
+    """Sum of `t` over the group's ranks by the canonical tree, the same bits on every rank.
+
+    Each rank's `t` is the node of its `parts_per_rank` consecutive parts (rank r holds parts
+    r * parts_per_rank ...), so the result is the tree over all parts."""
     n = _ranks(group)
     if n == 1:
         return t
     parts = [torch.empty_like(t) for _ in range(n)]
     dist.all_gather(parts, t.contiguous(), group=group)
-    total = parts[0]
-    for p in parts[1:]:
-        total = total + p
-    return total
+    tree = TreeSum()
+    for r, part in enumerate(parts):
+        tree.add(r * parts_per_rank, parts_per_rank, part)
+    return tree.total()
 
 
 def all_equal(t: Tensor, group=None) -> tuple[bool, int]:
@@ -158,159 +165,6 @@ def check_consistent(module: nn.Module, config: object, group=None) -> None:
                          "initialise the model with the same checkpoint or seed on every rank")
 
 
-class GradReducer:
-    """Fixed-order, sharded gradient reduction over a data-parallel group, in buckets.
-
-    `arm()` before the last backward of a window; each bucket then starts its all_to_all as soon as
-    all of its gradients are final, in bucket order. `finish()` launches what is left, adds each
-    shard's contributions in rank order, all-gathers the shards and writes the sums into .grad."""
-
-    def __init__(self, named_params: list[tuple[str, nn.Parameter]], group=None, bucket_numel: int = 1 << 20):
-        self.group = group
-        self.world = _ranks(group)
-        params = [p for _, p in sorted(named_params, key=lambda kv: kv[0]) if p.requires_grad]
-        self.buckets: list[list[nn.Parameter]] = []
-        current, size = [], 0
-        for p in reversed(params):              # roughly the order in which backward finishes them
-            current.append(p)
-            size += p.numel()
-            if size >= bucket_numel:
-                self.buckets.append(current)
-                current, size = [], 0
-        if current:
-            self.buckets.append(current)
-        self.bucket_of = {id(p): i for i, b in enumerate(self.buckets) for p in b}
-        self.armed = False
-        self._ready = [0] * len(self.buckets)
-        self._inflight: dict[int, tuple] = {}
-        self._next = 0
-        for p in params:
-            p.register_post_accumulate_grad_hook(self._hook)
-
-    def arm(self) -> None:
-        self.armed = True
-        self._ready = [0] * len(self.buckets)
-        self._inflight, self._next = {}, 0
-
-    def _hook(self, p: nn.Parameter) -> None:
-        if not self.armed:
-            return
-        b = self.bucket_of[id(p)]
-        self._ready[b] += 1
-        # Launch in bucket order only, so every rank issues the same collectives in the same order.
-        while self._next < len(self.buckets) and self._ready[self._next] == len(self.buckets[self._next]):
-            self._launch(self._next)
-            self._next += 1
-
-    def _launch(self, b: int) -> None:
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.buckets[b]]
-        flat = torch.cat([g.reshape(-1).to(torch.float32) for g in grads])
-        shard = ceil_div(flat.numel(), self.world)
-        padded = torch.zeros(shard * self.world, dtype=flat.dtype)
-        padded[:flat.numel()] = flat
-        recv = torch.empty_like(padded)
-        work = dist.all_to_all_single(recv, padded, group=self.group, async_op=True)
-        self._inflight[b] = (work, recv, shard, flat.numel())
-
-    def finish(self) -> None:
-        if not self.armed:
-            self.arm()
-        while self._next < len(self.buckets):
-            self._launch(self._next)
-            self._next += 1
-        for b, params in enumerate(self.buckets):
-            work, recv, shard, numel = self._inflight[b]
-            work.wait()
-            parts = recv.view(self.world, shard)
-            total = parts[0]
-            for r in range(1, self.world):
-                total = total + parts[r]                   # rank order: ((r0 + r1) + r2) + ...
-            gathered = [torch.empty_like(total) for _ in range(self.world)]
-            dist.all_gather(gathered, total, group=self.group)
-            flat = torch.cat(gathered)[:numel]
-            offset = 0
-            for p in params:
-                n = p.numel()
-                value = flat[offset:offset + n].view(p.shape).to(p.dtype)
-                if p.grad is None:
-                    p.grad = value.clone()
-                else:
-                    p.grad.copy_(value)
-                offset += n
-        self.armed = False
-
-
-# --------------------------------------------------------------------------------------------
-# Data-parallel training
-# --------------------------------------------------------------------------------------------
-class DataParallelTrainer:
-    """A lockstep Trainer over a data-parallel group: each rank runs its micro-batches of every
-    global window (rank r takes micro-batches r*K .. r*K + K - 1), gradients are reduced in fixed
-    order, and every rank takes the same optimizer step."""
-
-    def __init__(self, trainer, group=None):
-        from .train import Trainer
-
-        assert isinstance(trainer, Trainer)
-        self.t, self.group = trainer, group
-        self.rank, self.world = dist.get_rank(group), _ranks(group)
-        trainer.layout = {"data_parallel": self.world,
-                          "tensor_parallel": dist.get_world_size(_TP_GROUP) if _TP_GROUP is not None else 1}
-        check_consistent(trainer.model, dataclasses.asdict(trainer.cfg) | {"model": repr(trainer.model.config)}, group)
-        self.reducer = GradReducer(trainer.named, group)
-
-    def step(self) -> dict:
-        import math
-
-        from .train import NonFiniteLoss, cross_entropy_sum, grad_norm, lr_at
-
-        t, k = self.t, self.t.cfg.accum
-        window = [t.data.next_batch() for _ in range(k * self.world)]     # the same global window everywhere
-        mine = window[self.rank * k:(self.rank + 1) * k]
-        local_tokens = sum(s.numel() - 1 for mb in mine for s in mb)
-        counts = fixed_order_all_reduce(torch.tensor([float(local_tokens)], dtype=torch.float64), self.group)
-        total_tokens = int(counts[0])
-        for _, p in t.named:
-            p.grad = None
-        loss_sum = torch.zeros(1, dtype=torch.float64)
-        for i, mb in enumerate(mine):
-            if i == len(mine) - 1:
-                self.reducer.arm()
-            loss, _ = cross_entropy_sum(t.model, mb)
-            (loss / total_tokens).backward()
-            loss_sum += float(loss.detach())
-        self.reducer.finish()
-        loss_value = float(fixed_order_all_reduce(loss_sum, self.group)[0]) / total_tokens
-        if not math.isfinite(loss_value):
-            raise NonFiniteLoss(f"non-finite loss {loss_value} at step {t.step_idx} (data epoch {t.data.epoch}, "
-                                f"sequence index {t.data.index})")
-        norm = grad_norm(t.named)
-        scale = t.cfg.grad_clip / (float(norm) + 1e-6) if t.cfg.grad_clip > 0 and float(norm) > t.cfg.grad_clip else 1.0
-        lr = lr_at(t.step_idx, t.cfg.lr, t.cfg.warmup, t.cfg.steps, t.cfg.min_lr_ratio)
-        t.opt.step(lr, grad_scale=scale)
-        t.step_idx += 1
-        return {"step": t.step_idx, "loss": loss_value, "grad_norm": float(norm), "lr": lr, "tokens": total_tokens}
-
-    def params_identical(self) -> tuple[bool, int]:
-        """Promise 1: compare a digest of all parameters across ranks; also the number compared."""
-        return all_equal(params_digest(self.t.model), self.group)
-
-    def save(self, out_dir: str) -> None:
-        """Pure data parallelism: rank 0 writes one ordinary checkpoint (every rank holds the same
-        bits). With tensor parallelism: one file per rank (`save_checkpoint`)."""
-        if _TP_GROUP is not None and dist.get_world_size(_TP_GROUP) > 1:
-            save_checkpoint(self.t, out_dir)
-            return
-        if self.rank == 0:
-            self.t.save(out_dir)
-        dist.barrier(self.group)
-
-    def resume(self, out_dir: str) -> int:
-        if _TP_GROUP is not None and dist.get_world_size(_TP_GROUP) > 1:
-            return resume_checkpoint(self.t, out_dir)
-        return self.t.resume(out_dir)
-
-
 # --------------------------------------------------------------------------------------------
 # Tensor parallelism (Megatron-style API)
 # --------------------------------------------------------------------------------------------
@@ -323,7 +177,7 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1) -> None:
     global _TP_GROUP, _DP_GROUP
     world, rank = dist.get_world_size(), dist.get_rank()
     tp = tensor_model_parallel_size
-    if not isinstance(tp, int) or tp < 1 or world % tp:
+    if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1 or world % tp:
         raise ValueError(f"tensor_model_parallel_size: expected a divisor of the world size {world}, got {tp!r}")
     for start in range(0, world, tp):
         g = dist.new_group(list(range(start, start + tp)))
@@ -355,28 +209,33 @@ def get_tensor_model_parallel_world_size() -> int:
     return dist.get_world_size(get_tensor_model_parallel_group())
 
 
+def _tp_size() -> int:
+    return dist.get_world_size(_TP_GROUP) if _TP_GROUP is not None else 1
+
+
 class _CopyToTP(torch.autograd.Function):
-    """Identity forward; backward sums the partial input gradients of the ranks in fixed order."""
+    """Identity forward; backward completes the input gradient's tree over the ranks."""
 
     @staticmethod
-    def forward(ctx, x):
+    def forward(ctx, x, parts_per_rank):
+        ctx.parts_per_rank = parts_per_rank
         return x
 
     @staticmethod
     def backward(ctx, g):
-        return fixed_order_all_reduce(g.contiguous(), get_tensor_model_parallel_group())
+        return tree_all_reduce(g.contiguous(), get_tensor_model_parallel_group(), ctx.parts_per_rank), None
 
 
 class _ReduceFromTP(torch.autograd.Function):
-    """Forward sums the ranks' partial outputs in fixed order; backward is the identity."""
+    """Forward completes the output's tree over the ranks; backward is the identity."""
 
     @staticmethod
-    def forward(ctx, x):
-        return fixed_order_all_reduce(x, get_tensor_model_parallel_group())
+    def forward(ctx, x, parts_per_rank):
+        return tree_all_reduce(x, get_tensor_model_parallel_group(), parts_per_rank)
 
     @staticmethod
     def backward(ctx, g):
-        return g
+        return g, None
 
 
 class _GatherFromTP(torch.autograd.Function):
@@ -396,20 +255,6 @@ class _GatherFromTP(torch.autograd.Function):
         return g[..., r * ctx.width:(r + 1) * ctx.width].contiguous()
 
 
-def _mark_sharded(*params) -> None:
-    """Parameters that hold a slice on each tensor-parallel rank (the rest are replicated)."""
-    for p in params:
-        if p is not None:
-            p._lockstep_tp_sharded = True
-
-
-def tp_sum(t: Tensor) -> Tensor:
-    """Sum of a per-rank partial over the tensor-parallel group (fixed order); t itself when TP is off."""
-    if _TP_GROUP is None or dist.get_world_size(_TP_GROUP) == 1:
-        return t
-    return fixed_order_all_reduce(t, _TP_GROUP)
-
-
 def _shard(full: Tensor | None, dim: int) -> Tensor | None:
     if full is None:
         return None
@@ -420,56 +265,70 @@ def _shard(full: Tensor | None, dim: int) -> Tensor | None:
     return full.narrow(dim, r * size, size).clone()
 
 
-class ColumnParallelLinear(nn.Module):
+def _local_parts(parts: int) -> int:
+    n = get_tensor_model_parallel_world_size()
+    if parts % n:
+        raise ValueError(f"tensor-parallel size {n} does not divide the layer's {parts} reduction parts")
+    return parts // n
+
+
+class ColumnParallelLinear(Linear):
     """y = x @ W.T + b with W's output rows split across ranks. gather_output concatenates the
-    slices; otherwise each rank keeps its slice (the input of a RowParallelLinear)."""
+    slices; otherwise each rank keeps its slice (the input of a RowParallelLinear). `parts`: the
+    split of the input gradient's reduction over the outputs at every tensor-parallel size."""
+
+    sharded_dim = 0
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, gather_output: bool = True,
-                 weight: Tensor | None = None, bias_value: Tensor | None = None):
-        super().__init__()
+                 weight: Tensor | None = None, bias_value: Tensor | None = None, parts: int | None = None):
         n = get_tensor_model_parallel_world_size()
         if out_features % n:
             raise ValueError(f"out_features: expected a multiple of the tensor-parallel size {n}, got {out_features}")
+        super().__init__(in_features, out_features // n, bias, split_n=_local_parts(parts or n))
         full_w = weight if weight is not None else torch.randn(out_features, in_features) * in_features ** -0.5
-        self.weight = nn.Parameter(_shard(full_w, 0))
         full_b = bias_value if bias_value is not None else (torch.zeros(out_features) if bias else None)
-        self.bias = nn.Parameter(_shard(full_b, 0)) if bias else None
+        with torch.no_grad():
+            self.weight.copy_(_shard(full_w, 0))
+            if bias:
+                self.bias.copy_(_shard(full_b, 0))
         self.gather_output = gather_output
-        _mark_sharded(self.weight, self.bias)
 
     def forward(self, x: Tensor) -> Tensor:
-        y = ops.linear(_CopyToTP.apply(x), self.weight, self.bias)
+        y = ops.linear(_CopyToTP.apply(x, self.split_n), self.weight, self.bias, split_n=self.split_n)
         return _GatherFromTP.apply(y) if self.gather_output else y
 
 
-class RowParallelLinear(nn.Module):
-    """y = x @ W.T + b with W's input columns split across ranks; partial products are summed in
-    rank order, then the (replicated) bias is added."""
+class RowParallelLinear(Linear):
+    """y = x @ W.T + b with W's input columns split across ranks; the partial products complete
+    the canonical tree over `parts` parts of K across the ranks, then the (replicated) bias is added."""
+
+    sharded_dim = 1
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, input_is_parallel: bool = False,
-                 weight: Tensor | None = None, bias_value: Tensor | None = None):
-        super().__init__()
+                 weight: Tensor | None = None, bias_value: Tensor | None = None, parts: int | None = None):
         n = get_tensor_model_parallel_world_size()
         if in_features % n:
             raise ValueError(f"in_features: expected a multiple of the tensor-parallel size {n}, got {in_features}")
+        super().__init__(in_features // n, out_features, bias, split_k=_local_parts(parts or n))
         full_w = weight if weight is not None else torch.randn(out_features, in_features) * in_features ** -0.5
-        self.weight = nn.Parameter(_shard(full_w, 1))
-        self.bias = nn.Parameter(bias_value.clone() if bias_value is not None else torch.zeros(out_features)) if bias else None
+        with torch.no_grad():
+            self.weight.copy_(_shard(full_w, 1))
+            if bias:
+                self.bias.copy_(bias_value if bias_value is not None else torch.zeros(out_features))
         self.input_is_parallel = input_is_parallel
-        _mark_sharded(self.weight)
 
     def forward(self, x: Tensor) -> Tensor:
         if not self.input_is_parallel:
             r, n = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
             width = x.shape[-1] // n
             x = x[..., r * width:(r + 1) * width]
-        y = _ReduceFromTP.apply(ops.linear(x, self.weight, None))
+        y = _ReduceFromTP.apply(ops.linear(x, self.weight, None, split_k=self.split_k), self.split_k)
         return y if self.bias is None else y + self.bias
 
 
 class VocabParallelEmbedding(nn.Module):
     """Embedding with the vocabulary split across ranks; each id is looked up by its owner and the
-    rest contribute exact zeros to the fixed-order sum."""
+    rest contribute exact zeros to the sum."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int, weight: Tensor | None = None):
         super().__init__()
@@ -479,57 +338,88 @@ class VocabParallelEmbedding(nn.Module):
         full = weight if weight is not None else torch.randn(num_embeddings, embedding_dim)
         self.weight = nn.Parameter(_shard(full, 0))
         self.start, self.size = r * (num_embeddings // n), num_embeddings // n
-        _mark_sharded(self.weight)
 
     def forward(self, ids: Tensor) -> Tensor:
         local = ids - self.start
         inside = (local >= 0) & (local < self.size)
         out = ops.embedding(torch.where(inside, local, torch.zeros_like(local)), self.weight)
         out = torch.where(inside[..., None], out, torch.zeros_like(out))
-        return _ReduceFromTP.apply(out)
+        return _ReduceFromTP.apply(out, 1)
 
 
 def tensor_parallel(model) -> nn.Module:
     """Shard a lockstep Transformer's attention heads and MLP across the tensor-parallel group.
 
     q/k/v and gate/up become column-parallel (heads and intermediate units split); o and down
-    become row-parallel. Embeddings, norms and the LM head stay replicated. Every rank must pass
-    the same full model; each keeps its shard."""
+    become row-parallel. Embeddings, norms and the LM head stay replicated. Every reduction the
+    split shards keeps the model's `tp_split` parts, so logprobs and gradients are those of the
+    unsplit model, bit for bit; the tensor-parallel size must divide that number. Every rank must
+    pass the same full model; each keeps its shard."""
     from .model.transformer import MLP, Attention
 
     n = get_tensor_model_parallel_world_size()
     c = model.config
-    for name, value in (("num_heads", c.num_heads), ("num_kv_heads", c.num_kv_heads),
-                        ("intermediate_size", c.intermediate_size)):
-        if value % n:
-            raise ValueError(f"{name}: {value} is not divisible by the tensor-parallel size {n}")
+    parts = tp_split(c)
+    if parts % n:
+        raise ValueError(f"tensor-parallel size {n}: expected a divisor of {parts}, the parts this model's heads "
+                         f"({c.num_heads} query, {c.num_kv_heads} KV) and MLP width ({c.intermediate_size}) split into")
     local = dataclasses.replace(c, num_heads=c.num_heads // n, num_kv_heads=c.num_kv_heads // n,
                                 intermediate_size=c.intermediate_size // n)
+
+    def column(old, bias: bool) -> ColumnParallelLinear:
+        return ColumnParallelLinear(old.weight.shape[1], old.weight.shape[0], bias, gather_output=False,
+                                    weight=old.weight.detach(), bias_value=old.bias.detach() if bias else None,
+                                    parts=parts).to(old.weight.dtype)
+
+    def row(old) -> RowParallelLinear:
+        return RowParallelLinear(old.weight.shape[1], old.weight.shape[0], False, input_is_parallel=True,
+                                 weight=old.weight.detach(), parts=parts).to(old.weight.dtype)
+
     for module in model.modules():
         if isinstance(module, Attention):
             module.c = local
             if c.qk_norm:
-                # Replicated weights applied to this rank's heads only: their gradient is a partial
-                # sum, completed over the tensor-parallel group in rank order.
+                # Replicated weights applied to this rank's heads only: outside a unit tree their
+                # gradient is a partial sum, completed here. Inside one, the ops keep the heads apart
+                # and lockstep.grad_tree.combine gathers them (Parallel.gather_rows).
                 for p in (module.q_norm.weight, module.k_norm.weight):
-                    p.register_hook(tp_sum)
+                    p.register_hook(lambda g: None if g is None else tree_all_reduce(g, get_tensor_model_parallel_group()))
             for proj in ("q_proj", "k_proj", "v_proj"):
-                old = getattr(module, proj)
-                setattr(module, proj, ColumnParallelLinear(old.weight.shape[1], old.weight.shape[0], old.bias is not None,
-                                                           gather_output=False, weight=old.weight.detach(),
-                                                           bias_value=None if old.bias is None else old.bias.detach()))
-            old = module.o_proj
-            module.o_proj = RowParallelLinear(old.weight.shape[1], old.weight.shape[0], False, input_is_parallel=True,
-                                              weight=old.weight.detach())
+                setattr(module, proj, column(getattr(module, proj), c.qkv_bias))
+            module.o_proj = row(module.o_proj)
         elif isinstance(module, MLP):
-            for proj in ("gate_proj", "up_proj"):
-                old = getattr(module, proj)
-                setattr(module, proj, ColumnParallelLinear(old.weight.shape[1], old.weight.shape[0], False,
-                                                           gather_output=False, weight=old.weight.detach()))
-            old = module.down_proj
-            module.down_proj = RowParallelLinear(old.weight.shape[1], old.weight.shape[0], False, input_is_parallel=True,
-                                                 weight=old.weight.detach())
+            module.gate_proj = column(module.gate_proj, False)
+            module.up_proj = column(module.up_proj, False)
+            module.down_proj = row(module.down_proj)
     return model
+
+
+def head_norms(model: nn.Module) -> set[str]:
+    """Names of the weights applied per head (q and k norms): tensor parallelism splits their rows."""
+    from .model.transformer import Attention
+
+    return {f"{prefix}.{norm}.weight" for prefix, m in model.named_modules() if isinstance(m, Attention)
+            for norm in ("q_norm", "k_norm") if hasattr(m, norm)}
+
+
+def reduction_parts(model: nn.Module) -> dict[str, tuple[int, int]]:
+    """{parameter name: (dim, parts)}: the parameters whose gradient norm is summed in parts along a
+    dimension that tensor parallelism shards (this rank's parts of it), so that every
+    tensor-parallel size sums the same parts. The rest are replicated."""
+    out = {}
+    for prefix, m in model.named_modules():
+        if not isinstance(m, Linear):
+            continue
+        dim = getattr(m, "sharded_dim", None)
+        if dim is None:
+            dim = 0 if m.split_n > 1 else 1 if m.split_k > 1 else None
+        if dim is None:
+            continue
+        parts = m.split_n if dim == 0 else m.split_k
+        out[f"{prefix}.weight" if prefix else "weight"] = (dim, parts)
+        if m.bias is not None and dim == 0:
+            out[f"{prefix}.bias" if prefix else "bias"] = (0, parts)
+    return out
 
 
 @contextlib.contextmanager
@@ -544,69 +434,174 @@ def distributed_env() -> object:
 
 
 # --------------------------------------------------------------------------------------------
-# Checkpoints of distributed runs
+# The trainer's view of a parallel layout
 # --------------------------------------------------------------------------------------------
-def save_checkpoint(trainer, out_dir: str) -> str:
-    """Every rank writes its parameters and optimizer state (its shard under tensor parallelism)
-    to rank-R.safetensors in a temporary folder; rank 0 adds trainer_state.json, renames the
-    folder into place and updates `latest` last. A crash leaves the previous checkpoint in force."""
-    import shutil
-
-    from safetensors.torch import save_file
-
-    from .train import model_fingerprint
-
-    rank, world = dist.get_rank(), dist.get_world_size()
-    name = f"step-{trainer.step_idx:06d}"
-    tmp, final = os.path.join(out_dir, f".tmp-{name}"), os.path.join(out_dir, name)
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-    dist.barrier()
-    tensors = {f"param.{n}": p.detach().contiguous() for n, p in trainer.named}
-    tensors.update({f"opt.{k}": v.contiguous() for k, v in trainer.opt.state_tensors().items()})
-    save_file(tensors, os.path.join(tmp, f"rank-{rank}.safetensors"))
-    if rank == 0:
-        settings = trainer.settings()
-        state = {"step": trainer.step_idx, "data": trainer.data.state(), "rng": trainer.rng.get_state().tolist(),
-                 "model_fingerprint": model_fingerprint(trainer.model.config), "world_size": world,
-                 "tensor_parallel_size": dist.get_world_size(_TP_GROUP) if _TP_GROUP is not None else 1,
-                 "train_config": settings["train_config"], "dtype": settings["dtype"],
-                 "data_fingerprint": settings["data"], "layout": settings["layout"]}
-        with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
-            json.dump(state, f)
-    dist.barrier()
-    if rank == 0:
-        if os.path.exists(final):
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        with open(os.path.join(out_dir, ".latest.tmp"), "w") as f:
-            f.write(name)
-        os.replace(os.path.join(out_dir, ".latest.tmp"), os.path.join(out_dir, "latest"))
-    dist.barrier()
-    return final
+def share_of(units: int, rank: int, ranks: int) -> tuple[int, int]:
+    """The contiguous run [start, stop) of `units` that data-parallel rank `rank` of `ranks` holds:
+    the first units % ranks ranks hold one more."""
+    base, extra = divmod(units, ranks)
+    start = rank * base + min(rank, extra)
+    return start, start + base + (1 if rank < extra else 0)
 
 
-def resume_checkpoint(trainer, out_dir: str) -> int:
-    """Load this rank's file of out_dir/latest; refuses another model or another world layout."""
-    from .model.files import read_json, read_tensors
-    from .train import latest_checkpoint, model_fingerprint
+class Parallel:
+    """Data and tensor parallelism for lockstep.train.Trainer (its `sync`): which units this rank
+    runs, how the data-parallel ranks complete the unit trees, and the gathers that tensor
+    parallelism needs. Call after `initialize_model_parallel` (or without it: pure data parallel)
+    and `tensor_parallel`."""
 
-    path = latest_checkpoint(out_dir)
-    state = read_json(os.path.join(path, "trainer_state.json"), "trainer_state.json")
-    tp = dist.get_world_size(_TP_GROUP) if _TP_GROUP is not None else 1
-    if state.get("model_fingerprint") != model_fingerprint(trainer.model.config):
-        raise ValueError(f"resume: checkpoint {path} belongs to another model")
-    if state.get("world_size") != dist.get_world_size() or state.get("tensor_parallel_size") != tp:
-        raise ValueError(f"resume: checkpoint {path} was written by {state.get('world_size')} ranks with tensor-parallel "
-                         f"size {state.get('tensor_parallel_size')}; this run has {dist.get_world_size()} and {tp}")
-    trainer.resumed_changes = trainer.changes_from(state, path)
-    tensors = read_tensors(os.path.join(path, f"rank-{dist.get_rank()}.safetensors"))
-    with torch.no_grad():
-        for n, p in trainer.named:
-            p.copy_(tensors[f"param.{n}"])
-    trainer.opt.load_state_tensors({k[4:]: v for k, v in tensors.items() if k.startswith("opt.")}, state["step"])
-    trainer.data.load_state(state["data"])
-    trainer.rng.set_state(torch.tensor(state["rng"], dtype=torch.uint8))
-    trainer.step_idx = state["step"]
-    return trainer.step_idx
+    def __init__(self, model: nn.Module):
+        self.dp_group = _DP_GROUP
+        self.tp_group = _TP_GROUP if _tp_size() > 1 else None
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.dp_rank, self.dp_size = dist.get_rank(self.dp_group), dist.get_world_size(self.dp_group)
+        self.tp_rank = dist.get_rank(self.tp_group) if self.tp_group is not None else 0
+        self.tp_size = _tp_size()
+        self.sharded = {n: dim for n, (dim, _) in reduction_parts(model).items()} if self.tp_size > 1 else {}
+        self.head_rows = head_norms(model) if self.tp_size > 1 else set()
+        self.pair_groups = self._pair_groups()
+
+    def _pair_groups(self) -> list:
+        """For a power-of-two data-parallel size: this rank's two-rank group at each level of the
+        butterfly (partner = data-parallel rank xor 2^level). Every rank creates every group, in
+        one order, as torch.distributed requires."""
+        dp = self.dp_size
+        if dp == 1 or dp & (dp - 1):
+            return []
+        world, tp = self.world, self.tp_size
+        dp_groups = [list(range(offset, world, tp)) for offset in range(tp)] if _DP_GROUP is not None \
+            else [list(range(world))]
+        mine, level = [], 1
+        while level < dp:
+            for ranks in dp_groups:
+                for a in range(dp):
+                    if a < a ^ level:
+                        group = dist.new_group([ranks[a], ranks[a ^ level]])
+                        if self.rank in (ranks[a], ranks[a ^ level]):
+                            mine.append(group)
+            level *= 2
+        return mine
+
+    def share(self, units: int) -> tuple[int, int]:
+        if units < self.dp_size:
+            raise ValueError(f"the window holds {units} sequences, fewer than the {self.dp_size} data-parallel ranks; "
+                             "raise the global batch")
+        return share_of(units, self.dp_rank, self.dp_size)
+
+    def completes_by_pairs(self, units: int) -> bool:
+        """Whether `complete` takes the two-rank all_reduce path for a window of `units` units:
+        a power-of-two number of ranks each holding the same power-of-two number of units."""
+        share = units // self.dp_size
+        return bool(self.pair_groups) and units % self.dp_size == 0 and share > 0 and not share & (share - 1)
+
+    def complete(self, trees: UnitTrees, units: int) -> tuple[dict, Tensor]:
+        """The totals of every unit tree and of the loss, completed across the data-parallel ranks;
+        the same bits on every rank, and those of one process.
+
+        When every rank holds one aligned block of the tree (a power-of-two number of ranks, each
+        with the same power-of-two number of units), the blocks are the tree's nodes at one level,
+        and the levels above are pairs: log2(ranks) rounds of a two-rank all_reduce, whose one add
+        per element (a + b = b + a) is the tree's node. Otherwise each rank's pieces are cut into
+        one shard per rank, the owner of a shard completes the tree over everyone's pieces of it
+        (all_to_all), and the shards are all-gathered."""
+        keys = trees.keys()
+        if self.dp_size == 1:
+            return {k: trees.trees[k].total() for k in keys}, trees.loss.total()
+        shares = [share_of(units, r, self.dp_size) for r in range(self.dp_size)]
+        layouts = [pieces_of(a, b) for a, b in shares]
+        mine = layouts[self.dp_rank]
+        for k in keys:
+            if [(s, n) for s, n, _ in trees.trees[k].pieces] != mine:
+                raise RuntimeError(f"unit tree {k} on data-parallel rank {self.dp_rank} does not hold every unit "
+                                   f"of its share {shares[self.dp_rank]}")
+        pieces = [[dense(trees.trees[k].pieces[i][2]) for k in keys] + [trees.loss.pieces[i][2]]
+                  for i in range(len(mine))]
+        if self.completes_by_pairs(units):
+            return self._complete_by_pairs(keys, pieces[0])
+        shapes = [v.shape for v in pieces[0]]
+        sizes = [v.numel() for v in pieces[0]]
+        dtype, total = pieces[0][0].dtype, sum(sizes)
+        shard = ceil_div(total, self.dp_size)
+        flat = torch.empty((len(mine), self.dp_size * shard), dtype=dtype)
+        for i, values in enumerate(pieces):
+            torch.cat([v.reshape(-1).to(dtype) for v in values], out=flat[i, :total])
+            flat[i, total:].zero_()
+        send = flat.view(len(mine), self.dp_size, shard).transpose(0, 1).contiguous() if len(mine) > 1 else flat
+        counts = [len(layout) * shard for layout in layouts]
+        recv = torch.empty(sum(counts), dtype=dtype)
+        dist.all_to_all_single(recv, send.reshape(-1), output_split_sizes=counts,
+                               input_split_sizes=[len(mine) * shard] * self.dp_size, group=self.dp_group)
+        tree, offset = TreeSum(), 0
+        for layout in layouts:
+            for start, size in layout:
+                tree.add(start, size, recv[offset:offset + shard])
+                offset += shard
+        done = torch.empty(self.dp_size * shard, dtype=dtype)
+        dist.all_gather_single(done, tree.total().contiguous(), group=self.dp_group)
+        parts = done[:total].split(sizes)
+        totals = {k: parts[i].view(shapes[i]) for i, k in enumerate(keys)}
+        return totals, parts[-1].view(shapes[-1])
+
+    # Tensors at least this large go to the pair rounds in place; smaller ones share one buffer.
+    PAIR_BUCKET_NUMEL = 1 << 20
+
+    def _complete_by_pairs(self, keys: list, values: list[Tensor]) -> tuple[dict, Tensor]:
+        """Each rank's `values` (one per key, then the loss) are one node of the tree at one level;
+        log2(ranks) rounds of two-rank all_reduce add the levels above. Large tensors are reduced in
+        place (the trees' pieces are consumed), small ones in one concatenated buffer."""
+        out = [v.contiguous() for v in values]
+        small = [i for i, v in enumerate(out) if v.numel() < self.PAIR_BUCKET_NUMEL]
+        buffers = [v for i, v in enumerate(out) if i not in set(small)]
+        if small:
+            buffers.append(torch.cat([out[i].reshape(-1) for i in small]))
+        for group in self.pair_groups:
+            for b in buffers:
+                dist.all_reduce(b, group=group)
+        if small:
+            for i, part in zip(small, buffers[-1].split([values[i].numel() for i in small])):
+                out[i] = part.view(values[i].shape)
+        return dict(zip(keys, out[:-1])), out[-1]
+
+    def gather_rows(self, name: str, g: Tensor) -> Tensor:
+        """The per-head partials [local heads, D] of a replicated weight applied to this rank's heads
+        (q and k norms; [D] for one head), gathered over the tensor-parallel ranks in head order;
+        other gradients as they are."""
+        if name not in self.head_rows:
+            return g
+        g = g if g.dim() == 2 else g[None]
+        parts = [torch.empty_like(g) for _ in range(self.tp_size)]
+        dist.all_gather(parts, g.contiguous(), group=self.tp_group)
+        return torch.cat(parts)
+
+    def gather_parts(self, t: Tensor) -> Tensor:
+        """[tp, n]: every tensor-parallel rank's 1-D `t`, in rank order."""
+        if self.tp_group is None:
+            return t[None]
+        parts = [torch.empty_like(t) for _ in range(self.tp_size)]
+        dist.all_gather(parts, t.contiguous(), group=self.tp_group)
+        return torch.stack(parts)
+
+    def full_tensor(self, name: str, t: Tensor) -> Tensor:
+        """The whole of a parameter-shaped tensor (a parameter or its optimizer state) whose shard
+        this rank holds; replicated ones as they are."""
+        dim = self.sharded.get(name)
+        if dim is None:
+            return t
+        parts = [torch.empty_like(t) for _ in range(self.tp_size)]
+        dist.all_gather(parts, t.contiguous(), group=self.tp_group)
+        return torch.cat(parts, dim=dim)
+
+    def shard_tensor(self, name: str, full: Tensor) -> Tensor:
+        """This rank's shard of a whole parameter-shaped tensor (inverse of full_tensor)."""
+        dim = self.sharded.get(name)
+        if dim is None:
+            return full
+        size = full.shape[dim] // self.tp_size
+        return full.narrow(dim, self.tp_rank * size, size)
+
+    def barrier(self) -> None:
+        dist.barrier()
+
+    def all_same(self, t: Tensor) -> bool:
+        """Whether every rank of the world holds the same bits of t."""
+        return all_equal(t)[0]

@@ -13,6 +13,9 @@ layout or the thread count (docs/contract.md, section 2):
 - `weight_grad` and `column_sum`: the order in which weight gradients reduce over rows: fixed
   blocks of `ROW_BLOCK` rows, each block's contribution produced by a fixed-shape kernel and added
   in block order. Zero rows appended at the end (padding) add exact zeros and change no bit.
+- `TreeSum` and `tree_sum`: the one tree by which partial sums over an index combine, wherever the
+  parts were computed: the units of a training window (lockstep.grad_tree, docs/adr/0007) and the
+  `TP_SPLIT` parts of a reduction that tensor parallelism may shard (`split_sum`).
 """
 
 from __future__ import annotations
@@ -22,18 +25,26 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-# Rows per GEMM call in the bulk of a batch, and in the tail. Both shapes go through the same
-# M-blocked BLAS kernel, whose reduction order over K depends on K alone (ADR 0001); the small tail
-# tile keeps decode (one row) from paying for a full 128-row tile. Below 4 rows MKL switches to a
-# GEMV path with other bits, so the tail tile must stay >= 4 (tests/test_primitives.py).
+# Rows per GEMM call in the bulk of a batch, and the tile shapes of the tail (the rows after the
+# last full ROW_TILE, largest first; the last few rows zero-padded to TAIL_TILE). Every shape goes
+# through the same M-blocked BLAS kernel, whose reduction order over K depends on K alone (ADR
+# 0001); the small tiles keep decode (one row) from paying for a full 128-row tile, and a
+# sequence-sized tail (127 rows) from taking sixteen 8-row calls. Below 4 rows MKL switches to a
+# GEMV path with other bits, so every tile must stay >= 4 (tests/test_primitives.py).
 ROW_TILE = 128
-TAIL_TILE = 8
+TAIL_TILES = (64, 32, 16, 8)
+TAIL_TILE = TAIL_TILES[-1]
 # Width of the sequential stage of `row_sum`; the remaining WIDTH lanes are folded pairwise.
 SUM_WIDTH = 512
 # Rows per block in weight-gradient reductions.
 ROW_BLOCK = 128
 # Keys per block of attention's online softmax; blocks are anchored at key 0 (ADR 0002).
 KEY_BLOCK = 64
+# The parts a reduction over a dimension that tensor parallelism may shard (a row-parallel linear's
+# K, a column-parallel linear's N in backward, attention heads) is split into, at every
+# tensor-parallel size: a TP rank computes a contiguous run of parts and the ranks complete the
+# same tree (ADR 0007). Tensor-parallel sizes must divide it.
+TP_SPLIT = 4
 
 
 def accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -83,9 +94,10 @@ def matmul_rows(a: Tensor, b: Tensor, bias: Tensor | None = None) -> Tensor:
     """a @ b (+ bias), row-invariant: a [M, K], b [K, N] (may be a transposed view), bias [N];
     or batched: a [B, M, K], b [B, K, N].
 
-    The rows of `a` are processed in tiles of exactly ROW_TILE rows, the tail in tiles of exactly
-    TAIL_TILE rows (zero-padded), so each BLAS call has one of two fixed shapes and a row's result
-    never depends on M or on its position. bf16 runs natively (fp32 accumulation in oneDNN);
+    The rows of `a` are processed in tiles of exactly ROW_TILE rows, the tail in the TAIL_TILES
+    shapes, largest first; rows that fill more than 3/4 of a tile (or fewer than TAIL_TILE) are
+    zero-padded to it. So each BLAS call has one of five fixed shapes and a row's result never
+    depends on M or on its position. bf16 runs natively (fp32 accumulation in oneDNN);
     fp16 is computed in fp32 because CPUs without fp16 arithmetic are faster and exact that way.
     The bias is added inside the GEMM (addmm) so the result is rounded once. Returns [(B,) M, N]
     in a's dtype.
@@ -107,18 +119,22 @@ def matmul_rows(a: Tensor, b: Tensor, bias: Tensor | None = None) -> Tensor:
     m, k = a.shape[-2], a.shape[-1]
     lead = a.shape[:-2]
     out = a.new_empty(lead + (m, b.shape[-1]))
-    full = (m // ROW_TILE) * ROW_TILE
-    for start in range(0, full, ROW_TILE):
-        gemm(a[..., start:start + ROW_TILE, :], out=out[..., start:start + ROW_TILE, :])
-    rest = m - full
-    if rest:
-        padded = ceil_div(rest, TAIL_TILE) * TAIL_TILE
-        tail = a.new_zeros(lead + (padded, k))
-        tail[..., :rest, :] = a[..., full:, :]
-        for start in range(0, rest, TAIL_TILE):
-            part = gemm(tail[..., start:start + TAIL_TILE, :])
-            stop = min(start + TAIL_TILE, rest)
-            out[..., full + start:full + stop, :] = part[..., : stop - start, :]
+    # Every tile computes in a's dtype: autocast would cast the tiles called without `out=` (the
+    # padded ones) and not the others, so a row's bits would depend on its tile. The ops decide the
+    # dtype under autocast before they get here.
+    with torch.autocast(a.device.type, enabled=False):
+        start = 0
+        while start < m:
+            rest = m - start
+            tile = next((t for t in (ROW_TILE,) + TAIL_TILES if rest >= t or 4 * rest > 3 * t), TAIL_TILE)
+            if rest >= tile:
+                gemm(a[..., start:start + tile, :], out=out[..., start:start + tile, :])
+                start += tile
+            else:
+                padded = a.new_zeros(lead + (tile, k))
+                padded[..., :rest, :] = a[..., start:, :]
+                out[..., start:, :] = gemm(padded)[..., :rest, :]
+                start = m
     return out.to(out_dtype)
 
 
@@ -150,9 +166,10 @@ def padded_block(x: Tensor, start: int, stop: int) -> Tensor:
     return out
 
 
-def weight_grad(grad_out: Tensor, inp: Tensor) -> Tensor:
+def weight_grad(grad_out: Tensor, inp: Tensor, out: Tensor | None = None) -> Tensor:
     """sum over rows r of grad_out[r]^T inp[r], in fixed row blocks: [M, N], [M, K] -> [N, K];
-    batched: [B, M, N], [B, M, K] -> [B, N, K]. In the accumulation dtype.
+    batched: [B, M, N], [B, M, K] -> [B, N, K]. In the accumulation dtype; into `out` (a
+    contiguous tensor of that shape and dtype, overwritten) when given.
 
     Block by block from row 0, one GEMM of fixed shape [N, ROW_BLOCK] @ [ROW_BLOCK, K] adds into the
     accumulator in place (addmm with beta = 1): out <- out + G_b^T X_b. The last block is
@@ -160,7 +177,14 @@ def weight_grad(grad_out: Tensor, inp: Tensor) -> Tensor:
     """
     acc = accumulate_dtype(grad_out.dtype)
     rows = grad_out.shape[-2]
-    out = grad_out.new_zeros(tuple(grad_out.shape[:-2]) + (grad_out.shape[-1], inp.shape[-1]), dtype=acc)
+    shape = tuple(grad_out.shape[:-2]) + (grad_out.shape[-1], inp.shape[-1])
+    if out is None:
+        out = grad_out.new_zeros(shape, dtype=acc)
+    else:
+        if out.shape != shape or out.dtype != acc or not out.is_contiguous():
+            raise ValueError(f"out: expected a contiguous {acc} tensor of shape {shape}, got {out.dtype} "
+                             f"{tuple(out.shape)}")
+        out.zero_()
     for start in range(0, rows, ROW_BLOCK):
         stop = min(start + ROW_BLOCK, rows)
         g = padded_block(grad_out, start, stop).to(acc).transpose(-1, -2)
@@ -211,3 +235,82 @@ def row_scale(grad: Tensor, reduction: str, count: Tensor, rows: int, dtype: tor
     if reduction == "mean":
         return (grad.to(dtype) / count.to(dtype)).expand(rows).contiguous()
     return grad.to(dtype).expand(rows).contiguous()
+
+
+def _siblings(left: tuple[int, int, Tensor], right: tuple[int, int, Tensor]) -> bool:
+    """Whether two adjacent pieces are the two halves of one node of the canonical tree."""
+    return left[1] == right[1] and left[0] % (2 * left[1]) == 0 and right[0] == left[0] + left[1]
+
+
+class TreeSum:
+    """A sum over the indices 0, 1, ..., n-1 in one canonical tree, fed in index order.
+
+    The tree: node [k 2^j, (k+1) 2^j) = node of its left half + node of its right half, for every
+    aligned power-of-two block that fits in [0, n); the maximal blocks that remain (the binary digits
+    of n, largest first) are then added left to right. `add(start, size, value)` takes a leaf
+    (size 1) or an aligned block that was summed elsewhere by the same tree (a piece); pieces are
+    merged as soon as their sibling arrives, so at most about 2 log2(n) are held. Every node is one
+    elementwise add of its two halves, so the result does not depend on which process or call
+    computed which piece: only on the values of the leaves.
+    """
+
+    def __init__(self) -> None:
+        self.pieces: list[tuple[int, int, Tensor]] = []
+        self._owned: set[int] = set()      # ids of the node tensors this tree created (added into in place)
+
+    @property
+    def stop(self) -> int | None:
+        """The index after the last one added (None when empty)."""
+        return self.pieces[-1][0] + self.pieces[-1][1] if self.pieces else None
+
+    def add(self, start: int, size: int, value: Tensor) -> None:
+        if self.pieces and start != self.stop:
+            raise ValueError(f"start: expected the next index {self.stop}, got {start} (indices must come in order)")
+        if size < 1 or size & (size - 1) or start % size:
+            raise ValueError(f"size: expected an aligned power-of-two block, got [{start}, {start + size})")
+        self.pieces.append((start, size, value))
+        while len(self.pieces) >= 2 and _siblings(self.pieces[-2], self.pieces[-1]):
+            right = self.pieces.pop()
+            left = self.pieces.pop()
+            self._owned.discard(id(right[2]))
+            if id(left[2]) in self._owned:
+                node = left[2].add_(right[2])   # the same IEEE add, into a node no caller holds
+            else:
+                node = left[2] + right[2]
+                if isinstance(node, Tensor):
+                    self._owned.add(id(node))
+            self.pieces.append((left[0], 2 * left[1], node))
+
+    def total(self) -> Tensor:
+        """The sum; the pieces must cover [0, n) (n = `stop`)."""
+        if not self.pieces or self.pieces[0][0] != 0:
+            raise ValueError("TreeSum: the pieces do not start at index 0")
+        out = self.pieces[0][2]
+        for _, _, value in self.pieces[1:]:
+            out = out + value
+        return out
+
+
+def pieces_of(start: int, stop: int) -> list[tuple[int, int]]:
+    """The (start, size) pieces a TreeSum fed the leaves start..stop-1 holds at the end."""
+    t = TreeSum()
+    for i in range(start, stop):
+        t.add(i, 1, 0)  # type: ignore[arg-type]  # only the shape of the tree matters here
+    return [(s, n) for s, n, _ in t.pieces]
+
+
+def tree_sum(parts: list[Tensor]) -> Tensor:
+    """Sum of parts[0], parts[1], ... by the canonical tree over their index (TreeSum)."""
+    t = TreeSum()
+    for i, p in enumerate(parts):
+        t.add(i, 1, p)
+    return t.total()
+
+
+def split_sum(part: Callable[[int, int], Tensor], length: int, parts: int) -> Tensor:
+    """A reduction over a dimension of `length`, cut into `parts` equal slices: part(start, stop)
+    reduces one slice; the slices combine by the canonical tree. parts == 1 calls part(0, length)."""
+    if length % parts:
+        raise ValueError(f"parts: {parts} does not divide the reduced length {length}")
+    size = length // parts
+    return tree_sum([part(i * size, (i + 1) * size) for i in range(parts)])

@@ -179,7 +179,7 @@ def grpo_step(model: Transformer, opt: AdamW, prompts: list[list[int]], completi
         p.grad = None
     loss = policy_loss(trained, sampled, adv, mask, clip=cfg.clip)
     loss.backward()
-    norm = grad_norm(opt.params)
+    norm = grad_norm({n: p.grad for n, p in opt.params if p.grad is not None})
     scale = 1.0 / (float(norm) + 1e-6) if float(norm) > 1.0 else 1.0
     opt.step(cfg.lr, grad_scale=scale)
     return {"loss": float(loss.detach()), "grad_norm": float(norm), **mismatch(trained.detach(), sampled)}

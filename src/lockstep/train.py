@@ -1,19 +1,22 @@
 """lockstep.train: deterministic training on a lockstep model, with the same ops as the engine.
 
 - Loss: cross entropy over packed sequences through `selected_logprobs` (never the full logits),
-  normalized by the non-ignored tokens of the whole accumulation window. Per-window normalization
-  makes K micro-batches of b tokens compute exactly the gradient of one batch of K*b tokens, and
-  makes the update independent of how tokens fall into micro-batches. Per-micro-batch
-  normalization would weight a token of a short micro-batch more than one of a long micro-batch.
-- Accumulation windows: gradients are zeroed once per window, K micro-steps add into them, and one
-  optimizer step follows at the boundary. There is never a step inside a window.
+  normalized by the non-ignored tokens of the whole window. Per-micro-batch normalization would
+  weight a token of a short micro-batch more than one of a long micro-batch.
+- Windows: one optimizer step per window, an ordered list of whole sequences (its units). A rank
+  runs its share of the units in micro-batches of at most `micro_batch_tokens` tokens. Every
+  weight gradient, the loss and the token count are sums over units by one canonical tree
+  (lockstep.grad_tree, docs/adr/0007), so the loss, the gradients, their norm and the update are
+  bitwise the same for any micro-batch size, number of accumulation steps, data-parallel size and
+  tensor-parallel size. The `sync` (lockstep.dist.Parallel, or one process) completes the trees.
 - AdamW with decoupled weight decay and bias correction, built from basic elementwise ops in a fixed
   order. The global gradient norm is computed in fp32: each tensor's sum of squares by the
   fixed-order `row_sum`, then the tensors in parameter order. Warmup then cosine schedule. fp32
   master weights are optional when the model computes in bf16.
 - State: checkpoints hold safetensors weights, the optimizer state, the RNG state, the step and the
-  data position. They are written to a temporary folder and renamed into place, so a crash never
-  leaves a checkpoint that loads half-written. Resuming continues bitwise like an uninterrupted run.
+  data position, whole (never a rank's shard), so a run resumes at another layout. They are written
+  to a temporary folder and renamed into place, so a crash never leaves a checkpoint that loads
+  half-written. Resuming continues bitwise like an uninterrupted run.
 """
 
 from __future__ import annotations
@@ -27,28 +30,35 @@ import shutil
 import sys
 import time
 from dataclasses import asdict, dataclass
+from typing import Callable
 
 import torch
 from torch import Tensor
 
-from . import ops
-from .fixed_order import row_sum
-from .model import ModelConfig, Transformer, load_model, load_tokenizer, model_from_source, pack
-from .model.files import read_json, read_tensors
+from . import grad_tree, ops
+from .dist import reduction_parts, share_of
+from .fixed_order import row_sum, tree_sum
+from .model import ModelConfig, Transformer, load_tokenizer, model_from_source, pack
+from .model.files import read_json, read_tensors, safetensors_files
 
 
 # --------------------------------------------------------------------------------------------
 # Losses
 # --------------------------------------------------------------------------------------------
-def token_logprobs(model: Transformer, sequences: list[Tensor]) -> tuple[Tensor, Tensor]:
-    """logprobs of tokens 1..n-1 of every packed sequence, float32 [sum(n - 1)], and their targets."""
+def token_logprobs(model: Transformer, sequences: list[Tensor], first_unit: int = 0) -> tuple[Tensor, Tensor]:
+    """logprobs of tokens 1..n-1 of every packed sequence, float32 [sum(n - 1)], and their targets.
+
+    Inside a unit tree (lockstep.grad_tree), sequence i is unit first_unit + i."""
     ids, cu = pack(sequences, model.device)
-    hidden = model(ids, cu)
+    with grad_tree.unit_rows(cu, first_unit):
+        hidden = model(ids, cu)
     keep = torch.ones(ids.shape[0], dtype=torch.bool, device=ids.device)
     keep[cu[1:] - 1] = False
     rows = torch.nonzero(keep)[:, 0]
     targets = ids[rows + 1]
-    return ops.selected_logprobs(hidden[rows], model.lm_head_weight, targets), targets
+    kept = cu - torch.arange(cu.numel(), device=cu.device)       # sequence i keeps len_i - 1 rows
+    with grad_tree.unit_rows(kept, first_unit):
+        return ops.selected_logprobs(hidden[rows], model.lm_head_weight, targets), targets
 
 
 def cross_entropy_sum(model: Transformer, sequences: list[Tensor], loss_mask: list[Tensor] | None = None) -> tuple[Tensor, int]:
@@ -103,28 +113,36 @@ class AdamW:
         self.exp_avg_sq = {n: torch.zeros(p.shape, dtype=torch.float32, device=p.device) for n, p in self.params}
 
     @torch.no_grad()
-    def step(self, lr: float, grad_scale: float = 1.0) -> None:
+    def step(self, lr: float, grad_scale: float = 1.0, grads: dict[str, Tensor] | None = None) -> None:
+        """One update from `grads` ({name: gradient}, any float dtype; default: each p.grad).
+        A parameter without a gradient is left as it is."""
         self.step_count += 1
         b1, b2 = self.cfg.betas
         bc1 = 1 - b1 ** self.step_count
         bc2_sqrt = math.sqrt(1 - b2 ** self.step_count)
         for name, p in self.params:
-            if p.grad is None:
+            grad = p.grad if grads is None else grads.get(name)
+            if grad is None:
                 continue
-            g = p.grad.to(torch.float32)
+            # One IEEE op per line, in place where the result is not needed twice: the same bits
+            # as the expression form, without a parameter-sized allocation for every op.
+            g = grad.to(torch.float32)
             if grad_scale != 1.0:
                 g = g * grad_scale
-            w = self.master[name] if self.master is not None else p.data
-            wf = w.to(torch.float32)
             m, v = self.exp_avg[name], self.exp_avg_sq[name]
-            m.copy_(m * b1 + g * (1 - b1))
-            v.copy_(v * b2 + (g * g) * (1 - b2))
-            wf = wf * (1 - lr * self.cfg.weight_decay)
-            denom = torch.sqrt(v) / bc2_sqrt + self.cfg.eps
-            wf = wf - (m / denom) * (lr / bc1)
-            if self.master is not None:
-                self.master[name].copy_(wf)
-            p.data.copy_(wf.to(p.dtype))
+            tmp = g * (1 - b1)
+            m.mul_(b1).add_(tmp)                                   # m * b1 + g * (1 - b1)
+            torch.mul(g, g, out=tmp).mul_(1 - b2)
+            v.mul_(b2).add_(tmp)                                   # v * b2 + (g * g) * (1 - b2)
+            w = self.master[name] if self.master is not None else p.data
+            wf = w if w.dtype == torch.float32 else w.to(torch.float32)
+            if self.cfg.weight_decay:
+                wf.mul_(1 - lr * self.cfg.weight_decay)
+            torch.sqrt(v, out=tmp).div_(bc2_sqrt).add_(self.cfg.eps)      # denom
+            torch.div(m, tmp, out=tmp).mul_(lr / bc1)
+            wf.sub_(tmp)                                           # w - (m / denom) * (lr / bc1)
+            if wf is not p.data:
+                p.data.copy_(wf)
 
     def state_tensors(self) -> dict[str, Tensor]:
         out = {f"exp_avg.{n}": t for n, t in self.exp_avg.items()}
@@ -142,27 +160,48 @@ class AdamW:
         self.step_count = step
 
 
-def grad_norm(params: list[tuple[str, torch.nn.Parameter]]) -> Tensor:
-    """Global L2 norm of the gradients, fp32, in a fixed order (parameters by name, row_sum within).
+def grad_norm(grads: dict[str, Tensor], parts: dict[str, tuple[int, int]] | None = None,
+              gather: Callable[[Tensor], Tensor] | None = None) -> Tensor:
+    """Global L2 norm of gradients {name: tensor}, fp32, in a fixed order: parameters by name, each
+    one's sum of squares by `square_sum`.
 
-    Under tensor parallelism, the squares of sharded parameters are summed over the ranks in rank
-    order and replicated parameters counted once, so every rank clips by the same norm."""
-    sharded = torch.zeros((), dtype=torch.float32)
-    replicated = torch.zeros((), dtype=torch.float32)
-    any_sharded = False
-    for _, p in sorted(params, key=lambda kv: kv[0]):
-        if p.grad is not None:
-            g = p.grad.detach().to(torch.float32).reshape(1, -1)
-            sq = row_sum(g * g)[0].cpu()
-            if getattr(p, "_lockstep_tp_sharded", False):
-                sharded, any_sharded = sharded + sq, True
-            else:
-                replicated = replicated + sq
-    if any_sharded:
-        from .dist import tp_sum
+    parts[name] = (dim, k) sums a parameter's squares in k slices along dim, combined by the
+    canonical tree: the slices tensor parallelism shards, so that every tensor-parallel size sums
+    the same slices. Under tensor parallelism, `gather` turns this rank's [n] slice sums into every
+    rank's ([tp, n], rank order); replicated parameters are counted once."""
+    parts = parts or {}
+    names = sorted(n for n, g in grads.items() if g is not None)
+    squares = {n: grads[n].detach().to(torch.float32).square() for n in names}
+    split = [n for n in names if n in parts]
+    local = []
+    for n in split:
+        dim, k = parts[n]
+        size = squares[n].shape[dim] // k
+        local += [square_sum(squares[n].narrow(dim, i * size, size)) for i in range(k)]
+    gathered = None
+    if local:
+        mine = torch.stack(local).cpu()
+        gathered = gather(mine) if gather is not None else mine[None]
+    total = torch.zeros((), dtype=torch.float32)
+    offset = 0
+    for n in names:
+        if n in parts:
+            k = parts[n][1]
+            total = total + tree_sum(list(gathered[:, offset:offset + k].reshape(-1)))
+            offset += k
+        else:
+            total = total + square_sum(squares[n]).cpu()
+    return torch.sqrt(total)
 
-        sharded = tp_sum(sharded)
-    return torch.sqrt(sharded + replicated)
+
+def square_sum(squares: Tensor) -> Tensor:
+    """The sum of a tensor of squares, fp32 scalar: `row_sum` over the last dimension, then over
+    the row sums (for 0-d and 1-d tensors, one row_sum). A fixed order that depends on the shape
+    alone, and vectorised over rows (a flat row_sum of a vocabulary-sized table is a Python loop of
+    its length / SUM_WIDTH steps)."""
+    if squares.dim() < 2:
+        return row_sum(squares.reshape(1, -1))[0]
+    return row_sum(row_sum(squares.reshape(-1, squares.shape[-1]))[None])[0]
 
 
 def lr_at(step: int, base_lr: float, warmup: int, total: int, min_lr_ratio: float = 0.1) -> float:
@@ -219,8 +258,13 @@ class PackedDataset:
         return torch.randperm(self.sequences.shape[0], generator=torch.Generator().manual_seed(self.seed * 1000003 + epoch))
 
     def next_batch(self) -> list[Tensor]:
+        """The next micro-batch of `per_batch` sequences."""
+        return self.take(self.per_batch)
+
+    def take(self, n: int) -> list[Tensor]:
+        """The next `n` sequences."""
         out = []
-        for _ in range(self.per_batch):
+        for _ in range(n):
             if self.index >= len(self._order):
                 self.epoch, self.index = self.epoch + 1, 0
                 self._order = self._perm(self.epoch)
@@ -233,8 +277,8 @@ class PackedDataset:
 
     def fingerprint(self) -> str:
         """A digest of the sequences and how they are drawn: equal exactly when two datasets give the
-        same micro-batches in the same order."""
-        h = hashlib.sha256(f"{self.per_batch} {self.seed} {tuple(self.sequences.shape)}".encode())
+        same sequences in the same order (however they are cut into micro-batches)."""
+        h = hashlib.sha256(f"{self.seed} {tuple(self.sequences.shape)}".encode())
         h.update(self.sequences.numpy().tobytes())
         return h.hexdigest()[:16]
 
@@ -263,13 +307,15 @@ class TrainConfig:
     master_weights: bool = False
     save_every: int = 0
     log_every: int = 1
+    # Tokens per optimizer step across all ranks; 0: ranks x accum x micro_batch_tokens.
+    global_batch_tokens: int = 0
 
     def validate(self) -> None:
         for name in ("steps", "seq_len", "micro_batch_tokens", "accum"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name}: expected a positive int, got {v!r}")
-        for name in ("warmup", "save_every", "log_every"):
+        for name in ("warmup", "save_every", "log_every", "global_batch_tokens"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise ValueError(f"{name}: expected an int >= 0, got {v!r}")
@@ -286,14 +332,39 @@ class TrainConfig:
             raise ValueError(f"betas: expected two numbers in [0, 1), got {self.betas!r}")
         if not self.eps > 0:
             raise ValueError(f"eps: expected a positive number, got {self.eps!r}")
+        if self.global_batch_tokens:
+            if self.global_batch_tokens % self.seq_len:
+                raise ValueError(f"global_batch_tokens: expected a multiple of seq_len ({self.seq_len}), "
+                                 f"got {self.global_batch_tokens}")
+            if self.accum != 1:
+                raise ValueError(f"accum: {self.accum} with global_batch_tokens {self.global_batch_tokens}; give one of "
+                                 "them (with a global batch, each rank runs as many micro-batches as its share needs)")
+
+    def window_sequences(self, data_parallel: int = 1) -> int:
+        """Sequences per optimizer step (the window) across `data_parallel` ranks."""
+        if self.global_batch_tokens:
+            return self.global_batch_tokens // self.seq_len
+        return data_parallel * self.accum * max(1, self.micro_batch_tokens // self.seq_len)
 
 
-# What a resumed run may change (logged); every other setting defines the run and must match.
-RESUMABLE = ("steps", "save_every", "log_every")
+# What a resumed run may change (logged); every other setting defines the run and must match. The
+# micro-batch size, the accumulation steps and the global batch setting may change as long as the
+# window (sequences per step) stays: they are the layout, like the data- and tensor-parallel sizes.
+RESUMABLE = ("steps", "save_every", "log_every", "micro_batch_tokens", "accum", "global_batch_tokens")
 
 
 class NonFiniteLoss(RuntimeError):
     pass
+
+
+def sequences_of(window: list) -> list:
+    """A window given as micro-batches (lists) -> its sequences in order."""
+    return [s for item in window for s in (item if isinstance(item, (list, tuple)) else [item])]
+
+
+def _grad_dtype(p: Tensor) -> torch.dtype:
+    """The dtype gradients are kept in: fp32, or float64 for a float64 parameter."""
+    return torch.float64 if p.dtype == torch.float64 else torch.float32
 
 
 def model_fingerprint(config: ModelConfig) -> str:
@@ -302,110 +373,231 @@ def model_fingerprint(config: ModelConfig) -> str:
     return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-class Trainer:
-    """Runs accumulation windows over a PackedDataset; `step()` is one optimizer step."""
+class SingleProcess:
+    """The trainer's sync when it runs alone: every unit is local and the trees complete here.
+    lockstep.dist.Parallel is the same interface over data- and tensor-parallel ranks."""
 
-    def __init__(self, model: Transformer, data: PackedDataset, cfg: TrainConfig):
+    rank, world, dp_rank, dp_size, tp_rank, tp_size = 0, 1, 0, 1, 0, 1
+
+    def share(self, units: int) -> tuple[int, int]:
+        return 0, units
+
+    def complete(self, trees: grad_tree.UnitTrees, units: int) -> tuple[dict, Tensor]:
+        return {k: trees.trees[k].total() for k in trees.keys()}, trees.loss.total()
+
+    def gather_rows(self, name: str, g: Tensor) -> Tensor:
+        return g
+
+    def gather_parts(self, t: Tensor) -> Tensor:
+        return t[None]
+
+    def full_tensor(self, name: str, t: Tensor) -> Tensor:
+        return t
+
+    def shard_tensor(self, name: str, full: Tensor) -> Tensor:
+        return full
+
+    def barrier(self) -> None:
+        pass
+
+    def all_same(self, t: Tensor) -> bool:
+        return True
+
+
+def micro_batches(sequences: list[Tensor], start: int, stop: int, max_tokens: int) -> list[tuple[int, int]]:
+    """Sequences [start, stop) cut in order into runs of at most `max_tokens` tokens (at least one
+    sequence each): [(first, stop), ...]."""
+    out, first, tokens = [], start, 0
+    for i in range(start, stop):
+        n = sequences[i].numel()
+        if i > first and tokens + n > max_tokens:
+            out.append((first, i))
+            first, tokens = i, 0
+        tokens += n
+    if stop > first:
+        out.append((first, stop))
+    return out
+
+
+class Trainer:
+    """Runs windows over a PackedDataset; `step()` is one optimizer step.
+
+    sync: how the run is spread over processes (lockstep.dist.Parallel under torchrun; default one
+    process). layout_invariant=False reduces gradients in the order used before the unit trees
+    (autograd's sum over micro-batches): for backends whose ops take no part in the trees (eager,
+    reference), one process only; the update then depends on the micro-batch size."""
+
+    def __init__(self, model: Transformer, data: PackedDataset, cfg: TrainConfig, sync=None,
+                 layout_invariant: bool = True):
         cfg.validate()
         self.model, self.data, self.cfg = model, data, cfg
+        self.sync = sync if sync is not None else SingleProcess()
+        if not layout_invariant and self.sync.world > 1:
+            raise ValueError("layout_invariant: False needs one process; data and tensor parallelism complete the "
+                             "unit trees")
+        self.layout_invariant = layout_invariant
         self.named = [(n, p) for n, p in model.named_parameters()]
+        self.parts = reduction_parts(model)
         self.opt = AdamW(self.named, AdamWConfig(cfg.lr, tuple(cfg.betas), cfg.eps, cfg.weight_decay),
                          master_weights=cfg.master_weights)
         self.step_idx = 0
         self.rng = torch.Generator().manual_seed(cfg.seed)
-        # How the run is spread over processes; a data-parallel wrapper sets it.
-        self.layout = {"data_parallel": 1, "tensor_parallel": 1}
+        self.grads: dict[str, Tensor] = {}
 
-    def window(self) -> list[list[Tensor]]:
-        return [self.data.next_batch() for _ in range(self.cfg.accum)]
+    @property
+    def layout(self) -> dict:
+        """How a window is spread: data- and tensor-parallel sizes, micro-batch tokens and this
+        rank's micro-batches per window (none of it changes a bit of the run)."""
+        units = self.cfg.window_sequences(self.sync.dp_size)
+        start, stop = share_of(units, self.sync.dp_rank, self.sync.dp_size)
+        per = max(1, self.cfg.micro_batch_tokens // self.cfg.seq_len)
+        return {"data_parallel": self.sync.dp_size, "tensor_parallel": self.sync.tp_size,
+                "micro_batch_tokens": self.cfg.micro_batch_tokens, "accum": -(-(stop - start) // per)}
 
-    def accumulate(self, window: list[list[Tensor]], masks: list[list[Tensor]] | None = None) -> tuple[float, int]:
-        """Zero the gradients, then add the K micro-batches' gradients of the window's loss (the
-        token-mean over the whole window). Returns (loss, trained tokens)."""
-        masks = masks or [[torch.ones(s.numel() - 1, dtype=torch.bool) for s in mb] for mb in window]
-        total_tokens = sum(int(m.sum()) for mb in masks for m in mb)
+    def window(self) -> list[Tensor]:
+        """The next window's sequences (every rank draws the whole window)."""
+        return self.data.take(self.cfg.window_sequences(self.sync.dp_size))
+
+    def accumulate(self, window: list, masks: list | None = None) -> tuple[float, int]:
+        """The gradients of the window's loss (the token-mean over the whole window) into
+        `self.grads` ({name: fp32 tensor}). Returns (loss, trained tokens).
+
+        window: the window's sequences in order (a list of micro-batches is flattened: the trainer
+        cuts its share into micro-batches of cfg.micro_batch_tokens itself); masks: for each
+        sequence, [len - 1] bool marking the targets that count."""
+        sequences = sequences_of(window)
+        masks = sequences_of(masks) if masks is not None else [torch.ones(s.numel() - 1, dtype=torch.bool) for s in sequences]
+        if len(masks) != len(sequences):
+            raise ValueError(f"masks: expected one per sequence ({len(sequences)}), got {len(masks)}")
+        total_tokens = sum(int(m.sum()) for m in masks)
         if total_tokens == 0:
             raise ValueError("window: no trained tokens (every target is ignored)")
+        start, stop = self.sync.share(len(sequences))
         for _, p in self.named:
             p.grad = None
+        if not self.layout_invariant:
+            return self._accumulate_autograd(sequences, masks, total_tokens)
+        trees = grad_tree.UnitTrees(self.named)
+        with trees.active():
+            for first, last in micro_batches(sequences, start, stop, self.cfg.micro_batch_tokens):
+                trees.next_micro_batch()
+                lp, _ = token_logprobs(self.model, sequences[first:last], first)
+                mask = torch.cat(masks[first:last]).to(lp.device)
+                lp.backward(mask.to(lp.dtype) * (-1.0 / total_tokens))
+                for unit, part in zip(range(first, last), torch.split(lp.detach(), [s.numel() - 1 for s in sequences[first:last]])):
+                    trees.add_loss(unit, -row_sum(part[masks[unit].to(part.device)]))
+        stray = [n for n, p in self.named if p.grad is not None]
+        if stray:
+            from .registry import current_backend
+
+            raise RuntimeError(f"layout-invariant training: the gradient of {stray[0]} came from an op outside the unit "
+                               f"trees (backend {current_backend()!r}); train on the portable or triton backend, or pass "
+                               "layout_invariant=False")
+        totals, loss_sum = self.sync.complete(trees, len(sequences))
+        params = dict(self.named)
+        self.grads = grad_tree.combine(totals, params, self.sync.gather_rows)
+        return float(loss_sum) / total_tokens, total_tokens
+
+    def _accumulate_autograd(self, sequences, masks, total_tokens):
         loss_sum = 0.0
-        for mb, mk in zip(window, masks):
-            loss, _ = cross_entropy_sum(self.model, mb, mk)
+        for first, last in micro_batches(sequences, 0, len(sequences), self.cfg.micro_batch_tokens):
+            loss, _ = cross_entropy_sum(self.model, sequences[first:last], masks[first:last])
             (loss / total_tokens).backward()
             loss_sum += float(loss.detach())
+        self.grads = {n: p.grad.to(_grad_dtype(p)) for n, p in self.named if p.grad is not None}
         return loss_sum / total_tokens, total_tokens
 
-    def step(self, window: list[list[Tensor]] | None = None, masks: list[list[Tensor]] | None = None) -> dict:
-        """One accumulation window: zero grads, K micro-steps, clip, one AdamW step."""
+    def step(self, window: list | None = None, masks: list | None = None) -> dict:
+        """One window: the gradients of every sequence, clipping by the global norm, one AdamW step."""
         window = window if window is not None else self.window()
         loss_value, total_tokens = self.accumulate(window, masks)
         if not math.isfinite(loss_value):
             raise NonFiniteLoss(f"non-finite loss {loss_value} at step {self.step_idx} "
                                 f"(data epoch {self.data.epoch}, sequence index {self.data.index})")
-        norm = grad_norm(self.named)
+        norm = grad_norm(self.grads, self.parts, self.sync.gather_parts)
         scale = 1.0
         if self.cfg.grad_clip > 0 and float(norm) > self.cfg.grad_clip:
             scale = self.cfg.grad_clip / (float(norm) + 1e-6)
         lr = lr_at(self.step_idx, self.cfg.lr, self.cfg.warmup, self.cfg.steps, self.cfg.min_lr_ratio)
-        self.opt.step(lr, grad_scale=scale)
+        self.opt.step(lr, grad_scale=scale, grads=self.grads)
         self.step_idx += 1
         return {"step": self.step_idx, "loss": loss_value, "grad_norm": float(norm), "lr": lr, "tokens": total_tokens}
 
     # --- checkpoints --------------------------------------------------------------------------
     def settings(self) -> dict:
         """What defines this run, as a checkpoint records it: the training config, the compute dtype,
-        the data (a fingerprint of its sequences and order) and the layout."""
+        the data (a fingerprint of its sequences and order), the window in sequences, and the
+        layout (which a resumed run may change)."""
         return {"train_config": asdict(self.cfg), "dtype": str(self.model.dtype).removeprefix("torch."),
-                "data": self.data.fingerprint(), "layout": dict(self.layout)}
+                "data": self.data.fingerprint(), "window": self.cfg.window_sequences(self.sync.dp_size),
+                "layout": self.layout}
+
+    def full_state(self) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+        """(parameters, optimizer state) whole, gathered from the tensor-parallel ranks: a
+        checkpoint holds no rank's shard. Every rank must call it."""
+        params = {n: self.sync.full_tensor(n, p.detach()) for n, p in self.named}
+        state = {}
+        for key, t in self.opt.state_tensors().items():
+            state[key] = self.sync.full_tensor(key.split(".", 1)[1], t)
+        return params, state
 
     def save(self, out_dir: str) -> str:
-        """Write out_dir/step-NNNNNN atomically and point out_dir/latest at it."""
+        """Write out_dir/step-NNNNNN atomically and point out_dir/latest at it. Every rank calls
+        it; rank 0 writes (every data-parallel rank holds the same bits, and shards are gathered)."""
         from safetensors.torch import save_file
 
-        os.makedirs(out_dir, exist_ok=True)
+        params, state_tensors = self.full_state()
         name = f"step-{self.step_idx:06d}"
         final = os.path.join(out_dir, name)
-        tmp = os.path.join(out_dir, f".tmp-{name}-{os.getpid()}")
-        shutil.rmtree(tmp, ignore_errors=True)
-        self.model.save(tmp)
-        save_file({k: v.contiguous() for k, v in self.opt.state_tensors().items()}, os.path.join(tmp, "optimizer.safetensors"))
-        settings = self.settings()
-        state = {"step": self.step_idx, "data": self.data.state(), "rng": self.rng.get_state().tolist(),
-                 "model_fingerprint": model_fingerprint(self.model.config), "train_config": settings["train_config"],
-                 "dtype": settings["dtype"], "data_fingerprint": settings["data"], "layout": settings["layout"]}
-        with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
-            json.dump(state, f)
-        for f_name in os.listdir(tmp):
-            with open(os.path.join(tmp, f_name), "rb") as f:
+        if self.sync.rank == 0:
+            os.makedirs(out_dir, exist_ok=True)
+            tmp = os.path.join(out_dir, f".tmp-{name}-{os.getpid()}")
+            shutil.rmtree(tmp, ignore_errors=True)
+            self.model.save(tmp, tensors=params)
+            save_file({k: v.contiguous() for k, v in state_tensors.items()}, os.path.join(tmp, "optimizer.safetensors"))
+            settings = self.settings()
+            state = {"step": self.step_idx, "data": self.data.state(), "rng": self.rng.get_state().tolist(),
+                     "model_fingerprint": model_fingerprint(self.model.config), "train_config": settings["train_config"],
+                     "dtype": settings["dtype"], "data_fingerprint": settings["data"], "window": settings["window"],
+                     "layout": settings["layout"]}
+            with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
+                json.dump(state, f)
+            for f_name in os.listdir(tmp):
+                with open(os.path.join(tmp, f_name), "rb") as f:
+                    os.fsync(f.fileno())
+            if os.path.exists(final):
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            latest_tmp = os.path.join(out_dir, ".latest.tmp")
+            with open(latest_tmp, "w") as f:
+                f.write(name)
+                f.flush()
                 os.fsync(f.fileno())
-        if os.path.exists(final):
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        latest_tmp = os.path.join(out_dir, ".latest.tmp")
-        with open(latest_tmp, "w") as f:
-            f.write(name)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(latest_tmp, os.path.join(out_dir, "latest"))
+            os.replace(latest_tmp, os.path.join(out_dir, "latest"))
+        self.sync.barrier()
         return final
 
     def resume(self, out_dir: str) -> int:
-        """Load out_dir/latest; returns the step. Refuses a checkpoint of another model, and a change
-        of any setting that defines the run (`changes_from` says which); the allowed changes are kept
-        in `self.resumed_changes`."""
+        """Load out_dir/latest, at this trainer's layout whatever the checkpoint's; returns the step.
+        Refuses a checkpoint of another model, and a change of any setting that defines the run
+        (`changes_from` says which); the allowed changes, the layout's included, are kept in
+        `self.resumed_changes`."""
         path = latest_checkpoint(out_dir)
         state = read_json(os.path.join(path, "trainer_state.json"), "trainer_state.json")
         if state.get("model_fingerprint") != model_fingerprint(self.model.config):
             raise ValueError(f"resume: checkpoint {path} belongs to another model (config fingerprint "
                              f"{state.get('model_fingerprint')}, this model {model_fingerprint(self.model.config)})")
         self.resumed_changes = self.changes_from(state, path)
-        loaded = load_model(path, dtype=self.model.dtype, device=self.model.device)
+        weights = {}
+        for f in safetensors_files(path):
+            weights.update(read_tensors(f))
         optimizer = read_tensors(os.path.join(path, "optimizer.safetensors"))
-        with torch.no_grad():
-            for (n, p), (_, q) in zip(self.model.named_parameters(), loaded.named_parameters()):
-                p.copy_(q)
         try:
-            self.opt.load_state_tensors(optimizer, state["step"])
+            with torch.no_grad():
+                for n, p in self.named:
+                    p.copy_(self.sync.shard_tensor(n, weights[n]))
+            shards = {k: self.sync.shard_tensor(k.split(".", 1)[1], v) for k, v in optimizer.items()}
+            self.opt.load_state_tensors(shards, state["step"])
             self.data.load_state(state["data"])
             self.rng.set_state(torch.tensor(state["rng"], dtype=torch.uint8))
         except (KeyError, TypeError, RuntimeError) as e:
@@ -415,8 +607,8 @@ class Trainer:
 
     def changes_from(self, state: dict, path: str = "the checkpoint") -> dict:
         """The settings that differ between a checkpoint's `state` and this trainer, as
-        {name: [old, new]}. Raises ValueError, naming the setting and both values, when one that
-        defines the run differs (RESUMABLE lists those that may change)."""
+        {name: [old, new]}, the layout's included. Raises ValueError, naming the setting and both
+        values, when one that defines the run differs (RESUMABLE lists the settings that may)."""
         now = self.settings()
         old_cfg = state.get("train_config", {})
         changes, refused = {}, []
@@ -432,9 +624,16 @@ class Trainer:
                 changes[name] = [old, new]
             else:
                 refused.append((name, old, new))
-        for name, key in (("dtype", "dtype"), ("data", "data_fingerprint"), ("layout", "layout")):
+        for name, key in (("dtype", "dtype"), ("data", "data_fingerprint"), ("window", "window")):
             if key in state and state[key] != now[name]:
                 refused.append((name, state[key], now[name]))
+        if state.get("layout") is not None and state["layout"] != now["layout"]:
+            changes["layout"] = [state["layout"], now["layout"]]
+        if any(n == "window" for n, _, _ in refused):
+            why = ", ".join(f"{k} {a} -> {b}" for k, (a, b) in changes.items() if k in RESUMABLE[3:])
+            refused = [(f"window (sequences per step; {why or 'the data-parallel size'} changed it, and the "
+                        f"layout may change only with the window kept: ranks x accum x micro_batch_tokens, or "
+                        f"global_batch_tokens)" if n == "window" else n, o, v) for n, o, v in refused]
         if refused:
             what = "; ".join(f"{n}: {o!r} in the checkpoint, {v!r} now" for n, o, v in refused)
             raise ValueError(f"resume: {path} was written with other settings ({what}). A resumed run keeps the "
@@ -442,6 +641,7 @@ class Trainer:
         return changes
 
     def params_hash(self) -> str:
+        """sha256 of this rank's parameters (its shards under tensor parallelism), by name."""
         h = hashlib.sha256()
         for n, p in sorted(self.named, key=lambda kv: kv[0]):
             h.update(n.encode())
@@ -544,53 +744,77 @@ def truncate_log(log_path: str, step: int) -> int:
 
 
 def run(model: str, data: str, out: str, cfg: TrainConfig, dtype: torch.dtype = torch.float32,
-        resume: bool = False, overwrite: bool = False, progress: bool = True) -> dict:
+        resume: bool = False, overwrite: bool = False, progress: bool = True, tensor_parallel: int = 1) -> dict:
     """Train `model` ("tiny" or a checkpoint folder) on the text at `data`, writing checkpoints and
-    log.jsonl to `out`; under torchrun, data parallel over the ranks.
+    log.jsonl to `out`; under torchrun, data parallel over world / tensor_parallel groups of
+    `tensor_parallel` ranks each.
 
-    The global batch of a step is ranks x cfg.accum micro-batches of cfg.micro_batch_tokens tokens:
-    each rank runs `accum` micro-batches. It is printed at the start and logged. Returns a summary
-    (first and last step record, checkpoint path, log path). Raises ValueError or OSError on bad input
-    before any step, NonFiniteLoss when the loss stops being finite (the last good checkpoint is
-    kept)."""
+    The window of a step is cfg.global_batch_tokens tokens (or ranks x cfg.accum micro-batches of
+    cfg.micro_batch_tokens tokens); it is printed at the start and logged with the layout. Every
+    layout trains the same bits, and `resume` continues at another one. Returns a summary (first and
+    last step record, checkpoint path, log path). Raises ValueError or OSError on bad input before
+    any step, NonFiniteLoss when the loss stops being finite (the last good checkpoint is kept)."""
     from . import dist as ldist
 
     distributed = ldist.init_from_env()
     rank = int(os.environ.get("RANK", "0")) if distributed else 0
     try:
         cfg.validate()
+        if not isinstance(tensor_parallel, int) or isinstance(tensor_parallel, bool) or tensor_parallel < 1:
+            raise ValueError(f"tensor_parallel: expected a positive int, got {tensor_parallel!r}")
+        world = int(os.environ.get("WORLD_SIZE", "1")) if distributed else 1
+        if world % tensor_parallel:
+            raise ValueError(f"tensor_parallel: {tensor_parallel} does not divide the {world} "
+                             f"rank{'s' if world > 1 else ''}; start torchrun with a multiple of it")
+        failure = None
         if rank == 0:
-            prepare_out(out, resume, overwrite)
+            try:
+                prepare_out(out, resume, overwrite)
+            except (ValueError, OSError) as e:
+                failure = e
+        if distributed:                   # every rank stops when rank 0 refuses the folder
+            flag = torch.tensor([float(failure is not None)])
+            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+            if flag.item() and failure is None:
+                raise ValueError(f"out: rank 0 refused {out} (its error says why)")
+        if failure is not None:
+            raise failure
         network, tokens = make_model_and_tokens(model, data, dtype, cfg.seed)
-        trainer = Trainer(network, PackedDataset(tokens, cfg.seq_len, cfg.micro_batch_tokens, cfg.seed), cfg)
-        runner = ldist.DataParallelTrainer(trainer) if distributed else trainer
+        sync = None
+        if distributed:
+            ldist.check_consistent(network, asdict(cfg) | {"model": repr(network.config), "tp": tensor_parallel})
+            ldist.initialize_model_parallel(tensor_parallel)
+            if tensor_parallel > 1:
+                ldist.tensor_parallel(network)
+            sync = ldist.Parallel(network)
+        trainer = Trainer(network, PackedDataset(tokens, cfg.seq_len, cfg.micro_batch_tokens, cfg.seed), cfg, sync)
         if resume:
-            runner.resume(out)
-        return _train_loop(out, cfg, trainer, runner, rank, progress, resumed=resume)
+            trainer.resume(out)
+        return _train_loop(out, cfg, trainer, rank, progress, resumed=resume)
     finally:
         if distributed:
-            import torch.distributed
-
             torch.distributed.destroy_process_group()
 
 
-def _train_loop(out: str, cfg: TrainConfig, trainer: Trainer, runner, rank: int, progress: bool,
-                resumed: bool) -> dict:
+def _train_loop(out: str, cfg: TrainConfig, trainer: Trainer, rank: int, progress: bool, resumed: bool) -> dict:
     """Steps, progress, JSONL log and checkpoints; rank 0 alone writes (every rank holds the same bits)."""
-    save = runner.save
     os.makedirs(out, exist_ok=True)
     log_path = os.path.join(out, "log.jsonl")
-    ranks = trainer.layout["data_parallel"]
-    per_step = trainer.data.per_batch * cfg.seq_len
-    start = {"event": "resume" if resumed else "start", "step": trainer.step_idx, "ranks": ranks,
-             "accum": cfg.accum, "micro_batch_tokens": per_step, "global_batch_tokens": ranks * cfg.accum * per_step,
-             "layout": dict(trainer.layout)}
+    layout = trainer.layout
+    window = cfg.window_sequences(layout["data_parallel"])
+    start = {"event": "resume" if resumed else "start", "step": trainer.step_idx, "ranks": trainer.sync.world,
+             "data_parallel": layout["data_parallel"], "tensor_parallel": layout["tensor_parallel"],
+             "accum": layout["accum"], "micro_batch_tokens": cfg.micro_batch_tokens,
+             "global_batch_tokens": window * cfg.seq_len, "layout": layout}
     if resumed:
         start["changes"] = getattr(trainer, "resumed_changes", {})
     if rank == 0:
         start["dropped_log_records"] = truncate_log(log_path, trainer.step_idx) if resumed else 0
-        print(f"lockstep train: global batch {ranks} rank{'s' if ranks > 1 else ''} x {cfg.accum} micro-batch"
-              f"{'es' if cfg.accum > 1 else ''} x {per_step} tokens = {start['global_batch_tokens']} tokens per step"
+        dp, accum = layout["data_parallel"], layout["accum"]
+        tp = f", tensor-parallel size {layout['tensor_parallel']}" if layout["tensor_parallel"] > 1 else ""
+        print(f"lockstep train: global batch {window} sequences x {cfg.seq_len} tokens = {start['global_batch_tokens']} "
+              f"tokens per step ({dp} data-parallel rank{'s' if dp > 1 else ''} x {accum} micro-batch"
+              f"{'es' if accum > 1 else ''} of up to {cfg.micro_batch_tokens} tokens{tp})"
               + (f"; resumed at step {trainer.step_idx}" if resumed else "")
               + "".join(f"; {k} {a} -> {b}" for k, (a, b) in start.get("changes", {}).items()), file=sys.stderr)
     started = time.time()
@@ -602,7 +826,7 @@ def _train_loop(out: str, cfg: TrainConfig, trainer: Trainer, runner, rank: int,
             log.write(json.dumps(start) + "\n")
             log.flush()
         while trainer.step_idx < cfg.steps:
-            rec = runner.step()
+            rec = trainer.step()
             rec["seconds"] = round(time.time() - started, 3)
             if log:
                 log.write(json.dumps(rec) + "\n")
@@ -617,13 +841,13 @@ def _train_loop(out: str, cfg: TrainConfig, trainer: Trainer, runner, rank: int,
                 print(f"\r[{bar}] step {rec['step']}/{cfg.steps} loss {rec['loss']:.4f} "
                       f"grad_norm {rec['grad_norm']:.3f} {rate:.0f} tok/s", end="", file=sys.stderr, flush=True)
             if cfg.save_every and rec["step"] % cfg.save_every == 0:
-                save(out)
+                trainer.save(out)
     finally:
         if log:
             log.close()
     if rank == 0 and progress and first is not None:
         print(file=sys.stderr)
-    save(out)
+    trainer.save(out)
     return {"rank": rank, "step": trainer.step_idx, "first": first, "last": last,
             "checkpoint": os.path.join(out, f"step-{trainer.step_idx:06d}"), "log": log_path,
             "seconds": time.time() - started}

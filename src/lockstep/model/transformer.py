@@ -15,19 +15,34 @@ import torch
 from torch import Tensor, nn
 
 from .. import checks, ops
+from ..fixed_order import TP_SPLIT
 from ..paged_cache import CacheStep
 from .config import ModelConfig
 from .files import write_folder
 
 
+def tp_split(c: ModelConfig) -> int:
+    """The parts each reduction that tensor parallelism may shard is cut into: TP_SPLIT, or the
+    largest power of two below it that divides the heads, the KV heads and the MLP width. The model
+    computes in these parts at every tensor-parallel size, which must divide it (docs/adr/0007)."""
+    parts = TP_SPLIT
+    while parts > 1 and (c.num_heads % parts or c.num_kv_heads % parts or c.intermediate_size % parts):
+        parts //= 2
+    return parts
+
+
 class Linear(nn.Module):
-    def __init__(self, in_features: int, out_features: int, bias: bool):
+    """ops.linear with this layer's split of its reductions: split_n for a layer whose output
+    tensor parallelism shards (column-parallel), split_k for one whose input it shards (row-parallel)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, split_k: int = 1, split_n: int = 1):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        self.split_k, self.split_n = split_k, split_n
 
     def forward(self, x: Tensor) -> Tensor:
-        return ops.linear(x, self.weight, self.bias)
+        return ops.linear(x, self.weight, self.bias, split_k=self.split_k, split_n=self.split_n)
 
 
 class RMSNorm(nn.Module):
@@ -44,10 +59,11 @@ class Attention(nn.Module):
     def __init__(self, c: ModelConfig):
         super().__init__()
         self.c = c
-        self.q_proj = Linear(c.hidden_size, c.num_heads * c.head_dim, c.qkv_bias)
-        self.k_proj = Linear(c.hidden_size, c.num_kv_heads * c.head_dim, c.qkv_bias)
-        self.v_proj = Linear(c.hidden_size, c.num_kv_heads * c.head_dim, c.qkv_bias)
-        self.o_proj = Linear(c.num_heads * c.head_dim, c.hidden_size, False)
+        parts = tp_split(c)
+        self.q_proj = Linear(c.hidden_size, c.num_heads * c.head_dim, c.qkv_bias, split_n=parts)
+        self.k_proj = Linear(c.hidden_size, c.num_kv_heads * c.head_dim, c.qkv_bias, split_n=parts)
+        self.v_proj = Linear(c.hidden_size, c.num_kv_heads * c.head_dim, c.qkv_bias, split_n=parts)
+        self.o_proj = Linear(c.num_heads * c.head_dim, c.hidden_size, False, split_k=parts)
         if c.qk_norm:
             self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, c.norm_offset)
             self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, c.norm_offset)
@@ -79,9 +95,10 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, c: ModelConfig):
         super().__init__()
-        self.gate_proj = Linear(c.hidden_size, c.intermediate_size, False)
-        self.up_proj = Linear(c.hidden_size, c.intermediate_size, False)
-        self.down_proj = Linear(c.intermediate_size, c.hidden_size, False)
+        parts = tp_split(c)
+        self.gate_proj = Linear(c.hidden_size, c.intermediate_size, False, split_n=parts)
+        self.up_proj = Linear(c.hidden_size, c.intermediate_size, False, split_n=parts)
+        self.down_proj = Linear(c.intermediate_size, c.hidden_size, False, split_k=parts)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.down_proj(ops.silu_mul(self.gate_proj(x), self.up_proj(x)))
@@ -224,17 +241,18 @@ class Transformer(nn.Module):
         return ops.linear(self(input_ids, cu_seqlens, positions), self.lm_head_weight)
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> KVCache:
-        c = self.config
+        c = self.model.layers[0].self_attn.c           # this rank's heads under tensor parallelism
         shape = (num_blocks, block_size, c.num_kv_heads, c.head_dim)
         make = lambda: torch.zeros(shape, dtype=self.dtype, device=self.device)  # noqa: E731
         return KVCache([make() for _ in range(c.num_layers)], [make() for _ in range(c.num_layers)])
 
-    def save(self, path: str) -> None:
+    def save(self, path: str, tensors: dict[str, Tensor] | None = None) -> None:
         """Write config.json and model.safetensors that `load_model` and transformers both read, and
-        the tokenizer's files."""
+        the tokenizer's files. `tensors` replaces the parameters (whole ones gathered from the
+        shards of a tensor-parallel model)."""
         hf = self.config.to_hf()
         hf["torch_dtype"] = str(self.dtype).removeprefix("torch.")
-        write_folder(path, {n: p.detach() for n, p in self.named_parameters()}, hf)
+        write_folder(path, tensors if tensors is not None else {n: p.detach() for n, p in self.named_parameters()}, hf)
         if self.tokenizer is not None:
             self.tokenizer.save(path)
 

@@ -9,11 +9,16 @@ from .. import checks as c
 from ..registry import resolve
 
 
-def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, split_k: int = 1, split_n: int = 1) -> Tensor:
     """y = x @ weight.T + bias.
 
     x: [..., K] float; weight: [N, K] (nn.Linear layout) and bias: [N], both of x's dtype and device.
     Returns [..., N] in x's dtype; fp32 accumulation. Every leading index of x is an independent row.
+
+    split_k cuts the forward's reduction over K into that many equal parts, and split_n the input
+    gradient's reduction over N, combined by the canonical tree (lockstep.fixed_order.split_sum):
+    the order a tensor-parallel layer needs to give the same bits at every tensor-parallel size
+    (docs/adr/0007). Each must divide its dimension.
     """
     x, weight, bias = autocast.cast("linear", x, weight, bias)
     c.float_tensor("x", x)
@@ -30,7 +35,11 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
         c.same_device("bias", bias, "x", x)
         if tuple(bias.shape) != (weight.shape[0],):
             raise ValueError(f"bias: expected shape [{weight.shape[0]}], got {tuple(bias.shape)}")
+    for name, split, size in (("split_k", split_k, weight.shape[1]), ("split_n", split_n, weight.shape[0])):
+        if not isinstance(split, int) or isinstance(split, bool) or split < 1 or size % split:
+            raise ValueError(f"{name}: expected a positive int that divides {size}, got {split!r}")
     rows = x.reshape(-1, x.shape[-1])
     with autocast.off(x.device.type):
-        y = resolve("linear", x.device)(rows, weight, bias)
+        impl = resolve("linear", x.device)
+        y = impl(rows, weight, bias) if split_k == split_n == 1 else impl(rows, weight, bias, split_k, split_n)
     return y.reshape(*x.shape[:-1], weight.shape[0])

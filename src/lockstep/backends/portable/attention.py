@@ -18,7 +18,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ...fixed_order import KEY_BLOCK, accumulate_dtype, matmul_rows, row_sum, weight_grad
+from ...fixed_order import (
+    KEY_BLOCK,
+    accumulate_dtype,
+    matmul_rows,
+    row_sum,
+    weight_grad,
+)
 from ...paged_cache import gather_packed
 from ...registry import register
 

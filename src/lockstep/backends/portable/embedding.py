@@ -5,24 +5,26 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ... import grad_tree
 from ...fixed_order import accumulate_dtype
 from ...registry import register
 
 
-def embedding_weight_grad(ids: Tensor, grad: Tensor, num_embeddings: int) -> Tensor:
-    """dW[v] = sum of grad[t] over the positions t with ids[t] == v, added in increasing t.
+def embedding_weight_grad(ids: Tensor, grad: Tensor, num_embeddings: int) -> grad_tree.RowSparse:
+    """dW[v] = sum of grad[t] over the positions t with ids[t] == v, added in increasing t, from
+    +0.0; the rows of ids that occur, as a RowSparse of num_embeddings rows (the others are +0.0).
 
-    ids: [T] int64; grad: [T, D]. Returns [V, D] in the accumulation dtype. Step r adds the r-th
-    occurrence of every id at once; within a step the ids are distinct, so the indexed add has no
-    conflicting writes and no order to vary. Zero-gradient (padding) rows add exact zeros.
+    ids: [T] int64; grad: [T, D]; values in the accumulation dtype. Step r adds the r-th occurrence
+    of every id at once; within a step the ids are distinct, so the indexed add has no conflicting
+    writes and no order to vary. Zero-gradient (padding) rows add exact zeros.
     """
     acc = accumulate_dtype(grad.dtype)
-    out = grad.new_zeros((num_embeddings, grad.shape[1]), dtype=acc)
-    if ids.numel() == 0:
-        return out
     order = torch.argsort(ids, stable=True)
-    sorted_ids = ids[order]
-    _, counts = torch.unique_consecutive(sorted_ids, return_counts=True)
+    rows, counts = torch.unique_consecutive(ids[order], return_counts=True)
+    out = grad.new_zeros((rows.numel(), grad.shape[1]), dtype=acc)
+    if ids.numel() == 0:
+        return grad_tree.RowSparse(rows, out, num_embeddings)
+    slot = torch.repeat_interleave(torch.arange(rows.numel(), device=ids.device), counts)
     starts = torch.cumsum(counts, 0) - counts
     rank = torch.arange(ids.numel(), device=ids.device) - torch.repeat_interleave(starts, counts)
     by_rank = torch.argsort(rank, stable=True)
@@ -30,11 +32,10 @@ def embedding_weight_grad(ids: Tensor, grad: Tensor, num_embeddings: int) -> Ten
     g = grad.to(acc)
     begin = 0
     for n in per_rank:
-        pos = order[by_rank[begin:begin + n]]
-        rows = ids[pos]
-        out[rows] = out[rows] + g[pos]
+        sel = by_rank[begin:begin + n]
+        out[slot[sel]] = out[slot[sel]] + g[order[sel]]
         begin += n
-    return out
+    return grad_tree.RowSparse(rows, out, num_embeddings)
 
 
 class _Embedding(torch.autograd.Function):
@@ -42,13 +43,16 @@ class _Embedding(torch.autograd.Function):
     def forward(ctx, ids: Tensor, weight: Tensor) -> Tensor:
         ctx.save_for_backward(ids)
         ctx.num_embeddings = weight.shape[0]
+        ctx.use = grad_tree.capture("embedding", weight, ids.shape[0], ctx.needs_input_grad[1])
         return weight[ids]
 
     @staticmethod
     def backward(ctx, grad_y: Tensor):
         (ids,) = ctx.saved_tensors
-        dw = embedding_weight_grad(ids, grad_y.contiguous(), ctx.num_embeddings)
-        return None, dw.to(grad_y.dtype)
+        g = grad_y.contiguous()
+        dw = grad_tree.per_unit(ctx.use, ids.shape[0],
+                                lambda s, e: embedding_weight_grad(ids[s:e], g[s:e], ctx.num_embeddings))
+        return None, (None if dw is None else dw.to(grad_y.dtype))
 
 
 @register("portable", "embedding")

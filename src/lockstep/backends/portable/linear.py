@@ -5,36 +5,42 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ...fixed_order import column_sum, matmul_rows, weight_grad
+from ... import grad_tree
+from ...fixed_order import column_sum, matmul_rows, split_sum, weight_grad
 from ...registry import register
 
 
-def linear_forward(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-    """x [M, K] @ weight[N, K].T + bias [N] -> [M, N] in x's dtype."""
-    return matmul_rows(x, weight.t(), bias).to(x.dtype)
+def linear_forward(x: Tensor, weight: Tensor, bias: Tensor | None, split_k: int = 1) -> Tensor:
+    """x [M, K] @ weight[N, K].T + bias [N] -> [M, N] in x's dtype; the reduction over K in
+    `split_k` parts combined by the canonical tree (the bias added after)."""
+    if split_k == 1:
+        return matmul_rows(x, weight.t(), bias).to(x.dtype)
+    y = split_sum(lambda s, e: matmul_rows(x[:, s:e], weight[:, s:e].t()), x.shape[1], split_k)
+    return (y if bias is None else y + bias).to(x.dtype)
 
 
 class _Linear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, split_k: int, split_n: int) -> Tensor:
         ctx.save_for_backward(x, weight)
-        ctx.has_bias = bias is not None
-        return linear_forward(x, weight, bias)
+        ctx.has_bias, ctx.split_n = bias is not None, split_n
+        ctx.use_w = grad_tree.capture("linear", weight, x.shape[0], ctx.needs_input_grad[1])
+        ctx.use_b = grad_tree.capture("linear", bias, x.shape[0], ctx.needs_input_grad[2])
+        return linear_forward(x, weight, bias, split_k)
 
     @staticmethod
     def backward(ctx, grad_y: Tensor):
         x, weight = ctx.saved_tensors
         grad_y = grad_y.contiguous()
-        dx = dw = db = None
+        dx = None
         if ctx.needs_input_grad[0]:
-            dx = matmul_rows(grad_y, weight).to(x.dtype)
-        if ctx.needs_input_grad[1]:
-            dw = weight_grad(grad_y, x).to(weight.dtype)
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            db = column_sum(grad_y).to(weight.dtype)
-        return dx, dw, db
+            dx = split_sum(lambda s, e: matmul_rows(grad_y[:, s:e], weight[s:e]), weight.shape[0], ctx.split_n)
+            dx = dx.to(x.dtype)
+        dw, db = grad_tree.linear_param_grads(ctx.use_w, ctx.use_b, grad_y, x, weight.dtype, ctx.needs_input_grad[1],
+                                              ctx.has_bias and ctx.needs_input_grad[2], weight_grad, column_sum)
+        return dx, dw, db, None, None
 
 
 @register("portable", "linear")
-def linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-    return _Linear.apply(x.contiguous(), weight, bias)
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None, split_k: int = 1, split_n: int = 1) -> Tensor:
+    return _Linear.apply(x.contiguous(), weight, bias, split_k, split_n)

@@ -5,8 +5,24 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ... import grad_tree
 from ...fixed_order import accumulate_dtype, column_sum, row_sum
 from ...registry import register
+
+
+def weight_grad_rows(gxhat: Tensor, use: grad_tree.Use | None) -> Tensor | None:
+    """dweight from grad * xhat [rows, H]: the fixed-order column sum over all rows, or, inside a
+    unit tree, one partial per unit; a unit with several rows per token (heads) keeps them apart
+    ([per_token, H]), for grad_tree.combine to reduce last."""
+    hidden = gxhat.shape[1]
+    per_token = use.per_token if use is not None else 1
+
+    def partial(start: int, stop: int) -> Tensor:
+        if per_token == 1:
+            return column_sum(gxhat[start:stop])
+        return column_sum(gxhat[start:stop].reshape(-1, per_token * hidden)).view(per_token, hidden)
+
+    return grad_tree.per_unit(use, gxhat.shape[0], partial)
 
 
 class _RMSNorm(torch.autograd.Function):
@@ -20,6 +36,7 @@ class _RMSNorm(torch.autograd.Function):
         y = (xf * rstd[:, None]) * scale
         ctx.save_for_backward(x, weight, rstd)
         ctx.offset = offset
+        ctx.use = grad_tree.capture("rms_norm", weight, x.shape[0], ctx.needs_input_grad[1])
         return y.to(x.dtype)
 
     @staticmethod
@@ -34,7 +51,8 @@ class _RMSNorm(torch.autograd.Function):
             dot = row_sum(gw * xhat) / x.shape[-1]
             dx = (rstd[:, None] * (gw - xhat * dot[:, None])).to(x.dtype)
         if ctx.needs_input_grad[1]:
-            dw = column_sum(g * xhat).to(weight.dtype)
+            dw = weight_grad_rows(g * xhat, ctx.use)
+            dw = None if dw is None else dw.to(weight.dtype)
         return dx, dw, None, None
 
 

@@ -13,6 +13,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
+from ... import grad_tree
 from ...fixed_order import accumulate_dtype, matmul_rows, row_max, row_sum, weight_grad
 from ...registry import register
 
@@ -72,6 +73,7 @@ class _SelectedLogprobs(torch.autograd.Function):
         out, lse = selected_logprobs_forward(hidden, weight, targets, temperature)
         ctx.save_for_backward(hidden, weight, targets, lse)
         ctx.temperature = temperature
+        ctx.use = grad_tree.capture("selected_logprobs", weight, hidden.shape[0], ctx.needs_input_grad[1])
         return out    # float32, or float64 for float64 inputs
 
     @staticmethod
@@ -81,25 +83,33 @@ class _SelectedLogprobs(torch.autograd.Function):
         g = grad_out.contiguous().to(acc)
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         dh = torch.zeros(hidden.shape, dtype=acc, device=hidden.device) if need_h else None
-        dw = torch.empty_like(weight) if need_w else None
         hidden_acc = hidden.to(acc) if need_w else None
-        for start in range(0, weight.shape[0], VOCAB_CHUNK):
-            logits = _chunk_logits(hidden, weight, start, acc, ctx.temperature)
-            # d log p(t) / d logit_j = [j == t] - p_j
-            dlogits = -torch.exp(logits - lse[:, None])
-            inside, _ = _select(logits, targets, start)
-            local = (targets - start).clamp(0, logits.shape[1] - 1)[:, None]
-            dlogits.scatter_(1, local, dlogits.gather(1, local) + inside[:, None].to(acc))
-            dlogits = dlogits * (g / ctx.temperature)[:, None]
-            stop = start + logits.shape[1]
-            if need_h:
-                # bf16 runs the GEMM natively like the forward; other dtypes in the accumulation
-                # dtype, so that small probabilities do not underflow in fp16.
-                gemm = torch.bfloat16 if hidden.dtype == torch.bfloat16 else acc
-                dh = dh + matmul_rows(dlogits.to(gemm), weight[start:stop].to(gemm)).to(acc)
-            if need_w:
-                dw[start:stop] = weight_grad(dlogits, hidden_acc).to(weight.dtype)
-        return (dh.to(hidden.dtype) if need_h else None), dw, None, None
+        # bf16 runs the d(hidden) GEMM natively like the forward; other dtypes in the accumulation
+        # dtype, so that small probabilities do not underflow in fp16.
+        gemm = torch.bfloat16 if hidden.dtype == torch.bfloat16 else acc
+
+        def rows_backward(first: int, stop: int) -> Tensor | None:
+            """d(hidden) of rows [first, stop) into dh, and their weight gradient (or None)."""
+            h = hidden[first:stop]
+            dw = torch.empty(weight.shape, dtype=acc, device=weight.device) if need_w else None   # every chunk written
+            for start in range(0, weight.shape[0], VOCAB_CHUNK):
+                logits = _chunk_logits(h, weight, start, acc, ctx.temperature)
+                # d log p(t) / d logit_j = [j == t] - p_j
+                dlogits = -torch.exp(logits - lse[first:stop, None])
+                inside, _ = _select(logits, targets[first:stop], start)
+                local = (targets[first:stop] - start).clamp(0, logits.shape[1] - 1)[:, None]
+                dlogits.scatter_(1, local, dlogits.gather(1, local) + inside[:, None].to(acc))
+                dlogits = dlogits * (g[first:stop] / ctx.temperature)[:, None]
+                stop_v = start + logits.shape[1]
+                if need_h:
+                    dh[first:stop] = dh[first:stop] + matmul_rows(dlogits.to(gemm), weight[start:stop_v].to(gemm)).to(acc)
+                if need_w:
+                    weight_grad(dlogits, hidden_acc[first:stop], out=dw[start:stop_v])
+            return dw
+
+        # Unit by unit inside a unit tree, so that one vocabulary-sized partial is held at a time.
+        dw = grad_tree.per_unit(ctx.use, hidden.shape[0], rows_backward)
+        return (dh.to(hidden.dtype) if need_h else None), (None if dw is None else dw.to(weight.dtype)), None, None
 
 
 @register("portable", "selected_logprobs")

@@ -7,6 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ... import grad_tree
 from ...fixed_order import accumulate_dtype
 from ...registry import register
 
@@ -22,12 +23,13 @@ def embedding_fwd_kernel(ids_ptr, w_ptr, y_ptr, D, BLOCK: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["D"])
-def embedding_bwd_kernel(order_ptr, starts_ptr, counts_ptr, uids_ptr, g_ptr, dw_ptr, D, BLOCK: tl.constexpr):
-    """Program u: dW[uids[u]] = the gradient rows of that id's occurrences, added in position order."""
+def embedding_bwd_kernel(order_ptr, starts_ptr, counts_ptr, rows_ptr, g_ptr, dw_ptr, D, BLOCK: tl.constexpr):
+    """Program u: dW[rows[u]] = the gradient rows of that id's occurrences, added in position order
+    from 0 (rows: where each distinct id's sum goes; the caller keeps them compact)."""
     u = tl.program_id(0)
     start = tl.load(starts_ptr + u)
     count = tl.load(counts_ptr + u)
-    row = tl.load(uids_ptr + u)
+    row = tl.load(rows_ptr + u)
     for d0 in range(0, D, BLOCK):
         cols = d0 + tl.arange(0, BLOCK)
         acc = tl.zeros((BLOCK,), dtype=tl.float32)
@@ -46,20 +48,29 @@ class _Embedding(torch.autograd.Function):
             embedding_fwd_kernel[(t,)](ids, weight, y, d, BLOCK=min(1024, triton.next_power_of_2(d)))
         ctx.save_for_backward(ids)
         ctx.shape = weight.shape
+        ctx.use = grad_tree.capture("embedding", weight, t, ctx.needs_input_grad[1])
         return y
 
     @staticmethod
     def backward(ctx, g):
         (ids,) = ctx.saved_tensors
         v, d = ctx.shape
-        dw = torch.zeros((v, d), dtype=accumulate_dtype(g.dtype), device=g.device)
-        if ids.numel():
-            order = torch.argsort(ids, stable=True)
-            uids, counts = torch.unique_consecutive(ids[order], return_counts=True)
-            starts = torch.cumsum(counts, 0) - counts
-            embedding_bwd_kernel[(uids.numel(),)](order, starts, counts, uids, g.contiguous(), dw, d,
-                                                  BLOCK=min(1024, triton.next_power_of_2(d)))
-        return None, dw.to(g.dtype)
+        g = g.contiguous()
+
+        def partial(start, stop):
+            rows = ids[start:stop]
+            order = torch.argsort(rows, stable=True)
+            uids, counts = torch.unique_consecutive(rows[order], return_counts=True)
+            dw = torch.zeros((uids.numel(), d), dtype=accumulate_dtype(g.dtype), device=g.device)
+            if rows.numel():
+                starts = torch.cumsum(counts, 0) - counts
+                slots = torch.arange(uids.numel(), device=g.device)
+                embedding_bwd_kernel[(uids.numel(),)](order, starts, counts, slots, g[start:stop], dw, d,
+                                                      BLOCK=min(1024, triton.next_power_of_2(d)))
+            return grad_tree.RowSparse(uids, dw, v)
+
+        dw = grad_tree.per_unit(ctx.use, ids.numel(), partial)
+        return None, (None if dw is None else dw.to(g.dtype))
 
 
 @register("triton", "embedding")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from ... import grad_tree
+from ...fixed_order import split_sum
 from ...registry import register
 from .gemm import gemm, weight_grad
 from .reduce import column_sum
@@ -11,21 +13,29 @@ from .reduce import column_sum
 
 class _Linear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias):
+    def forward(ctx, x, weight, bias, split_k, split_n):
         ctx.save_for_backward(x, weight)
-        ctx.has_bias = bias is not None
-        return gemm(x, weight.t(), bias)
+        ctx.has_bias, ctx.split_n = bias is not None, split_n
+        ctx.use_w = grad_tree.capture("linear", weight, x.shape[0], ctx.needs_input_grad[1])
+        ctx.use_b = grad_tree.capture("linear", bias, x.shape[0], ctx.needs_input_grad[2])
+        if split_k == 1:
+            return gemm(x, weight.t(), bias)
+        # The reduction over K in split_k parts, combined by the canonical tree (fixed_order.split_sum).
+        y = split_sum(lambda s, e: gemm(x[:, s:e], weight[:, s:e].t()), x.shape[1], split_k)
+        return y if bias is None else y + bias
 
     @staticmethod
     def backward(ctx, g):
         x, weight = ctx.saved_tensors
         g = g.contiguous()
-        dx = gemm(g, weight) if ctx.needs_input_grad[0] else None
-        dw = weight_grad(g, x).to(weight.dtype) if ctx.needs_input_grad[1] else None
-        db = column_sum(g).to(weight.dtype) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        return dx, dw, db
+        dx = None
+        if ctx.needs_input_grad[0]:
+            dx = split_sum(lambda s, e: gemm(g[:, s:e], weight[s:e]), weight.shape[0], ctx.split_n)
+        dw, db = grad_tree.linear_param_grads(ctx.use_w, ctx.use_b, g, x, weight.dtype, ctx.needs_input_grad[1],
+                                              ctx.has_bias and ctx.needs_input_grad[2], weight_grad, column_sum)
+        return dx, dw, db, None, None
 
 
 @register("triton", "linear")
-def linear(x, weight, bias):
-    return _Linear.apply(x.contiguous(), weight, bias)
+def linear(x, weight, bias, split_k=1, split_n=1):
+    return _Linear.apply(x.contiguous(), weight, bias, split_k, split_n)

@@ -6,6 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ... import grad_tree
 from ...fixed_order import accumulate_dtype
 from ...registry import register
 from .common import cast_out, lane_block
@@ -65,6 +66,7 @@ class _RMSNorm(torch.autograd.Function):
             rms_norm_fwd_kernel[(m,)](x, weight, y, rstd, h, eps, offset, BLOCK=lane_block(h))
         ctx.save_for_backward(x, weight, rstd)
         ctx.offset = offset
+        ctx.use = grad_tree.capture("rms_norm", weight, m, ctx.needs_input_grad[1])
         return y
 
     @staticmethod
@@ -77,7 +79,16 @@ class _RMSNorm(torch.autograd.Function):
         if m:
             rms_norm_bwd_kernel[(m,)](x, weight, g, rstd, dx, gxhat, h, ctx.offset,
                                       BLOCK=lane_block(h))
-        return dx, column_sum(gxhat).to(weight.dtype), None, None
+        per_token = ctx.use.per_token if ctx.use is not None else 1
+
+        def partial(start, stop):
+            # Inside a unit tree, the rows of one token (heads) stay apart: grad_tree.combine reduces them last.
+            if per_token == 1:
+                return column_sum(gxhat[start:stop])
+            return column_sum(gxhat[start:stop].reshape(-1, per_token * h)).view(per_token, h)
+
+        dw = grad_tree.per_unit(ctx.use, m, partial)
+        return dx, (None if dw is None else dw.to(weight.dtype)), None, None
 
 
 @register("triton", "rms_norm")

@@ -11,6 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ... import grad_tree
 from ...fixed_order import accumulate_dtype
 from ...registry import register
 from .common import INTERPRET, cast_out, lane_block, row_lse
@@ -89,31 +90,41 @@ class _SelectedLogprobs(torch.autograd.Function):
         tgt, lse = online_lse(hidden, weight, targets, temperature)
         ctx.save_for_backward(hidden, weight, targets, lse)
         ctx.temperature = temperature
+        ctx.use = grad_tree.capture("selected_logprobs", weight, hidden.shape[0], ctx.needs_input_grad[1])
         return tgt - lse
 
     @staticmethod
     def backward(ctx, g):
         hidden, weight, targets, lse = ctx.saved_tensors
         acc = lse.dtype
-        m = hidden.shape[0]
         g = g.contiguous().to(acc)
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         dh = torch.zeros(hidden.shape, dtype=acc, device=hidden.device)
-        dw = torch.empty_like(weight) if need_w else None
         scale = 1.0 / ctx.temperature
-        for s, e in _chunks(weight.shape[0]):
-            logits = gemm(hidden, weight[s:e].t(), out_dtype=acc)
-            dl = torch.empty_like(logits)
-            if m:
-                dlogits_kernel[(m,)](logits, targets, lse, g, dl, e - s, s, scale, BLOCK=lane_block(e - s))
-            if need_h:
-                # bf16 runs the GEMM natively like the forward; other dtypes in fp32, so that small
-                # probabilities do not underflow in fp16.
-                gemm_dtype = torch.bfloat16 if hidden.dtype == torch.bfloat16 else acc
-                gemm(dl.to(gemm_dtype), weight[s:e].to(gemm_dtype), out=dh, accumulate=True)
-            if need_w:
-                dw[s:e] = weight_grad(dl, hidden.to(acc)).to(weight.dtype)
-        return (dh.to(hidden.dtype) if need_h else None), dw, None, None
+        # bf16 runs the d(hidden) GEMM natively like the forward; other dtypes in fp32, so that small
+        # probabilities do not underflow in fp16.
+        gemm_dtype = torch.bfloat16 if hidden.dtype == torch.bfloat16 else acc
+
+        def rows_backward(first, stop):
+            """d(hidden) of rows [first, stop) into dh, and their weight gradient (or None)."""
+            m = stop - first
+            h = hidden[first:stop]
+            dw = torch.empty(weight.shape, dtype=acc, device=weight.device) if need_w else None   # every chunk written
+            for s, e in _chunks(weight.shape[0]):
+                logits = gemm(h, weight[s:e].t(), out_dtype=acc)
+                dl = torch.empty_like(logits)
+                if m:
+                    dlogits_kernel[(m,)](logits, targets[first:stop], lse[first:stop], g[first:stop], dl, e - s, s,
+                                         scale, BLOCK=lane_block(e - s))
+                if need_h:
+                    gemm(dl.to(gemm_dtype), weight[s:e].to(gemm_dtype), out=dh[first:stop], accumulate=True)
+                if need_w:
+                    dw[s:e] = weight_grad(dl, h.to(acc))
+            return dw
+
+        # Unit by unit inside a unit tree, so that one vocabulary-sized partial is held at a time.
+        dw = grad_tree.per_unit(ctx.use, hidden.shape[0], rows_backward)
+        return (dh.to(hidden.dtype) if need_h else None), (None if dw is None else dw.to(weight.dtype)), None, None
 
 
 @register("triton", "selected_logprobs")
