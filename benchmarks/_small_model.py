@@ -4,6 +4,8 @@ import torch
 
 from lockstep.model import ModelConfig, Transformer
 
+from _realistic import best_of  # noqa: F401  (one timing helper for every benchmark)
+
 CONFIG = dict(vocab_size=8192, hidden_size=256, intermediate_size=704, num_layers=4, num_heads=4, num_kv_heads=2,
               head_dim=64, max_position_embeddings=4096)
 
@@ -24,15 +26,3 @@ def hf_model(ours):
                                       attn_implementation="eager"))
     hf.load_state_dict({n: p.detach().clone() for n, p in ours.named_parameters()}, strict=False)
     return hf.to(ours.dtype).eval()
-
-
-def best_of(fn, repeats=3):
-    import time
-
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
-    return best

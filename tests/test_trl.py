@@ -6,6 +6,7 @@ through either route, in fp32, with bf16 weights and under bf16=True (autocast),
 without lockstep."""
 
 import os
+import sys
 import warnings
 
 import pytest
@@ -15,24 +16,18 @@ import trl  # noqa: F401  (in the test extra: this file must run, not skip)
 
 from lockstep.integrations import trl as lockstep_trl
 
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+
 PRECISIONS = ["fp32", "bf16-weights", "bf16=True"]
 
 
 def _trainer(precision: str, rollout: bool = False):
     from datasets import Dataset
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen3Config
     from trl import GRPOConfig, GRPOTrainer
+    from trl_grpo import tiny_model_and_tokenizer      # the example's model: the test runs what users copy
 
     os.environ["TRL_EXPERIMENTAL_SILENCE"] = "1"
-    words = ["<pad>", "<eos>", "<unk>"] + [f"w{i}" for i in range(97)]
-    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
-    torch.manual_seed(0)
-    config = Qwen3Config(vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, pad_token_id=0, eos_token_id=1)
-    model = AutoModelForCausalLM.from_config(config)
+    model, tokenizer = tiny_model_and_tokenizer()
     if precision == "bf16-weights":
         model = model.to(torch.bfloat16)
     prompts = [" ".join(f"w{(i * 7 + j) % 97}" for j in range(3 + i % 5)) for i in range(16)]  # left padding varies

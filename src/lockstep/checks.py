@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -61,3 +63,21 @@ def in_range(name: str, ids: Tensor, upper: int, ignore: int | None = None) -> N
         bad = lo if lo < 0 else hi
         extra = f" or {ignore} (ignore_index)" if ignore is not None else ""
         raise ValueError(f"{name}: expected values in [0, {upper}){extra}, found {bad}")
+
+
+def lm_head(hidden: object, weight: object) -> None:
+    """hidden [..., D] float and weight [V, D], the LM head of hidden's dtype and device."""
+    float_tensor("hidden", hidden)
+    at_least_1d("hidden", hidden)
+    float_tensor("weight", weight)
+    ndim("weight", weight, 2, "a 2-D LM head [vocab, hidden]")
+    same_dtype("weight", weight, "hidden", hidden)
+    same_device("weight", weight, "hidden", hidden)
+    if weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(f"weight: expected shape [V, {hidden.shape[-1]}] to match hidden's last dimension, "
+                         f"got {tuple(weight.shape)}")
+
+
+def temperature(value: object) -> None:
+    if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"temperature: expected a positive finite number, got {value!r}")

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-
 from torch import Tensor
 
 from .. import autocast
@@ -20,21 +18,13 @@ def selected_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor, temperatu
     temperature > 0 divides the fp32 logits (the distribution a sampler at that temperature uses).
     """
     hidden, weight = autocast.cast("selected_logprobs", hidden, weight)
-    c.float_tensor("hidden", hidden)
-    c.at_least_1d("hidden", hidden)
-    c.float_tensor("weight", weight)
-    c.ndim("weight", weight, 2, "a 2-D LM head [vocab, hidden]")
-    c.same_dtype("weight", weight, "hidden", hidden)
-    c.same_device("weight", weight, "hidden", hidden)
-    if weight.shape[1] != hidden.shape[-1]:
-        raise ValueError(f"weight: expected shape [V, {hidden.shape[-1]}] to match hidden's last dimension, got {tuple(weight.shape)}")
+    c.lm_head(hidden, weight)
     c.int_tensor("targets", targets)
     c.same_device("targets", targets, "hidden", hidden)
     if tuple(targets.shape) != tuple(hidden.shape[:-1]):
         raise ValueError(f"targets: expected shape {tuple(hidden.shape[:-1])} (hidden without its last dimension), got {tuple(targets.shape)}")
     c.in_range("targets", targets, weight.shape[0])
-    if not isinstance(temperature, (int, float)) or not math.isfinite(temperature) or temperature <= 0:
-        raise ValueError(f"temperature: expected a positive finite number, got {temperature!r}")
+    c.temperature(temperature)
     with autocast.off(hidden.device.type):
         out = resolve("selected_logprobs", hidden.device)(
             hidden.reshape(-1, hidden.shape[-1]), weight, targets.reshape(-1).long(), float(temperature))

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import Tensor
 
@@ -22,17 +20,8 @@ def vocab_logprobs(hidden: Tensor, weight: Tensor, temperature: float = 1.0) -> 
     only: no gradient.
     """
     hidden, weight = autocast.cast("selected_logprobs", hidden, weight)
-    c.float_tensor("hidden", hidden)
-    c.at_least_1d("hidden", hidden)
-    c.float_tensor("weight", weight)
-    c.ndim("weight", weight, 2, "a 2-D LM head [vocab, hidden]")
-    c.same_dtype("weight", weight, "hidden", hidden)
-    c.same_device("weight", weight, "hidden", hidden)
-    if weight.shape[1] != hidden.shape[-1]:
-        raise ValueError(f"weight: expected shape [V, {hidden.shape[-1]}] to match hidden's last dimension, "
-                         f"got {tuple(weight.shape)}")
-    if not isinstance(temperature, (int, float)) or not math.isfinite(temperature) or temperature <= 0:
-        raise ValueError(f"temperature: expected a positive finite number, got {temperature!r}")
+    c.lm_head(hidden, weight)
+    c.temperature(temperature)
     rows = hidden.reshape(-1, hidden.shape[-1])
     with autocast.off(hidden.device.type), torch.no_grad():
         out = resolve("vocab_logprobs", hidden.device)(rows, weight, float(temperature))

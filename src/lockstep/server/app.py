@@ -246,6 +246,27 @@ def create_app(server: Server):
             for job, _ in jobs:
                 server.worker.abort(job)           # a no-op once done; a client gone mid-stream frees its blocks
 
+    def streamed(jobs: list[tuple[Job, asyncio.Queue]], prompts: list[list[int]], params: SamplingParams, body,
+                 kind: str, cid: str, choice_of: Callable, logprobs_format: Callable | None) -> StreamingResponse:
+        """`stream` as a response of `kind` chunks: choice_of(index, text, finish) gives a chunk's
+        choice; a token's logprobs (in `logprobs_format`, when asked) and id are added here."""
+        created = int(time.time())
+
+        def chunk(index, text, draw: Draw | None, at, finish):
+            choice = {**choice_of(index, text, finish), "logprobs": None}
+            if logprobs_format is not None and draw is not None:
+                out = RequestOutput(0, [], token_ids=[draw.token], logprobs=[draw.logprob],
+                                    top_logprobs=[draw.top] if draw.top else [])
+                choice["logprobs"] = logprobs_format(out, server.text_of)
+            if body.return_token_ids and draw is not None:
+                choice["token_ids"] = [draw.token]
+            return "data: " + json.dumps({"id": cid, "object": kind, "created": created, "model": server.name,
+                                          "choices": [choice], "weights_version": server.worker.version}) + "\n\n"
+
+        hold = max((len(s) for s in params.stop), default=1) - 1
+        include = bool(body.stream_options and body.stream_options.include_usage)
+        return StreamingResponse(stream(jobs, prompts, params.n, chunk, include, hold), media_type="text/event-stream")
+
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         prompts = [server.encode(p, "prompt") for p in body.prompts()]
@@ -254,24 +275,9 @@ def create_app(server: Server):
         jobs = [server.start(p, params, loop) for p in prompts]
         want_logprobs = body.logprobs is not None
         if body.stream:
-            created, cid = int(time.time()), f"cmpl-{secrets.token_hex(12)}"
-
-            def chunk(index, text, draw: Draw | None, at, finish):
-                choice = {"index": index, "text": text, "finish_reason": finish, "logprobs": None}
-                if want_logprobs and draw is not None:
-                    out = RequestOutput(0, [], token_ids=[draw.token], logprobs=[draw.logprob],
-                                        top_logprobs=[draw.top] if draw.top else [])
-                    choice["logprobs"] = completion_logprobs(out, server.text_of)
-                if body.return_token_ids and draw is not None:
-                    choice["token_ids"] = [draw.token]
-                return "data: " + json.dumps({"id": cid, "object": "text_completion", "created": created,
-                                              "model": server.name, "choices": [choice],
-                                              "weights_version": server.worker.version}) + "\n\n"
-
-            hold = max((len(s) for s in params.stop), default=1) - 1
-            include = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(stream(jobs, prompts, params.n, chunk, include, hold),
-                                     media_type="text/event-stream")
+            return streamed(jobs, prompts, params, body, "text_completion", f"cmpl-{secrets.token_hex(12)}",
+                            lambda index, text, finish: {"index": index, "text": text, "finish_reason": finish},
+                            completion_logprobs if want_logprobs else None)
         groups, version = await collect(request, jobs)
         return completion_response(server.name, prompts, groups, server.text_of, want_logprobs, body.return_token_ids,
                                    version)
@@ -291,29 +297,17 @@ def create_app(server: Server):
         params = server.sampling(body, body.budget(), top, [prompt])
         jobs = [server.start(prompt, params, asyncio.get_running_loop())]
         if body.stream:
-            created, cid = int(time.time()), f"chatcmpl-{secrets.token_hex(12)}"
             started: set[int] = set()
 
-            def chunk(index, text, draw: Draw | None, at, finish):
+            def choice_of(index, text, finish):
                 delta = {"content": text}
                 if index not in started:
                     started.add(index)
                     delta["role"] = "assistant"
-                choice = {"index": index, "delta": delta, "finish_reason": finish, "logprobs": None}
-                if body.logprobs and draw is not None:
-                    out = RequestOutput(0, [], token_ids=[draw.token], logprobs=[draw.logprob],
-                                        top_logprobs=[draw.top] if draw.top else [])
-                    choice["logprobs"] = chat_logprobs(out, server.text_of)
-                if body.return_token_ids and draw is not None:
-                    choice["token_ids"] = [draw.token]
-                return "data: " + json.dumps({"id": cid, "object": "chat.completion.chunk", "created": created,
-                                              "model": server.name, "choices": [choice],
-                                              "weights_version": server.worker.version}) + "\n\n"
+                return {"index": index, "delta": delta, "finish_reason": finish}
 
-            hold = max((len(s) for s in params.stop), default=1) - 1
-            include = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(stream(jobs, [prompt], params.n, chunk, include, hold),
-                                     media_type="text/event-stream")
+            return streamed(jobs, [prompt], params, body, "chat.completion.chunk", f"chatcmpl-{secrets.token_hex(12)}",
+                            choice_of, chat_logprobs if body.logprobs else None)
         groups, version = await collect(request, jobs)
         return chat_response(server.name, prompt, groups[0], server.text_of, body.logprobs, body.return_token_ids,
                              version)
