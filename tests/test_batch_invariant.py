@@ -48,7 +48,7 @@ def _proof(model) -> dict[str, bool]:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "qwen3_moe", "gemma3_text"])
 def test_both_ways_make_transformers_invariant(family, dtype):
     model = _hf_model(family, dtype)
     with torch.no_grad():
@@ -299,3 +299,30 @@ def test_patched_layers_follow_autocast():
             lockstep.unpatch(model)
     assert ours == stock and set(ours.values()) == {torch.bfloat16}
     assert ours_logits.dtype == stock_logits
+
+
+def test_gemma_softcapping_under_the_mode_and_its_refusal_by_patch():
+    """transformers applies Gemma's final-logit softcapping with torch.tanh: the mode routes it to
+    lockstep's exp form; patch cannot reach it and says so."""
+    model = _hf_model("gemma3_text", torch.float32)
+    model.config.final_logit_softcapping = 0.3
+    with torch.no_grad():
+        assert not all(_proof(model).values())
+        with lockstep.batch_invariant():
+            assert _proof(model) == {"right": True, "left": True, "generate": True}
+    with pytest.raises(ValueError, match="lockstep.patch does not reach the final-logit softcapping"):
+        lockstep.patch(model)
+    x = torch.randn(1 << 16) * 3
+    with lockstep.batch_invariant():
+        inside = torch.tanh(x)
+        assert torch.equal(inside, torch.tanh(torch.stack([x, x], 1)[:, 0]))
+    assert torch.equal(inside, (1.0 - 2.0 / (torch.exp(x * 2.0) + 1.0)))
+
+
+def test_every_probed_coverage_row_passes_and_the_probes_reach_the_covered_ops():
+    rows = mode.verify_coverage()
+    verified = {r["op"]: r["verified"] for r in rows}
+    assert "FAIL" not in verified.values(), verified
+    for op in ("aten::mm (+ out=)", "aten::_grouped_mm (2-D rows, 3-D weights, offs)", "aten::sum (default, dim_IntList, out=)",
+               "aten::_log_softmax (+ out=, backward)", "aten::tanh (+ backward)"):
+        assert verified[op] == "pass", op

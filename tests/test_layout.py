@@ -30,8 +30,8 @@ def _tokens() -> list[int]:
     return torch.randint(0, 300, (8000,), generator=torch.Generator().manual_seed(0)).tolist()
 
 
-def _model(dtype: torch.dtype, heads: int = 4, kv_heads: int = 2) -> Transformer:
-    config = ModelConfig.tiny("qwen3", vocab_size=300, num_heads=heads, num_kv_heads=kv_heads)
+def _model(dtype: torch.dtype, heads: int = 4, kv_heads: int = 2, family: str = "qwen3") -> Transformer:
+    config = ModelConfig.tiny(family, vocab_size=300, num_heads=heads, num_kv_heads=kv_heads)
     return Transformer.from_config(config, seed=0, dtype=dtype)
 
 
@@ -44,12 +44,12 @@ def _digest(tensors: dict[str, torch.Tensor]) -> str:
 
 
 def _train(dtype_name: str, mb: int, accum: int, global_batch_tokens: int = 0, tp: int = 1, sync_factory=None,
-           layout_invariant: bool = True, heads: int = 4, kv_heads: int = 2) -> list:
+           layout_invariant: bool = True, heads: int = 4, kv_heads: int = 2, family: str = "qwen3") -> list:
     """STEPS steps at one layout: [(loss, grad norm, gradients digest, parameters digest)] per step."""
     dtype, master = DTYPES[dtype_name]
     cfg = TrainConfig(steps=STEPS, seq_len=SEQ_LEN, micro_batch_tokens=mb, accum=accum, lr=3e-3, warmup=1,
                       master_weights=master, global_batch_tokens=global_batch_tokens)
-    model = _model(dtype, heads, kv_heads)
+    model = _model(dtype, heads, kv_heads, family)
     sync = None
     if sync_factory is not None:
         ldist.initialize_model_parallel(tp)
@@ -145,6 +145,34 @@ def test_data_and_tensor_parallel_layouts_are_bitwise(world, tmp_path, reference
             assert other[key] == got, key            # every rank ends with the same bits
         checked += 1
     assert checked == len(DTYPES) * len(_layouts(world))
+
+
+# A mixture of experts (each expert's gradient over the tokens routed to it, unit by unit; experts
+# split by tensor parallelism like the dense MLP) and Gemma 3 (sandwich norms, a sliding window).
+NEW_FAMILIES = ("qwen3_moe", "gemma3_text")
+FAMILY_LAYOUTS = [("dp2-mb128x2", 1, 128, 2), ("dp1-tp2-mb256x2", 2, 256, 2), ("dp2-uneven", 1, 128, 1)]
+
+
+def _family_worker(rank, world, out):
+    results = {}
+    for family in NEW_FAMILIES:
+        for name, tp, mb, accum in FAMILY_LAYOUTS:
+            gbt = 7 * SEQ_LEN if name.endswith("uneven") else 0
+            results[f"{family}/{name}"] = _train("bf16-master", mb, accum, gbt, tp, ldist.Parallel, family=family)
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump(results, f)
+
+
+def test_moe_and_gemma_layouts_are_bitwise(tmp_path):
+    ldist.spawn(_family_worker, 2, str(tmp_path))
+    ranks = [json.load(open(tmp_path / f"rank{r}.json")) for r in range(2)]
+    for family in NEW_FAMILIES:
+        refs = {gbt: _train("bf16-master", 512, 1, gbt, family=family) for gbt in (0, 7 * SEQ_LEN)}
+        assert _train("bf16-master", 64, 8, family=family) == refs[0], family        # one process, 8 micro-batches
+        for name, *_ in FAMILY_LAYOUTS:
+            got = ranks[0][f"{family}/{name}"]
+            assert got == refs[7 * SEQ_LEN if name.endswith("uneven") else 0], (family, name)
+            assert ranks[1][f"{family}/{name}"] == got, (family, name)
 
 
 # ------------------------------------------------------------------------------------------------

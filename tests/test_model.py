@@ -10,9 +10,9 @@ from lockstep.model import (ModelConfig, Transformer, load_model, logprobs, pack
 
 from lockstep.harness.model_check import cached_logprobs
 
-from _models import saved_hf_model
+from _models import eager, saved_hf_model
 
-FAMILIES = ["llama", "qwen2", "qwen3"]
+FAMILIES = ["llama", "qwen2", "qwen3", "qwen3_moe", "gemma3_text"]
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +32,7 @@ def test_parity_with_transformers(family, dtype, hf_root):
     from transformers import AutoModelForCausalLM
 
     path = saved_hf_model(family, hf_root)
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="eager").eval()
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **eager(family)).eval()
     model = load_model(path, dtype=dtype)
     gen = torch.Generator().manual_seed(0)
     seqs = [torch.randint(0, 300, (n,), generator=gen) for n in (23, 70, 2)]
@@ -42,7 +42,7 @@ def test_parity_with_transformers(family, dtype, hf_root):
     # Logits: the contract has no logits number, so its "relative to PyTorch" criterion applies. Against
     # transformers in float64, lockstep's error may be at most 2x transformers' own at this dtype + 1 ulp.
     ids, cu = pack(seqs[:1])
-    hf64 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64, attn_implementation="eager").eval()
+    hf64 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64, **eager(family)).eval()
     with torch.no_grad():
         ref = hf64(seqs[0][None]).logits[0]
         hf_err = float((hf(seqs[0][None]).logits[0].double() - ref).abs().max())
@@ -60,7 +60,7 @@ def test_save_is_read_by_transformers_and_load_model(family, tmp_path):
     again = load_model(str(tmp_path), dtype=torch.float32)
     for (n, a), (_, b) in zip(model.named_parameters(), again.named_parameters()):
         assert torch.equal(a, b), n
-    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32, attn_implementation="eager")
+    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32, **eager(family))
     seq = torch.arange(1, 30)
     assert float((_hf_logprobs(hf, seq) - logprobs(model, [seq])[0].detach()).abs().max()) <= 1e-5
 
@@ -128,7 +128,7 @@ def test_positions_from_cu_seqlens():
 
 def test_unknown_architecture_lists_supported(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
-    with pytest.raises(ValueError, match=r"unknown architecture model_type='gpt2'; supported: \['llama', 'qwen2', 'qwen3'\]"):
+    with pytest.raises(ValueError, match=r"unknown architecture model_type='gpt2'; supported: \['gemma3_text', 'llama', 'qwen2', 'qwen3', 'qwen3_moe'\]"):
         load_model(str(tmp_path))
 
 
@@ -264,3 +264,26 @@ def test_logprobs_refuses_sequences_beyond_the_context_and_float_ids():
     with pytest.raises(TypeError, match="sequence 1 holds torch.float32 values; expected integer token ids"):
         logprobs(model, [[1, 2], [1.7, 2.0]])
     assert logprobs(model, [list(range(256))])[0].shape == (255,)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_gemma_final_logit_softcapping_matches_transformers_and_keeps_invariance(dtype, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model = Transformer.from_config(ModelConfig.tiny("gemma3_text", vocab_size=300, final_logit_softcapping=0.5),
+                                    seed=6, dtype=torch.float32)
+    model.save(str(tmp_path))
+    ours = load_model(str(tmp_path), dtype=dtype)
+    assert ours.config.final_logit_softcapping == 0.5
+    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=dtype, **eager("gemma3_text")).eval()
+    seq = torch.arange(1, 40) * 7 % 300
+    lp = logprobs(ours, [seq])[0].detach()
+    assert float((_hf_logprobs(hf, seq) - lp).abs().max()) <= contract.chain_tolerance(dtype)
+    with torch.no_grad():
+        ids, cu = pack([seq])
+        assert float(ours.logits(ids, cu).float().abs().max()) <= 0.5
+    plain = Transformer.from_config(ModelConfig.tiny("gemma3_text", vocab_size=300), seed=6, dtype=dtype)
+    assert float((logprobs(plain, [seq])[0].detach() - lp).abs().max()) > 1e-2, "the cap must matter"
+    other = [torch.arange(3, 20), seq, torch.arange(50, 61)]
+    assert torch.equal(logprobs(ours, other)[1], lp)
+    assert torch.equal(cached_logprobs(ours, seq, 7), lp)

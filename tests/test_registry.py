@@ -81,6 +81,6 @@ def test_docs_tolerance_tables_match_contract_toml():
 def test_check_of_a_backend_covers_exactly_its_ops():
     from lockstep import harness
 
-    assert harness.checks_of("portable") == ["embedding", "rms_norm", "linear", "rope", "silu_mul", "log_softmax",
+    assert harness.checks_of("portable") == ["embedding", "rms_norm", "linear", "rope", "silu_mul", "gelu_mul", "log_softmax",
                                              "selected_logprobs", "vocab_logprobs", "cross_entropy", "attention"]
     assert "attention" not in harness.checks_of("reference"), "attention's check needs paged_attention too"

@@ -3,7 +3,7 @@ import torch
 
 from lockstep import ops
 from lockstep.backends import reference
-from lockstep.ops import Llama3RopeScaling
+from lockstep.ops import LinearRopeScaling, Llama3RopeScaling
 
 from _contract_checks import DTYPES, assert_op_contract
 
@@ -14,7 +14,8 @@ def test_rope_contract(dtype):
 
 
 @pytest.mark.parametrize("style", ["neox", "gptj"])
-@pytest.mark.parametrize("scaling", [None, Llama3RopeScaling(factor=8.0, original_max_position_embeddings=64)])
+@pytest.mark.parametrize("scaling", [None, Llama3RopeScaling(factor=8.0, original_max_position_embeddings=64),
+                                     LinearRopeScaling(factor=8.0)], ids=["none", "llama3", "linear"])
 def test_rope_styles_and_scaling_match_reference(style, scaling):
     torch.manual_seed(0)
     x = torch.randn(50, 4, 64)

@@ -17,7 +17,7 @@ from lockstep.harness.specs import Sizes  # noqa: E402
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SMALL = Sizes(hidden=96, out_features=40, heads=2, head_dim=16, ffn=64, vocab=1100, lm_hidden=32, embed_vocab=20,
               pool=80)      # > every Triton tile (GEMM 32/64 rows, 64-row partial sums); small for the interpreter
-OPS = ["linear", "rms_norm", "rope", "silu_mul", "embedding", "log_softmax", "selected_logprobs", "vocab_logprobs",
+OPS = ["linear", "rms_norm", "rope", "silu_mul", "gelu_mul", "embedding", "log_softmax", "selected_logprobs", "vocab_logprobs",
        "cross_entropy"]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -133,3 +133,23 @@ def test_row_counts_add_no_compiled_variant(dtype):
 def test_triton_contract_on_gpu_at_default_sizes(op):
     report = check_op(op, torch.bfloat16, backend="triton", device="cuda")
     assert report.passed, [s for s in report.sweeps if not s.passed]
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gemma3_text"])
+def test_moe_and_gemma_models_on_triton_match_portable_invariance(family):
+    """The new families run on the Triton backend (interpreter here): logprobs are bitwise the same
+    alone and packed, and within the contract's chain tolerance of the portable backend."""
+    from lockstep import contract
+    from lockstep.model import ModelConfig, Transformer, logprobs
+
+    model = Transformer.from_config(ModelConfig.tiny(family, vocab_size=128, hidden_size=32, intermediate_size=64,
+                                                     num_layers=2), seed=0)
+    seqs = [torch.arange(3, 15), torch.arange(20, 31)]
+    with torch.no_grad(), lockstep.use_backend("triton"):
+        packed = logprobs(model, seqs)
+        alone = [logprobs(model, [s])[0] for s in seqs]
+    with torch.no_grad(), lockstep.use_backend("portable"):
+        portable = logprobs(model, seqs)
+    assert all(torch.equal(a, b) for a, b in zip(alone, packed))
+    worst = max(float((a - b).abs().max()) for a, b in zip(packed, portable))
+    assert worst <= contract.chain_tolerance(torch.float32), worst

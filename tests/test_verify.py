@@ -49,9 +49,10 @@ def test_aggregates():
     assert kl == pytest.approx(float((torch.exp(d) - 1 - d).mean()))
 
 
-def test_verify_cli_on_a_transformers_checkpoint(tmp_path, capsys, monkeypatch):
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", "gemma3_text"])
+def test_verify_cli_on_a_transformers_checkpoint(family, tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(verify, "SETTINGS", FEW)
-    path = saved_hf_model("qwen3", str(tmp_path))
+    path = saved_hf_model(family, str(tmp_path))
     json_path = tmp_path / "verify.json"
     assert cli.main(["verify", path, "--dtype", "fp32,bf16", "--max-new-tokens", "4", "--json", str(json_path)]) == 0
     out = capsys.readouterr().out

@@ -8,7 +8,7 @@ policy to its own inputs, as PyTorch does for the aten op it stands for, and run
 - the matmul family (linear, attention, paged_attention, selected_logprobs' LM head) runs in the
   autocast dtype, like aten's linear, mm and scaled_dot_product_attention;
 - cross_entropy runs in fp32, and on CUDA log_softmax too, like aten's;
-- the rest (rms_norm, rope, silu_mul, embedding) run in their inputs' dtype; under autocast a mix
+- the rest (rms_norm, rope, silu_mul, gelu_mul, embedding) run in their inputs' dtype; under autocast a mix
   of dtypes (a bf16 activation and an fp32 weight) runs in the wider one, as PyTorch's type
   promotion would.
 """

@@ -65,6 +65,11 @@ def cases(quick: bool = False) -> list[Case]:
                 return (lambda: ops.silu_mul(g, u)), [g, u]
             out.append(Case("silu_mul", f"rows={m} F=4096", dtype, silu))
 
+            def gelu(m=m, dtype=dtype):
+                g, u = _leaf(m, 4096, dtype=dtype), _leaf(m, 4096, dtype=dtype)
+                return (lambda: ops.gelu_mul(g, u)), [g, u]
+            out.append(Case("gelu_mul", f"rows={m} F=4096", dtype, gelu))
+
             def rope(m=m, dtype=dtype):
                 x, pos = _leaf(m, 32, 128, dtype=dtype), torch.arange(m)
                 return (lambda: ops.rope(x, pos)), [x]

@@ -30,7 +30,7 @@ import torch
 
 from . import contract, registry
 
-FAMILIES = ("llama", "qwen2", "qwen3")
+FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "gemma3_text")     # the keys of model.config.FAMILIES
 
 
 class UsageError(Exception):

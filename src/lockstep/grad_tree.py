@@ -63,6 +63,20 @@ def unit_rows(offsets: Tensor | list[int], first: int) -> Iterator[None]:
         _ROWS.reset(token)
 
 
+@contextlib.contextmanager
+def subset_rows(tokens: Tensor) -> Iterator[None]:
+    """Inside the block, op calls see only the rows `tokens` (sorted indices into the tokens of the
+    enclosing `unit_rows`, as an expert of a mixture sees the tokens routed to it): each unit keeps
+    its own tokens among them, possibly none. Does nothing outside a UnitTrees."""
+    where = _ROWS.get()
+    if _TREES.get() is None or where is None:
+        yield
+        return
+    bounds = torch.tensor(where.offsets, dtype=tokens.dtype, device=tokens.device)
+    with unit_rows(torch.searchsorted(tokens, bounds), where.first):
+        yield
+
+
 @dataclass
 class Use:
     """One op call's use of one parameter: the tree its unit partials go to, and where each unit's

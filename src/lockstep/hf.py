@@ -1,4 +1,4 @@
-"""Patch a Hugging Face transformers Llama, Qwen2 or Qwen3 model to run on lockstep ops, in place.
+"""Patch a Hugging Face transformers Llama, Qwen2, Qwen3, Qwen3-MoE or Gemma 3 model to run on lockstep ops, in place.
 
     lockstep.patch(model)      # Linear, RMSNorm, rotary embedding, MLP activation and attention
     lockstep.patch(model, positions_from_mask=True)   # also: padded batches get generate's positions
@@ -9,12 +9,15 @@ Like Liger-Kernel's patching, it swaps forwards of module instances and routes a
 transformers' attention-function registry ("lockstep"). It does not copy an operator; each
 swapped forward calls a lockstep op:
 - nn.Linear -> ops.linear (fixed row tiles);
-- *RMSNorm -> ops.rms_norm;
-- *MLP -> down(ops.silu_mul(gate(x), up(x)));
+- *RMSNorm -> ops.rms_norm (Gemma's in its (1 + weight) form);
+- *MLP -> down(ops.silu_mul(gate(x), up(x))), or ops.gelu_mul for Gemma's GeGLU;
+- a mixture's router and experts -> lockstep.model.moe's route and run_experts (fixed tie order,
+  row-invariant expert GEMMs, a token's expert outputs added in a fixed order);
 - rotary embedding -> ops.rope on the position ids (the rotary module passes the positions through,
   and apply_rotary_pos_emb rotates with lockstep's float64 angles);
 - attention -> lockstep.mode.MaskedAttention: fixed 64-key blocks anchored at each
-  query's first visible key, so padding, batching and KV-cache decode change no bit.
+  query's first visible key, so padding, batching and KV-cache decode change no bit; a
+  sliding-window layer's window is applied to the causal mask.
 """
 
 from __future__ import annotations
@@ -27,36 +30,38 @@ import torch
 from torch import Tensor, nn
 
 from . import ops
-from .rotary import Llama3RopeScaling
+from .model.moe import route, run_experts
+from .rotary import RopeScaling, rope_scaling_from_hf
 
-FAMILIES = ("llama", "qwen2", "qwen3")
+FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "gemma3_text")
+MODULES = {"gemma3_text": "gemma3"}           # model_type -> its package under transformers.models
 _ATTN = "lockstep"
 _patched_count = 0
 _saved_apply: dict[str, object] = {}
 
 
 class _Positions:
-    """What the patched rotary module returns instead of (cos, sin): the position ids themselves."""
+    """What the patched rotary module returns instead of (cos, sin): the position ids themselves,
+    and the rotary parameters of the layer type asked for."""
 
-    def __init__(self, position_ids: Tensor, config):
-        self.position_ids = position_ids
-        self.config = config
+    def __init__(self, position_ids: Tensor, theta: float, scaling: RopeScaling | None):
+        self.position_ids, self.theta, self.scaling = position_ids, theta, scaling
 
 
-def _rope_params(config) -> tuple[float, Llama3RopeScaling | None]:
+def _rope_params(config, layer_type: str | None = None) -> tuple[float, RopeScaling | None]:
+    """(theta, scaling) of a config, or of one layer type where the parameters are per type (Gemma 3)."""
     rope = dict(getattr(config, "rope_parameters", None) or {})
-    rope.update(getattr(config, "rope_scaling", None) or {})
+    if layer_type is not None and isinstance(rope.get(layer_type), dict):
+        rope = dict(rope[layer_type])
+    else:
+        rope.update(getattr(config, "rope_scaling", None) or {})
     theta = float(rope.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
-    scaling = None
-    if rope.get("rope_type", rope.get("type")) == "llama3":
-        scaling = Llama3RopeScaling(float(rope["factor"]), float(rope["low_freq_factor"]),
-                                    float(rope["high_freq_factor"]), int(rope["original_max_position_embeddings"]))
-    return theta, scaling
+    return theta, rope_scaling_from_hf(rope, "model.config")
 
 
-def _rotate(x: Tensor, positions: Tensor, config) -> Tensor:
+def _rotate(x: Tensor, where: _Positions) -> Tensor:
     """x [B, H, T, D], positions [B, T] or [1, T] (shared by the batch) -> x rotated by ops.rope."""
-    theta, scaling = _rope_params(config)
+    positions, theta, scaling = where.position_ids, where.theta, where.scaling
     b, h, t, d = x.shape
     positions = positions.expand(b, t)
     flat = x.transpose(1, 2).reshape(b * t, h, d)
@@ -67,7 +72,7 @@ def _rotate(x: Tensor, positions: Tensor, config) -> Tensor:
 def _make_apply(original):
     def apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):
         if isinstance(cos, _Positions):
-            return _rotate(q, cos.position_ids, cos.config), _rotate(k, cos.position_ids, cos.config)
+            return _rotate(q, cos), _rotate(k, cos)
         return original(q, k, cos, sin, *args, **kwargs)
     apply_rotary_pos_emb._lockstep = True
     return apply_rotary_pos_emb
@@ -81,11 +86,15 @@ def lockstep_attention(module, query: Tensor, key: Tensor, value: Tensor, attent
     if dropout:
         raise NotImplementedError("lockstep attention: dropout is not supported (train with attention_dropout=0)")
     lq, lk = query.shape[-2], key.shape[-2]
-    is_causal = attention_mask is None and lq > 1 and getattr(module, "is_causal", True)
+    is_causal = attention_mask is None and getattr(module, "is_causal", True)
     visible = visible_mask(query, key, attention_mask, False)
     if is_causal:                     # bottom-right: the queries are the last lq of lk positions
         pos = torch.arange(lk - lq, lk, device=query.device)[:, None]
-        visible &= torch.arange(lk, device=query.device)[None, :] <= pos
+        keys = torch.arange(lk, device=query.device)[None, :]
+        visible &= keys <= pos
+        window = kwargs.get("sliding_window")
+        if window:                    # a mask, when given, already holds the window
+            visible &= keys > pos - window
     scale = scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
     out = MaskedAttention.apply(query, key, value, visible, scale)
     return out.transpose(1, 2).contiguous(), None
@@ -147,8 +156,47 @@ def _family(model) -> str:
     return family
 
 
+def _modeling(family: str):
+    name = MODULES.get(family, family)
+    return importlib.import_module(f"transformers.models.{name}.modeling_{name}")
+
+
+def _activation(config):
+    act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "silu")
+    if act == "silu":
+        return ops.silu_mul
+    if act in ("gelu_pytorch_tanh", "gelu_tanh"):
+        return ops.gelu_mul
+    raise ValueError(f"model: lockstep.patch has no invariant MLP activation {act!r} (expected 'silu' or "
+                     "'gelu_pytorch_tanh')")
+
+
+def _norm_forward(m: nn.Module):
+    eps = getattr(m, "variance_epsilon", getattr(m, "eps", 1e-6))
+    offset = 1.0 if type(m).__name__.startswith("Gemma") else 0.0     # Gemma scales by (1 + weight)
+    return lambda x: ops.rms_norm(x, m.weight, eps=eps, offset=offset)
+
+
+def _router_forward(m: nn.Module):
+    def forward(hidden_states: Tensor):
+        logits = ops.linear(hidden_states.reshape(-1, m.hidden_dim), m.weight)
+        weights, experts = route(logits, m.top_k, m.norm_topk_prob)
+        return logits, weights, experts
+    return forward
+
+
+def _experts_forward(m: nn.Module, act):
+    def expert(e: int, rows: Tensor) -> Tensor:
+        gate, up = ops.linear(rows, m.gate_up_proj[e]).chunk(2, dim=-1)
+        return ops.linear(act(gate.contiguous(), up.contiguous()), m.down_proj[e])
+
+    def forward(hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
+        return run_experts(hidden_states, top_k_weights, top_k_index, expert, m.num_experts)
+    return forward
+
+
 def patch(model: nn.Module, positions_from_mask: bool = False) -> nn.Module:
-    """Swap the forwards of a transformers Llama/Qwen2/Qwen3 model for lockstep ops (in place).
+    """Swap the forwards of a transformers Llama/Qwen2/Qwen3/Qwen3-MoE/Gemma 3 model for lockstep ops (in place).
 
     positions_from_mask: a forward that gets a padded attention_mask and no position_ids uses
     `position_ids_from_mask(attention_mask)`, the positions generate uses (off: such a forward
@@ -157,22 +205,32 @@ def patch(model: nn.Module, positions_from_mask: bool = False) -> nn.Module:
     family = _family(model)
     if getattr(model, "_lockstep_patched", False):
         return model
+    config = model.config
+    act = _activation(config)
+    if getattr(config, "final_logit_softcapping", None) is not None:
+        raise ValueError("model: lockstep.patch does not reach the final-logit softcapping that the causal-LM "
+                         "forward applies itself (config.final_logit_softcapping="
+                         f"{config.final_logit_softcapping}); use lockstep.batch_invariant(), which covers tanh")
     _register_attention()
-    modeling = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    modeling = _modeling(family)
     if not getattr(modeling.apply_rotary_pos_emb, "_lockstep", False):
         _saved_apply[family] = modeling.apply_rotary_pos_emb
         modeling.apply_rotary_pos_emb = _make_apply(modeling.apply_rotary_pos_emb)
-    config = model.config
     for module in model.modules():
         name = type(module).__name__
         if isinstance(module, nn.Linear):
             module.forward = (lambda m: lambda x: ops.linear(x, m.weight, m.bias))(module)
         elif name.endswith("RMSNorm"):
-            module.forward = (lambda m: lambda x: ops.rms_norm(x, m.weight, eps=m.variance_epsilon))(module)
+            module.forward = _norm_forward(module)
         elif name.endswith("MLP") and all(hasattr(module, a) for a in ("gate_proj", "up_proj", "down_proj")):
-            module.forward = (lambda m: lambda x: m.down_proj(ops.silu_mul(m.gate_proj(x), m.up_proj(x))))(module)
+            module.forward = (lambda m: lambda x: m.down_proj(act(m.gate_proj(x), m.up_proj(x))))(module)
+        elif name.endswith("TopKRouter"):
+            module.forward = _router_forward(module)
+        elif name.endswith("Experts") and hasattr(module, "gate_up_proj"):
+            module.forward = _experts_forward(module, act)
         elif name.endswith("RotaryEmbedding"):
-            module.forward = (lambda m: lambda x, position_ids: (_Positions(position_ids, config), None))(module)
+            module.forward = lambda x, position_ids, layer_type=None: (
+                _Positions(position_ids, *_rope_params(config, layer_type)), None)
     model._lockstep_attn_before = config._attn_implementation
     config._attn_implementation = _ATTN
     decoder = getattr(model, "model", model)
@@ -198,6 +256,6 @@ def unpatch(model: nn.Module) -> nn.Module:
     _patched_count -= 1
     if _patched_count == 0:
         for fam, original in list(_saved_apply.items()):
-            importlib.import_module(f"transformers.models.{fam}.modeling_{fam}").apply_rotary_pos_emb = original
+            _modeling(fam).apply_rotary_pos_emb = original
             del _saved_apply[fam]
     return model

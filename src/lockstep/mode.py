@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from .backends.portable import attention as portable_attention
+from .backends.portable.gelu_mul import gelu_tanh, gelu_tanh_derivative
 from .fixed_order import accumulate_dtype, column_sum, matmul_rows, row_sum
 
 _state = threading.local()
@@ -44,6 +45,8 @@ COVERAGE: list[tuple[str, str, str]] = [
     ("aten::bmm (+ out=)", "fixed row tiles per batch entry", "fp32 bf16 fp16 fp64"),
     ("aten::baddbmm (+ out=, _)", "as bmm, then beta * self added", "fp32 bf16 fp16 fp64"),
     ("aten::addbmm (+ out=, _)", "as bmm, the batch entries added in order", "fp32 bf16 fp16 fp64"),
+    ("aten::_grouped_mm (2-D rows, 3-D weights, offs)", "each group's rows on fixed row tiles of its weight "
+     "(transformers' grouped_mm experts)", "fp32 bf16 fp16 fp64"),
     ("aten::mv, aten::addmv (+ out=, _)", "a one-column GEMM on fixed row tiles (no GEMV path)", "fp32 bf16 fp16 fp64"),
     ("aten::dot, aten::vdot (+ out=)", "a one-row GEMM (real dtypes)", "fp32 bf16 fp16 fp64"),
     ("aten::matmul / aten::linear", "decompose into the GEMMs above (3-D inputs, 1-D inputs, einsum, tensordot)",
@@ -53,6 +56,10 @@ COVERAGE: list[tuple[str, str, str]] = [
     ("aten::softmax", "decomposes into _softmax", "fp32 bf16 fp16 fp64"),
     ("aten::silu (+ backward)", "1 / (1 + exp(-x)): the same bits in the vector body and the scalar tail",
      "fp32 bf16 fp16 fp64"),
+    ("aten::gelu (+ backward), approximate='tanh'", "x * sigmoid(2u) from exp and a reciprocal (path-independent); "
+     "the erf form runs stock (strict=True raises)", "fp32 bf16 fp16 fp64"),
+    ("aten::tanh (+ backward)", "1 - 2 / (exp(2x) + 1): the same bits in the vector body and the scalar tail "
+     "(Gemma's logit softcapping)", "fp32 bf16 fp16 fp64"),
     ("aten::sum (default, dim_IntList, out=)", "fixed-order row_sum (integer sums run stock: exact anyway)",
      "fp32 bf16 fp16 fp64"),
     ("aten::mean (default, dim, out=)", "fixed-order row_sum / n", "fp32 bf16 fp16 fp64"),
@@ -132,6 +139,21 @@ def _scale_add(prod: Tensor, c: Tensor, beta, alpha) -> Tensor:
 
 def _mm(self, mat2):
     return matmul_rows(self, mat2)
+
+
+def _grouped_mm(self, mat2, offs=None, bias=None, out_dtype=None):
+    """The mixture-of-experts form: rows [S, K] in groups ending at offs [G], weights [G, K, N] ->
+    [S, N], each group's rows on the fixed row tiles of its own weight. Other forms run stock."""
+    if offs is None or self.dim() != 2 or mat2.dim() != 3 or bias is not None:
+        return None
+    dtype = out_dtype or self.dtype
+    out = self.new_zeros((self.shape[0], mat2.shape[2]), dtype=dtype)
+    start = 0
+    for g, stop in enumerate(offs.tolist()):
+        if stop > start:
+            out[start:stop] = matmul_rows(self[start:stop], mat2[g]).to(dtype)
+        start = stop
+    return out
 
 
 def _addmm(self, mat1, mat2, beta=1, alpha=1):
@@ -406,6 +428,41 @@ def _silu_backward(grad_output, self):
     return (dy * (s + g * s * (1.0 - s))).to(self.dtype)
 
 
+def _erf_gelu_runs_stock() -> None:
+    if _strict:
+        raise RuntimeError("lockstep.batch_invariant(strict=True): aten::gelu with approximate='none' (the erf "
+                           "form) has no batch-invariant implementation in lockstep; approximate='tanh' has")
+    return None
+
+
+def _gelu(self, approximate="none"):
+    if approximate != "tanh":
+        return _erf_gelu_runs_stock()
+    acc = accumulate_dtype(self.dtype)
+    return gelu_tanh(self.to(acc))[1].to(self.dtype)
+
+
+def _gelu_backward(grad_output, self, approximate="none"):
+    if approximate != "tanh":
+        return _erf_gelu_runs_stock()
+    acc = accumulate_dtype(self.dtype)
+    g = self.to(acc)
+    s, gelu = gelu_tanh(g)
+    return (grad_output.to(acc) * gelu_tanh_derivative(g, s, gelu)).to(self.dtype)
+
+
+def _tanh(self):
+    acc = accumulate_dtype(self.dtype)
+    x = self.to(acc)
+    return (1.0 - 2.0 / (torch.exp(x * 2.0) + 1.0)).to(self.dtype)
+
+
+def _tanh_backward(grad_output, output):
+    acc = accumulate_dtype(output.dtype)
+    y = output.to(acc)
+    return (grad_output.to(acc) * (1.0 - y * y)).to(output.dtype)
+
+
 # --- registration --------------------------------------------------------------------------------
 _GEMMS = {"mm": _mm, "addmm": _addmm, "bmm": _bmm, "baddbmm": _baddbmm, "addbmm": _addbmm, "mv": _mv,
           "addmv": _addmv, "dot": _dot, "vdot": _dot}
@@ -413,6 +470,7 @@ _OVERRIDES = {
     **_GEMMS,
     **{f"{name}.out": _out_variant(fn) for name, fn in _GEMMS.items()},
     **{f"{name}_": _inplace_variant(fn) for name, fn in _GEMMS.items() if name.startswith("add") or name == "baddbmm"},
+    "_grouped_mm": _grouped_mm,
     "sum.default": _sum_all,
     "sum.dim_IntList": _sum,
     "sum.IntList_out": _out_variant(_sum),
@@ -427,6 +485,10 @@ _OVERRIDES = {
     "_softmax_backward_data": _softmax_backward,
     "silu": _silu,
     "silu_backward": _silu_backward,
+    "gelu": _gelu,
+    "tanh": _tanh,
+    "tanh_backward": _tanh_backward,
+    "gelu_backward": _gelu_backward,
     "_fused_rms_norm": _rms_norm,
     "_fused_rms_norm_backward": _rms_norm_backward,
     "_scaled_dot_product_flash_attention_for_cpu": _sdpa_cpu,
@@ -562,17 +624,22 @@ def verify_coverage(seed: int = 0) -> list[dict]:
     gen = torch.Generator().manual_seed(seed)
     x, w = torch.randn(40, 300, generator=gen), torch.randn(200, 300, generator=gen)
     q, k = torch.randn(2, 4, 17, 16, generator=gen), torch.randn(2, 2, 17, 16, generator=gen)
+    experts = torch.randn(2, 300, 64, generator=gen)
     probes = {
         "aten::mm": lambda t: t @ w.t(),
         "aten::addmm": lambda t: torch.nn.functional.linear(t, w, w[:, 0]),
         "aten::bmm": lambda t: torch.bmm(t[None], w.t()[None])[0],
         "aten::matmul / aten::linear": lambda t: torch.matmul(t, w.t()),
-        "aten::_log_softmax (+ backward)": lambda t: torch.log_softmax(t, -1),
-        "aten::_softmax (+ backward)": lambda t: torch.softmax(t, -1),
+        "aten::_log_softmax": lambda t: torch.log_softmax(t, -1),
+        "aten::_softmax": lambda t: torch.softmax(t, -1),
         "aten::softmax": lambda t: t.softmax(-1),
         "aten::silu (+ backward)": torch.nn.functional.silu,
-        "aten::sum.dim_IntList": lambda t: t.sum(-1),
-        "aten::mean.dim": lambda t: t.mean(-1),
+        "aten::gelu (+ backward), approximate='tanh'": lambda t: torch.nn.functional.gelu(t, approximate="tanh"),
+        "aten::tanh (+ backward)": torch.tanh,
+        "aten::_grouped_mm (2-D rows, 3-D weights, offs)": lambda t: torch.nn.functional.grouped_mm(
+            t, experts, offs=torch.tensor([min(20, t.shape[0]), t.shape[0]], dtype=torch.int32)),
+        "aten::sum": lambda t: t.sum(-1),
+        "aten::mean": lambda t: t.mean(-1),
         "aten::_fused_rms_norm (+ backward)": lambda t: torch.nn.functional.rms_norm(t, (300,), w[0], 1e-6),
     }
     sdpa = torch.nn.functional.scaled_dot_product_attention
@@ -580,8 +647,9 @@ def verify_coverage(seed: int = 0) -> list[dict]:
     with batch_invariant():
         for row in coverage():
             op, verified = row["op"], "-"
-            if op in probes:
-                fn = probes[op]
+            # A probe is named by the op's full row or by its aten name before the parenthesis.
+            fn = probes.get(op) or probes.get(op.split(" (")[0])
+            if fn is not None:
                 verified = "pass" if torch.equal(fn(x[5:6])[0], fn(x)[5]) else "FAIL"
             elif op.startswith("aten::scaled_dot_product_attention"):
                 full = sdpa(q, k, k, is_causal=True, enable_gqa=True)

@@ -296,7 +296,6 @@ class RunConfig:
 
 def record_run(model, target: Tensor, others: list[Tensor], cfg: RunConfig) -> tuple[Recorder, RowView]:
     """Forward (and, for packed layouts, backward of the target's summed logprobs) under `cfg`."""
-    from . import ops
     from .model import pack
 
     model = copy.deepcopy(model).to(contract.parse_dtype(cfg.dtype))
@@ -315,7 +314,7 @@ def record_run(model, target: Tensor, others: list[Tensor], cfg: RunConfig) -> t
         keep = torch.ones(ids.shape[0], dtype=torch.bool)
         keep[cu[1:] - 1] = False
         rows = torch.nonzero(keep)[:, 0]
-        lp = ops.selected_logprobs(hidden[rows], model.lm_head_weight, ids[rows + 1])
+        lp = model.selected_logprobs(hidden[rows], ids[rows + 1])
         a, b = int(cu[position]), int(cu[position + 1])
         lp[a - position:b - position - 1].sum().backward()
     return rec, RowView(int(ids.shape[0]), len(seqs), (a, b), position)
@@ -325,7 +324,6 @@ def _record_cached(model, target: Tensor, chunk: int) -> Recorder:
     """Prefill `target` through the paged KV cache in chunks, one recorder per chunk, merged into one
     recording whose records hold the chunks' rows concatenated (paged_attention is named attention,
     so that it lines up with a packed run)."""
-    from . import ops
     from .paged_cache import build_step
 
     n, bs = target.numel(), 8
@@ -340,7 +338,7 @@ def _record_cached(model, target: Tensor, chunk: int) -> Recorder:
                 hidden.append(model.forward_cached(target[start:stop], pos, step, cache))
             passes.append(rec)
         with Recorder(model) as head:
-            ops.selected_logprobs(torch.cat(hidden)[:-1], model.lm_head_weight, target[1:])
+            model.selected_logprobs(torch.cat(hidden)[:-1], target[1:])
     merged = Recorder(model)
     for i, records in enumerate(zip(*(p.forward for p in passes))):
         first = records[0]

@@ -23,6 +23,7 @@ OPS = (
     "linear",
     "rope",
     "silu_mul",
+    "gelu_mul",
     "log_softmax",
     "selected_logprobs",
     "vocab_logprobs",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -19,8 +20,43 @@ class Llama3RopeScaling:
     original_max_position_embeddings: int = 8192
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: Llama3RopeScaling | None = None) -> Tensor:
-    """Inverse frequencies [head_dim // 2] in float64: theta^(-2i/head_dim), optionally Llama-3 scaled.
+@dataclass(frozen=True)
+class LinearRopeScaling:
+    """Position interpolation (rope_type "linear"): every frequency divided by `factor`; Gemma 3's
+    global layers use it."""
+
+    factor: float = 1.0
+
+
+RopeScaling = Llama3RopeScaling | LinearRopeScaling
+
+
+def rope_scaling_from_hf(rope: dict, where: str = "config.json") -> RopeScaling | None:
+    """The scaling a Hugging Face rope_parameters / rope_scaling dict asks for; a ValueError naming
+    `where` for a rope_type lockstep does not implement."""
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type == "llama3":
+        return Llama3RopeScaling(float(rope["factor"]), float(rope["low_freq_factor"]),
+                                 float(rope["high_freq_factor"]), int(rope["original_max_position_embeddings"]))
+    if rope_type == "linear":
+        return LinearRopeScaling(float(rope["factor"]))
+    if rope_type not in ("default", None):
+        raise ValueError(f"{where}: rope_type {rope_type!r} is not supported (expected 'default', 'linear' or 'llama3')")
+    return None
+
+
+def rope_scaling_to_hf(scaling: RopeScaling | None) -> dict:
+    """The rope_parameters entries of `scaling` (rope_theta not included)."""
+    if scaling is None:
+        return {"rope_type": "default"}
+    if isinstance(scaling, LinearRopeScaling):
+        return {"rope_type": "linear", "factor": scaling.factor}
+    return {"rope_type": "llama3", **dataclasses.asdict(scaling)}
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None = None) -> Tensor:
+    """Inverse frequencies [head_dim // 2] in float64: theta^(-2i/head_dim), optionally scaled
+    (Llama 3, or linear).
 
     Shared by the kernels of every backend so that they rotate by the same angles; computed in
     float64 because it is tiny and exactness here is free.
@@ -28,6 +64,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: Llama3RopeScaling | None
     inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
     if scaling is None:
         return inv
+    if isinstance(scaling, LinearRopeScaling):
+        return inv / scaling.factor
     low_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
     high_wavelen = scaling.original_max_position_embeddings / scaling.high_freq_factor
     wavelen = 2 * math.pi / inv
@@ -39,7 +77,7 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: Llama3RopeScaling | None
     return torch.where(is_mid, mid, out)
 
 
-def rope_cos_sin(positions: Tensor, head_dim: int, theta: float, scaling: Llama3RopeScaling | None,
+def rope_cos_sin(positions: Tensor, head_dim: int, theta: float, scaling: RopeScaling | None,
                  dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """cos and sin [T, 1, head_dim // 2] for each token's own position, in `dtype`; the angles are
     position x frequency in float64."""

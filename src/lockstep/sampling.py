@@ -170,18 +170,19 @@ def draw(logp: Tensor, p: SamplingParams, position: int, stream: int = 0, seen: 
 
 
 def sample(hidden: Tensor, lm_head: Tensor, params: list[SamplingParams], positions: list[int],
-           streams: list[int] | None = None, seen: list[Tensor | None] | None = None) -> list[Draw]:
+           streams: list[int] | None = None, seen: list[Tensor | None] | None = None,
+           softcap: float | None = None) -> list[Draw]:
     """The next token of each row of hidden [n, H]: one `vocab_logprobs` pass per temperature, then
     each row drawn from its own row alone, with its own (seed, stream, position); so the result is
     the same whatever other rows are present. seen[i]: a bool mask [V] of the tokens already in row
-    i's context (for the repetition penalty)."""
+    i's context (for the repetition penalty). softcap: the model's final-logit softcapping."""
     streams = streams or [0] * len(params)
     seen = seen or [None] * len(params)
     draws: list[Draw | None] = [None] * len(params)
     temps = [p.report_temperature for p in params]
     for t in sorted(set(temps)):
         rows = [i for i, x in enumerate(temps) if x == t]
-        logp = ops.vocab_logprobs(hidden[rows], lm_head, temperature=t)
+        logp = ops.vocab_logprobs(hidden[rows], lm_head, temperature=t, softcap=softcap)
         for j, i in enumerate(rows):
             draws[i] = draw(logp[j], params[i], positions[i], streams[i], seen[i])
     return draws  # type: ignore[return-value]

@@ -35,11 +35,12 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from . import grad_tree, ops
+from . import grad_tree
 from .dist import reduction_parts, share_of
 from .fixed_order import row_sum, tree_sum
 from .model import ModelConfig, Transformer, load_tokenizer, model_from_source, pack
 from .model.files import read_json, read_tensors, safetensors_files
+from .model.moe import record_router_logits
 
 
 # --------------------------------------------------------------------------------------------
@@ -58,7 +59,7 @@ def token_logprobs(model: Transformer, sequences: list[Tensor], first_unit: int 
     targets = ids[rows + 1]
     kept = cu - torch.arange(cu.numel(), device=cu.device)       # sequence i keeps len_i - 1 rows
     with grad_tree.unit_rows(kept, first_unit):
-        return ops.selected_logprobs(hidden[rows], model.lm_head_weight, targets), targets
+        return model.selected_logprobs(hidden[rows], targets), targets
 
 
 def cross_entropy_sum(model: Transformer, sequences: list[Tensor], loss_mask: list[Tensor] | None = None) -> tuple[Tensor, int]:
@@ -71,6 +72,42 @@ def cross_entropy_sum(model: Transformer, sequences: list[Tensor], loss_mask: li
         mask = torch.cat([m.to(lp.device) for m in loss_mask])
         lp = lp[mask]
     return -lp.sum(), int(lp.numel())
+
+
+class RouterAuxLoss:
+    """A mixture's load-balancing loss in the training objective, when the model's config asks for it
+    (output_router_logits, as transformers does): loss = cross-entropy token mean + coef x the mean
+    over the window's trained sequences of each sequence's load-balancing loss
+    (lockstep.model.moe.load_balancing_loss over that sequence's tokens, every sparse layer).
+
+    transformers computes it over whatever micro-batch the forward saw, so its value changes with the
+    micro-batch size; per sequence it is a function of the sequence alone, and the window's gradients
+    keep their layout invariance (docs/adr/0008-mixture-of-experts.md)."""
+
+    def __init__(self, config: ModelConfig, trained_units: int):
+        self.config = config
+        self.weight = config.router_aux_loss_coef / trained_units
+
+    @classmethod
+    def of(cls, model: Transformer, masks: list[Tensor]) -> "RouterAuxLoss | None":
+        c = model.config
+        if not (c.num_experts and c.output_router_logits and c.router_aux_loss_coef):
+            return None
+        trained = sum(1 for m in masks if bool(m.any()))
+        return cls(c, trained) if trained else None
+
+    def per_unit(self, router_logits: list[Tensor], lengths: list[int], trained: list[bool]) -> list[Tensor]:
+        """Each sequence's loss (0-dim fp32; an exact 0, without a graph, for one without trained
+        tokens) from the per-layer router logits [T, E] of a micro-batch of sequences of `lengths`."""
+        from .model.moe import load_balancing_loss
+
+        out, start = [], 0
+        for n, counts in zip(lengths, trained):
+            rows = [r[start:start + n] for r in router_logits]
+            out.append(load_balancing_loss(rows, self.config.num_experts, self.config.num_experts_per_tok)
+                       if counts else torch.zeros((), dtype=torch.float32))
+            start += n
+        return out
 
 
 def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor, clip: float = 0.2,
@@ -478,14 +515,28 @@ class Trainer:
         if not self.layout_invariant:
             return self._accumulate_autograd(sequences, masks, total_tokens)
         trees = grad_tree.UnitTrees(self.named)
+        aux = RouterAuxLoss.of(self.model, masks)
         with trees.active():
             for first, last in micro_batches(sequences, start, stop, self.cfg.micro_batch_tokens):
                 trees.next_micro_batch()
-                lp, _ = token_logprobs(self.model, sequences[first:last], first)
+                with record_router_logits() as router_logits:
+                    lp, _ = token_logprobs(self.model, sequences[first:last], first)
                 mask = torch.cat(masks[first:last]).to(lp.device)
-                lp.backward(mask.to(lp.dtype) * (-1.0 / total_tokens))
-                for unit, part in zip(range(first, last), torch.split(lp.detach(), [s.numel() - 1 for s in sequences[first:last]])):
-                    trees.add_loss(unit, -row_sum(part[masks[unit].to(part.device)]))
+                units = list(zip(range(first, last), torch.split(lp.detach(), [s.numel() - 1 for s in sequences[first:last]])))
+                if aux is None:
+                    lp.backward(mask.to(lp.dtype) * (-1.0 / total_tokens))
+                    for unit, part in units:
+                        trees.add_loss(unit, -row_sum(part[masks[unit].to(part.device)]))
+                    continue
+                terms = aux.per_unit(router_logits, [s.numel() for s in sequences[first:last]],
+                                     [bool(m.any()) for m in masks[first:last]])
+                live = [t for t in terms if t.requires_grad]
+                torch.autograd.backward([lp] + live, [mask.to(lp.dtype) * (-1.0 / total_tokens)]
+                                        + [torch.tensor(aux.weight, dtype=t.dtype) for t in live])
+                for (unit, part), term in zip(units, terms):
+                    # The unit's share of the window's loss, in token-sum units like the rest.
+                    trees.add_loss(unit, -row_sum(part[masks[unit].to(part.device)])
+                                   + term.detach() * (aux.weight * total_tokens))
         stray = [n for n, p in self.named if p.grad is not None]
         if stray:
             from .registry import current_backend

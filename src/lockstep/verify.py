@@ -22,7 +22,7 @@ from typing import Callable
 
 import torch
 
-from . import contract, ops
+from . import contract
 from .engine import Engine, RequestOutput
 from .fixed_order import ceil_div
 from .model import Transformer, logprobs, pack
@@ -141,7 +141,7 @@ def embedding_grad(model: Transformer, batch: list[list[int]], which: int) -> to
     emb = model.embed(ids).detach().requires_grad_()
     hidden = model(None, cu, inputs_embeds=emb)
     a, b = int(cu[which]), int(cu[which + 1])
-    ops.selected_logprobs(hidden[a:b - 1], model.lm_head_weight, ids[a + 1:b]).sum().backward()
+    model.selected_logprobs(hidden[a:b - 1], ids[a + 1:b]).sum().backward()
     return emb.grad[a:b]
 
 

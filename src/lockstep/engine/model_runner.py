@@ -36,7 +36,8 @@ class ModelRunner:
             vocab = self.model.config.vocab_size
             seen = [_seen(s.tokens, vocab, device) if s.params.repetition_penalty != 1.0 else None for s in ready]
             draws = sample(hidden[rows], self.model.lm_head_weight, [s.params for s in ready],
-                           [s.computed for s in ready], [s.index for s in ready], seen)
+                           [s.computed for s in ready], [s.index for s in ready], seen,
+                           softcap=self.model.config.final_logit_softcapping)
         return list(zip(ready, draws))
 
 

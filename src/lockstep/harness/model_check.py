@@ -9,9 +9,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from .. import contract, ops
+from .. import contract
 from ..fixed_order import ceil_div
 from ..model import Transformer, logprobs
+from ..model.moe import record_routing, replay_routing
 from ..paged_cache import build_step
 from ..registry import use_backend
 from .check import SweepResult, bitwise_diff
@@ -30,7 +31,7 @@ def cached_logprobs(model: Transformer, seq: Tensor, chunk: int, block_size: int
             stop = min(n, start + chunk)
             step, pos = build_step([(table, start, stop)], block_size, seq.device)
             hidden.append(model.forward_cached(seq[start:stop], pos, step, cache))
-        return ops.selected_logprobs(torch.cat(hidden)[:-1], model.lm_head_weight, seq[1:])
+        return model.selected_logprobs(torch.cat(hidden)[:-1], seq[1:])
 
 
 @dataclass
@@ -63,7 +64,9 @@ def check_model(model: Transformer, seqs: list[Tensor], chunks: tuple[int, ...] 
     report = ModelReport(contract.dtype_name(model.dtype))
     with torch.no_grad():
         alone = [logprobs(model, [s])[0] for s in seqs]
-        report.sweeps.append(_compare("packed together", alone, logprobs(model, seqs)))
+        with record_routing() as routing:
+            packed = logprobs(model, seqs)
+        report.sweeps.append(_compare("packed together", alone, packed))
         report.sweeps.append(_compare("reversed order", alone, logprobs(model, seqs[::-1])[::-1]))
         junk = torch.zeros(29, dtype=torch.long)
         padded = logprobs(model, [junk] + [x for s in seqs for x in (s, junk)])
@@ -72,7 +75,7 @@ def check_model(model: Transformer, seqs: list[Tensor], chunks: tuple[int, ...] 
             report.sweeps.append(_compare(f"KV cache, chunks of {chunk}", alone,
                                           [cached_logprobs(model, s, chunk) for s in seqs]))
         ref = copy.deepcopy(model).to(torch.float64)
-        with use_backend("reference"):
+        with use_backend("reference"), replay_routing(routing):      # a mixture's experts as the model chose
             ref_lp = logprobs(ref, seqs)
     report.max_abs_dlogp_vs_float64 = max(float((a.double() - b).abs().max()) for a, b in zip(alone, ref_lp))
     report.tolerance = contract.chain_tolerance(model.dtype if model.dtype != torch.float64 else torch.float32)

@@ -22,7 +22,7 @@ class Sizes:
     out_features: int = 200    # linear N
     heads: int = 3             # rope
     head_dim: int = 64
-    ffn: int = 300             # silu_mul
+    ffn: int = 300             # silu_mul, gelu_mul
     vocab: int = 9000          # log_softmax, cross_entropy, selected_logprobs (> 2 vocab chunks)
     lm_hidden: int = 96        # selected_logprobs D
     embed_vocab: int = 50      # embedding: few ids, so ids repeat and the weight gradient adds
@@ -83,6 +83,12 @@ def _spec_list() -> list[OpSpec]:
             rows=lambda n, g, dt, s: {"gate": _randn(g, n, s.ffn).to(dt), "up": _randn(g, n, s.ffn).to(dt)},
             params=lambda g, dt, s: {},
             call=lambda ops, r, p: ops.silu_mul(r["gate"], r["up"]),
+        ),
+        OpSpec(
+            "gelu_mul",
+            rows=lambda n, g, dt, s: {"gate": _randn(g, n, s.ffn).to(dt), "up": _randn(g, n, s.ffn).to(dt)},
+            params=lambda g, dt, s: {},
+            call=lambda ops, r, p: ops.gelu_mul(r["gate"], r["up"]),
         ),
         OpSpec(
             "embedding",

@@ -82,11 +82,13 @@ def _fused_output(log_probs: Tensor, entropy: Tensor, mask: Tensor, num_items_in
     return FusedCausalLMOutput(loss=loss, log_probs=log_probs, entropy=entropy, label_mask=mask)
 
 
-def _head(hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float) -> tuple[Tensor, Tensor]:
-    """Per-row log p(target) (differentiable) and entropy (for logging) at `temperature`, by lockstep."""
-    log_probs = ops.selected_logprobs(hidden, weight, targets, temperature=temperature)
+def _head(hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float,
+          softcap: float | None = None) -> tuple[Tensor, Tensor]:
+    """Per-row log p(target) (differentiable) and entropy (for logging) at `temperature`, by lockstep;
+    softcap: the model's final-logit softcapping."""
+    log_probs = ops.selected_logprobs(hidden, weight, targets, temperature=temperature, softcap=softcap)
     with torch.no_grad():
-        full = ops.vocab_logprobs(hidden, weight, temperature=temperature)
+        full = ops.vocab_logprobs(hidden, weight, temperature=temperature, softcap=softcap)
         entropy = -(full.exp() * torch.where(torch.isfinite(full), full, 0.0)).sum(-1)
     return log_probs, entropy
 
@@ -184,18 +186,20 @@ def exact(trainer) -> _Comparison:
     comparison = _Comparison(trainer)
     temperature = trainer.temperature
     weight = lambda: model.get_output_embeddings().weight  # noqa: E731  (looked up per call: it trains)
+    cap = getattr(model.config, "final_logit_softcapping", None)
 
     def training_head(self, input_ids, attention_mask, labels, num_items_in_batch):
         backbone = getattr(self, "model", None) or self.base_model
         hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state[:, :-1]
         targets = labels[:, 1:]
         mask = targets != -100
-        lp, ent = _head(hidden[mask], weight(), targets[mask], temperature)
+        lp, ent = _head(hidden[mask], weight(), targets[mask], temperature, cap)
         return _fused_output(hidden.new_zeros(mask.shape, dtype=lp.dtype).masked_scatter(mask, lp),
                              hidden.new_zeros(mask.shape, dtype=ent.dtype).masked_scatter(mask, ent), mask,
                              num_items_in_batch)
 
-    _wrap_generate(model, trainer, comparison, lambda h, t: ops.selected_logprobs(h, weight(), t, temperature),
+    _wrap_generate(model, trainer, comparison,
+                   lambda h, t: ops.selected_logprobs(h, weight(), t, temperature, softcap=cap),
                    autocast=True)
     _wrap_training_forward(model, comparison, head=training_head)
     return comparison
@@ -242,7 +246,8 @@ def rollout_func(max_num_seqs: int = 64, max_num_batched_tokens: int = 1024, blo
                 row_mask = mask[b, start:start + n - 1]
                 picked_h.append(hidden[int(cu[b]):int(cu[b]) + n - 1][row_mask])
                 picked_t.append(targets[b, start:start + n - 1][row_mask])
-            lp, ent = _head(torch.cat(picked_h), model.lm_head_weight, torch.cat(picked_t), temperature)
+            lp, ent = _head(torch.cat(picked_h), model.lm_head_weight, torch.cat(picked_t), temperature,
+                            model.config.final_logit_softcapping)
             return _fused_output(hidden.new_zeros(mask.shape, dtype=lp.dtype).masked_scatter(mask, lp),
                                  hidden.new_zeros(mask.shape, dtype=ent.dtype).masked_scatter(mask, ent), mask,
                                  num_items_in_batch)

@@ -1,4 +1,4 @@
-"""lockstep.model: Llama, Qwen2 and Qwen3 decoders built only from lockstep.ops."""
+"""lockstep.model: Llama, Qwen2, Qwen3, Qwen3-MoE and Gemma 3 decoders built only from lockstep.ops."""
 
 from ..paged_cache import CacheStep
 from .checkpoint import load_model, model_from_source

@@ -19,8 +19,28 @@ from .transformer import Transformer
 IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 
 
+def split_fused_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Experts saved fused, as transformers 5 holds them in memory (`mlp.experts.gate_up_proj`
+    [E, 2I, H] and `mlp.experts.down_proj` [E, H, I]), as the per-expert tensors of the Hub layout
+    (`mlp.experts.{e}.gate_proj.weight`, ...) that lockstep's modules carry. Others pass through."""
+    out = {}
+    for name, t in tensors.items():
+        if name.endswith(".mlp.experts.gate_up_proj") and t.dim() == 3 and t.shape[1] % 2 == 0:
+            prefix, half = name.removesuffix("gate_up_proj"), t.shape[1] // 2
+            for e in range(t.shape[0]):
+                out[f"{prefix}{e}.gate_proj.weight"] = t[e, :half]
+                out[f"{prefix}{e}.up_proj.weight"] = t[e, half:]
+        elif name.endswith(".mlp.experts.down_proj") and t.dim() == 3:
+            prefix = name.removesuffix("down_proj")
+            for e in range(t.shape[0]):
+                out[f"{prefix}{e}.down_proj.weight"] = t[e]
+        else:
+            out[name] = t
+    return out
+
+
 def load_model(path: str, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu") -> Transformer:
-    """Load a Llama, Qwen2 or Qwen3 checkpoint from a local folder.
+    """Load a Llama, Qwen2, Qwen3, Qwen3-MoE or Gemma 3 (text) checkpoint from a local folder.
 
     path: folder with config.json and model.safetensors (or shards with model.safetensors.index.json),
     and optionally tokenizer.json. Returns a Transformer in `dtype` on `device`, with `.tokenizer` set.
@@ -38,6 +58,7 @@ def load_model(path: str, dtype: torch.dtype = torch.bfloat16, device: str | tor
 
     for file in safetensors_files(path):
         tensors.update(read_tensors(file, skip))
+    tensors = split_fused_experts(tensors)
     missing = sorted(set(expected) - set(tensors))
     extra = sorted(set(tensors) - set(expected))
     shapes = [f"{n}: expected {list(expected[n])}, got {list(tensors[n].shape)}"

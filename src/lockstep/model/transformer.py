@@ -1,4 +1,4 @@
-"""A decoder-only transformer (Llama, Qwen2, Qwen3) built only from lockstep.ops.
+"""A decoder-only transformer (Llama, Qwen2, Qwen3, Qwen3-MoE, Gemma 3) built only from lockstep.ops.
 
 Parameter names follow Hugging Face (`model.layers.3.mlp.down_proj.weight`), so checkpoints load
 without renaming. There are two forward paths with one set of ops: `forward` over packed sequences
@@ -15,18 +15,22 @@ import torch
 from torch import Tensor, nn
 
 from .. import checks, ops
-from ..fixed_order import TP_SPLIT
+from ..fixed_order import TP_SPLIT, accumulate_dtype
 from ..paged_cache import CacheStep
+from ..softcap import softcap
 from .config import ModelConfig
 from .files import write_folder
+from .moe import SparseMoE
 
 
 def tp_split(c: ModelConfig) -> int:
     """The parts each reduction that tensor parallelism may shard is cut into: TP_SPLIT, or the
-    largest power of two below it that divides the heads, the KV heads and the MLP width. The model
-    computes in these parts at every tensor-parallel size, which must divide it (docs/adr/0007)."""
+    largest power of two below it that divides the heads, the KV heads and the MLP widths (dense and
+    expert). The model computes in these parts at every tensor-parallel size, which must divide it
+    (docs/adr/0007)."""
     parts = TP_SPLIT
-    while parts > 1 and (c.num_heads % parts or c.num_kv_heads % parts or c.intermediate_size % parts):
+    widths = [c.num_heads, c.num_kv_heads, c.intermediate_size] + ([c.moe_intermediate_size] if c.num_experts else [])
+    while parts > 1 and any(w % parts for w in widths):
         parts //= 2
     return parts
 
@@ -56,9 +60,13 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, c: ModelConfig):
+    """Causal GQA attention of one layer: its window and rotary embedding come from the config."""
+
+    def __init__(self, c: ModelConfig, layer: int = 0):
         super().__init__()
         self.c = c
+        self.window = c.window(layer)
+        self.rope_theta, self.rope_scaling = c.rope_of(layer)
         parts = tp_split(c)
         self.q_proj = Linear(c.hidden_size, c.num_heads * c.head_dim, c.qkv_bias, split_n=parts)
         self.k_proj = Linear(c.hidden_size, c.num_kv_heads * c.head_dim, c.qkv_bias, split_n=parts)
@@ -76,49 +84,73 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(t, c.num_kv_heads, c.head_dim)
         if c.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = ops.rope(q, positions, c.rope_theta, c.rope_style, c.rope_scaling)
-        k = ops.rope(k, positions, c.rope_theta, c.rope_style, c.rope_scaling)
+        q = ops.rope(q, positions, self.rope_theta, c.rope_style, self.rope_scaling)
+        k = ops.rope(k, positions, self.rope_theta, c.rope_style, self.rope_scaling)
         return q, k, v
 
     def forward(self, x: Tensor, positions: Tensor, cu_seqlens: Tensor) -> Tensor:
         q, k, v = self.qkv(x, positions)
-        out = ops.attention(q, k, v, cu_seqlens, cu_seqlens)
+        out = ops.attention(q, k, v, cu_seqlens, cu_seqlens, scale=self.c.attn_scale, window=self.window)
         return self.o_proj(out.reshape(x.shape[0], -1))
 
     def forward_cached(self, x: Tensor, positions: Tensor, step: "CacheStep", k_cache: Tensor, v_cache: Tensor) -> Tensor:
         q, k, v = self.qkv(x, positions)
         ops.write_kv(k, v, k_cache, v_cache, step.slot_mapping)
-        out = ops.paged_attention(q, k_cache, v_cache, step.block_table, step.seq_lens, step.cu_seqlens_q)
+        out = ops.paged_attention(q, k_cache, v_cache, step.block_table, step.seq_lens, step.cu_seqlens_q,
+                                  scale=self.c.attn_scale, window=self.window)
         return self.o_proj(out.reshape(x.shape[0], -1))
 
 
+ACTIVATIONS = {"silu": ops.silu_mul, "gelu_tanh": ops.gelu_mul}
+
+
 class MLP(nn.Module):
-    def __init__(self, c: ModelConfig):
+    """Gated MLP: down(act(gate(x)) * up(x)), act from the config (SwiGLU or GeGLU)."""
+
+    def __init__(self, c: ModelConfig, intermediate_size: int | None = None):
         super().__init__()
         parts = tp_split(c)
-        self.gate_proj = Linear(c.hidden_size, c.intermediate_size, False, split_n=parts)
-        self.up_proj = Linear(c.hidden_size, c.intermediate_size, False, split_n=parts)
-        self.down_proj = Linear(c.intermediate_size, c.hidden_size, False, split_k=parts)
+        width = c.intermediate_size if intermediate_size is None else intermediate_size
+        self.gate_proj = Linear(c.hidden_size, width, False, split_n=parts)
+        self.up_proj = Linear(c.hidden_size, width, False, split_n=parts)
+        self.down_proj = Linear(width, c.hidden_size, False, split_k=parts)
+        self.act = ACTIVATIONS[c.hidden_act]
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(ops.silu_mul(self.gate_proj(x), self.up_proj(x)))
+        return self.down_proj(self.act(self.gate_proj(x), self.up_proj(x)))
 
 
 class Block(nn.Module):
-    def __init__(self, c: ModelConfig):
+    """One decoder layer. Gemma's sandwich norms wrap attention and MLP outputs before the residual add."""
+
+    def __init__(self, c: ModelConfig, layer: int = 0):
         super().__init__()
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, c.norm_offset)
-        self.self_attn = Attention(c)
+        self.self_attn = Attention(c, layer)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, c.norm_offset)
-        self.mlp = MLP(c)
+        if c.sandwich_norms:
+            self.pre_feedforward_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, c.norm_offset)
+            self.post_feedforward_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, c.norm_offset)
+        if c.is_moe(layer):
+            self.mlp = SparseMoE(Linear(c.hidden_size, c.num_experts, False),
+                                 [MLP(c, c.moe_intermediate_size) for _ in range(c.num_experts)],
+                                 c.num_experts_per_tok, c.norm_topk_prob)
+        else:
+            self.mlp = MLP(c)
+        self.sandwich = c.sandwich_norms
+
+    def _residuals(self, x: Tensor, attend) -> Tensor:
+        if self.sandwich:
+            x = x + self.post_attention_layernorm(attend(self.input_layernorm(x)))
+            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        x = x + attend(self.input_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x))
 
     def forward(self, x: Tensor, positions: Tensor, cu_seqlens: Tensor) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, cu_seqlens)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return self._residuals(x, lambda h: self.self_attn(h, positions, cu_seqlens))
 
     def forward_cached(self, x: Tensor, positions: Tensor, step: "CacheStep", k_cache: Tensor, v_cache: Tensor) -> Tensor:
-        x = x + self.self_attn.forward_cached(self.input_layernorm(x), positions, step, k_cache, v_cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return self._residuals(x, lambda h: self.self_attn.forward_cached(h, positions, step, k_cache, v_cache))
 
 
 class Decoder(nn.Module):
@@ -126,7 +158,7 @@ class Decoder(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Module()
         self.embed_tokens.weight = nn.Parameter(torch.empty(c.vocab_size, c.hidden_size))
-        self.layers = nn.ModuleList(Block(c) for _ in range(c.num_layers))
+        self.layers = nn.ModuleList(Block(c, i) for i in range(c.num_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, c.norm_offset)
 
 
@@ -198,8 +230,13 @@ class Transformer(nn.Module):
 
     # --- forward paths ------------------------------------------------------------------------
     def embed(self, input_ids: Tensor) -> Tensor:
+        """Token embeddings [T, hidden]; Gemma's are scaled by sqrt(hidden_size) rounded to the model's
+        dtype, as transformers does."""
         self._check_ids(input_ids)
-        return ops.embedding(input_ids, self.model.embed_tokens.weight)
+        x = ops.embedding(input_ids, self.model.embed_tokens.weight)
+        if self.config.embed_scale:
+            x = x * torch.tensor(self.config.hidden_size ** 0.5, dtype=torch.float32).to(x.dtype)
+        return x
 
     def forward(self, input_ids: Tensor | None, cu_seqlens: Tensor, positions: Tensor | None = None,
                 inputs_embeds: Tensor | None = None) -> Tensor:
@@ -237,8 +274,21 @@ class Transformer(nn.Module):
         return self.model.norm(x)
 
     def logits(self, input_ids: Tensor, cu_seqlens: Tensor, positions: Tensor | None = None) -> Tensor:
-        """[T, vocab] logits in the model's dtype (materialised; prefer `lockstep.logprobs`)."""
-        return ops.linear(self(input_ids, cu_seqlens, positions), self.lm_head_weight)
+        """[T, vocab] logits in the model's dtype, softcapped when the config says so (materialised;
+        prefer `lockstep.logprobs`)."""
+        logits = ops.linear(self(input_ids, cu_seqlens, positions), self.lm_head_weight)
+        cap = self.config.final_logit_softcapping
+        return logits if cap is None else softcap(logits.to(accumulate_dtype(logits.dtype)), cap)[0].to(logits.dtype)
+
+    def selected_logprobs(self, hidden: Tensor, targets: Tensor, temperature: float = 1.0) -> Tensor:
+        """ops.selected_logprobs through this model's LM head (and its final-logit softcapping):
+        hidden [..., H], targets [...] int -> [...] float32."""
+        return ops.selected_logprobs(hidden, self.lm_head_weight, targets, temperature,
+                                     softcap=self.config.final_logit_softcapping)
+
+    def vocab_logprobs(self, hidden: Tensor, temperature: float = 1.0) -> Tensor:
+        """ops.vocab_logprobs through this model's LM head: hidden [..., H] -> [..., V] float32."""
+        return ops.vocab_logprobs(hidden, self.lm_head_weight, temperature, softcap=self.config.final_logit_softcapping)
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> KVCache:
         c = self.model.layers[0].self_attn.c           # this rank's heads under tensor parallelism
@@ -287,6 +337,6 @@ def logprobs(model: Transformer, sequences: list, temperature: float = 1.0) -> l
     keep[ends - 1] = False                       # the last token of a sequence predicts nothing
     rows = torch.nonzero(keep)[:, 0]
     targets = ids[rows + 1]
-    lp = ops.selected_logprobs(hidden[rows], model.lm_head_weight, targets, temperature=temperature)
+    lp = model.selected_logprobs(hidden[rows], targets, temperature=temperature)
     sizes = (ends - starts - 1).tolist()
     return list(torch.split(lp, sizes))

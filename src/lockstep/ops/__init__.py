@@ -6,10 +6,11 @@ torch.autocast each op casts its inputs as autocast would for the aten op it sta
 (lockstep.autocast).
 """
 
-from ..rotary import Llama3RopeScaling, rope_inv_freq
+from ..rotary import LinearRopeScaling, Llama3RopeScaling, rope_inv_freq
 from .attention import attention, paged_attention, write_kv
 from .cross_entropy import cross_entropy
 from .embedding import embedding
+from .gelu_mul import gelu_mul
 from .linear import linear
 from .log_softmax import log_softmax
 from .rms_norm import rms_norm
@@ -19,6 +20,6 @@ from .silu_mul import silu_mul
 from .vocab_logprobs import vocab_logprobs
 
 __all__ = [
-    "attention", "paged_attention", "write_kv", "cross_entropy", "embedding", "linear", "log_softmax", "rms_norm", "rope", "rope_inv_freq",
-    "Llama3RopeScaling", "selected_logprobs", "silu_mul", "vocab_logprobs",
+    "attention", "paged_attention", "write_kv", "cross_entropy", "embedding", "gelu_mul", "linear", "log_softmax", "rms_norm", "rope", "rope_inv_freq",
+    "Llama3RopeScaling", "LinearRopeScaling", "selected_logprobs", "silu_mul", "vocab_logprobs",
 ]

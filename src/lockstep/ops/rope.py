@@ -8,18 +8,18 @@ from torch import Tensor
 
 from .. import checks as c
 from ..registry import resolve
-from ..rotary import Llama3RopeScaling
+from ..rotary import Llama3RopeScaling, LinearRopeScaling, RopeScaling
 
 STYLES = ("neox", "gptj")
 
 
 def rope(x: Tensor, positions: Tensor, theta: float = 10000.0, style: str = "neox",
-         scaling: Llama3RopeScaling | None = None) -> Tensor:
+         scaling: RopeScaling | None = None) -> Tensor:
     """Rotate x by its positions.
 
     x: [tokens, heads, head_dim] float (head_dim even); positions: [tokens] int, any values >= 0.
     style "neox" rotates the two halves of head_dim against each other (Llama, Qwen); "gptj" rotates
-    interleaved pairs. Returns x's shape and dtype; angles in float64, rotation in fp32.
+    interleaved pairs. scaling: Llama 3 or linear frequency scaling. Returns x's shape and dtype; angles in float64, rotation in fp32.
     """
     c.float_tensor("x", x)
     c.ndim("x", x, 3, "a 3-D tensor [tokens, heads, head_dim]")
@@ -35,6 +35,6 @@ def rope(x: Tensor, positions: Tensor, theta: float = 10000.0, style: str = "neo
         raise ValueError(f"theta: expected a finite number > 1, got {theta!r}")
     if style not in STYLES:
         raise ValueError(f"style: expected one of {STYLES}, got {style!r}")
-    if scaling is not None and not isinstance(scaling, Llama3RopeScaling):
-        raise TypeError(f"scaling: expected a Llama3RopeScaling or None, got {type(scaling).__name__}")
+    if scaling is not None and not isinstance(scaling, (Llama3RopeScaling, LinearRopeScaling)):
+        raise TypeError(f"scaling: expected a Llama3RopeScaling, a LinearRopeScaling or None, got {type(scaling).__name__}")
     return resolve("rope", x.device)(x, positions.long(), float(theta), style, scaling)

@@ -8,6 +8,7 @@ from . import (  # noqa: F401
     attention,
     cross_entropy,
     embedding,
+    gelu_mul,
     linear,
     log_softmax,
     rms_norm,

@@ -16,13 +16,19 @@ from torch import Tensor
 from ... import grad_tree
 from ...fixed_order import accumulate_dtype, matmul_rows, row_max, row_sum, weight_grad
 from ...registry import register
+from ...softcap import softcap as capped
 
 VOCAB_CHUNK = 4096
 
 
-def _chunk_logits(hidden: Tensor, weight: Tensor, start: int, acc: torch.dtype, temperature: float) -> Tensor:
+def _chunk_logits(hidden: Tensor, weight: Tensor, start: int, acc: torch.dtype, temperature: float,
+                  cap: float | None) -> tuple[Tensor, Tensor | None]:
+    """A chunk's logits, capped, then divided by the temperature; and the cap's slope (None without one)."""
     logits = matmul_rows(hidden, weight[start:start + VOCAB_CHUNK].t()).to(acc)
-    return logits if temperature == 1.0 else logits / temperature
+    slope = None
+    if cap is not None:
+        logits, slope = capped(logits, cap)
+    return (logits if temperature == 1.0 else logits / temperature), slope
 
 
 def _select(logits: Tensor, targets: Tensor, start: int) -> tuple[Tensor, Tensor]:
@@ -33,13 +39,13 @@ def _select(logits: Tensor, targets: Tensor, start: int) -> tuple[Tensor, Tensor
 
 
 def online_lse(hidden: Tensor, weight: Tensor, temperature: float,
-               visit: Callable[[int, Tensor], None] | None = None) -> Tensor:
-    """log-sum-exp [T] of hidden @ weight.T / temperature over the vocabulary, chunk by chunk in
+               visit: Callable[[int, Tensor], None] | None = None, cap: float | None = None) -> Tensor:
+    """log-sum-exp [T] of cap(hidden @ weight.T) / temperature over the vocabulary, chunk by chunk in
     vocabulary order (accumulation dtype). visit(start, logits) sees each chunk's scaled logits."""
     acc = accumulate_dtype(hidden.dtype)
     run_max = run_sum = None
     for start in range(0, weight.shape[0], VOCAB_CHUNK):
-        logits = _chunk_logits(hidden, weight, start, acc, temperature)
+        logits, _ = _chunk_logits(hidden, weight, start, acc, temperature, cap)
         if visit is not None:
             visit(start, logits)
         chunk_max = row_max(logits)
@@ -53,8 +59,8 @@ def online_lse(hidden: Tensor, weight: Tensor, temperature: float,
     return run_max + torch.log(run_sum)
 
 
-def selected_logprobs_forward(hidden: Tensor, weight: Tensor, targets: Tensor,
-                              temperature: float = 1.0) -> tuple[Tensor, Tensor]:
+def selected_logprobs_forward(hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float = 1.0,
+                              cap: float | None = None) -> tuple[Tensor, Tensor]:
     """Returns (log p(target) [T], log-sum-exp [T]), both in the accumulation dtype."""
     target_logit = torch.zeros(hidden.shape[0], dtype=accumulate_dtype(hidden.dtype), device=hidden.device)
 
@@ -63,16 +69,16 @@ def selected_logprobs_forward(hidden: Tensor, weight: Tensor, targets: Tensor,
         inside, picked = _select(logits, targets, start)
         target_logit = torch.where(inside, picked, target_logit)
 
-    lse = online_lse(hidden, weight, temperature, pick)
+    lse = online_lse(hidden, weight, temperature, pick, cap)
     return target_logit - lse, lse
 
 
 class _SelectedLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float) -> Tensor:
-        out, lse = selected_logprobs_forward(hidden, weight, targets, temperature)
+    def forward(ctx, hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float, cap: float | None) -> Tensor:
+        out, lse = selected_logprobs_forward(hidden, weight, targets, temperature, cap)
         ctx.save_for_backward(hidden, weight, targets, lse)
-        ctx.temperature = temperature
+        ctx.temperature, ctx.cap = temperature, cap
         ctx.use = grad_tree.capture("selected_logprobs", weight, hidden.shape[0], ctx.needs_input_grad[1])
         return out    # float32, or float64 for float64 inputs
 
@@ -93,13 +99,15 @@ class _SelectedLogprobs(torch.autograd.Function):
             h = hidden[first:stop]
             dw = torch.empty(weight.shape, dtype=acc, device=weight.device) if need_w else None   # every chunk written
             for start in range(0, weight.shape[0], VOCAB_CHUNK):
-                logits = _chunk_logits(h, weight, start, acc, ctx.temperature)
+                logits, slope = _chunk_logits(h, weight, start, acc, ctx.temperature, ctx.cap)
                 # d log p(t) / d logit_j = [j == t] - p_j
                 dlogits = -torch.exp(logits - lse[first:stop, None])
                 inside, _ = _select(logits, targets[first:stop], start)
                 local = (targets[first:stop] - start).clamp(0, logits.shape[1] - 1)[:, None]
                 dlogits.scatter_(1, local, dlogits.gather(1, local) + inside[:, None].to(acc))
                 dlogits = dlogits * (g[first:stop] / ctx.temperature)[:, None]
+                if slope is not None:
+                    dlogits = dlogits * slope
                 stop_v = start + logits.shape[1]
                 if need_h:
                     dh[first:stop] = dh[first:stop] + matmul_rows(dlogits.to(gemm), weight[start:stop_v].to(gemm)).to(acc)
@@ -109,9 +117,10 @@ class _SelectedLogprobs(torch.autograd.Function):
 
         # Unit by unit inside a unit tree, so that one vocabulary-sized partial is held at a time.
         dw = grad_tree.per_unit(ctx.use, hidden.shape[0], rows_backward)
-        return (dh.to(hidden.dtype) if need_h else None), (None if dw is None else dw.to(weight.dtype)), None, None
+        return (dh.to(hidden.dtype) if need_h else None), (None if dw is None else dw.to(weight.dtype)), None, None, None
 
 
 @register("portable", "selected_logprobs")
-def selected_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float) -> Tensor:
-    return _SelectedLogprobs.apply(hidden.contiguous(), weight, targets, temperature)
+def selected_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float,
+                      softcap: float | None = None) -> Tensor:
+    return _SelectedLogprobs.apply(hidden.contiguous(), weight, targets, temperature, softcap)

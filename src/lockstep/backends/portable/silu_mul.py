@@ -14,7 +14,8 @@ from ...fixed_order import accumulate_dtype
 from ...registry import register
 
 
-def _sigmoid(x: Tensor) -> Tensor:
+def sigmoid(x: Tensor) -> Tensor:
+    """1 / (1 + exp(-x)), path-independent (shared with gelu_mul). In place after the first op"""
     # In place after the first op: the same arithmetic, without a full-size temporary per step.
     return torch.exp(-x).add_(1.0).reciprocal_()
 
@@ -25,14 +26,14 @@ class _SiluMul(torch.autograd.Function):
         acc = accumulate_dtype(gate.dtype)
         g = gate.to(acc)
         ctx.save_for_backward(gate, up)
-        return _sigmoid(g).mul_(g).mul_(up.to(acc)).to(gate.dtype)
+        return sigmoid(g).mul_(g).mul_(up.to(acc)).to(gate.dtype)
 
     @staticmethod
     def backward(ctx, grad_y: Tensor):
         gate, up = ctx.saved_tensors
         acc = accumulate_dtype(gate.dtype)
         g, u, dy = gate.to(acc), up.to(acc), grad_y.contiguous().to(acc)
-        s = _sigmoid(g)
+        s = sigmoid(g)
         gs = g * s
         dup = (dy * gs).to(up.dtype)
         # d silu / d g = s * (1 + g * (1 - s)) = s + gs * (1 - s)

@@ -11,8 +11,8 @@ from .selected_logprobs import online_lse
 
 
 @register("portable", "vocab_logprobs")
-def vocab_logprobs(hidden: Tensor, weight: Tensor, temperature: float) -> Tensor:
+def vocab_logprobs(hidden: Tensor, weight: Tensor, temperature: float, softcap: float | None = None) -> Tensor:
     chunks: list[Tensor] = []
     with torch.no_grad():
-        lse = online_lse(hidden.contiguous(), weight, temperature, lambda start, logits: chunks.append(logits))
+        lse = online_lse(hidden.contiguous(), weight, temperature, lambda start, logits: chunks.append(logits), softcap)
         return torch.cat(chunks, dim=1) - lse[:, None]

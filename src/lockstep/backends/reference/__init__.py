@@ -11,6 +11,7 @@ float64 under `use_backend("reference")`).
 from .attention import attention
 from .cross_entropy import cross_entropy
 from .embedding import embedding
+from .gelu_mul import gelu_mul
 from .linear import linear
 from .log_softmax import log_softmax
 from .rms_norm import rms_norm
@@ -19,5 +20,5 @@ from .selected_logprobs import selected_logprobs
 from .silu_mul import silu_mul
 from .vocab_logprobs import vocab_logprobs
 
-__all__ = ["attention", "cross_entropy", "embedding", "linear", "log_softmax", "rms_norm", "rope",
+__all__ = ["attention", "cross_entropy", "embedding", "gelu_mul", "linear", "log_softmax", "rms_norm", "rope",
            "selected_logprobs", "silu_mul", "vocab_logprobs"]

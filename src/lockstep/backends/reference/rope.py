@@ -19,7 +19,9 @@ def rope(x: Tensor, positions: Tensor, theta: float = 10000.0, style: str = "neo
     freqs = []
     for i in range(d // 2):
         f = theta ** (-2.0 * i / d)
-        if scaling is not None:
+        if scaling is not None and not hasattr(scaling, "low_freq_factor"):      # linear: interpolated positions
+            f = f / scaling.factor
+        elif scaling is not None:
             old = scaling.original_max_position_embeddings
             wavelength = 2 * math.pi / f
             if wavelength > old / scaling.low_freq_factor:

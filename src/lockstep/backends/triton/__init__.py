@@ -12,6 +12,7 @@ from . import (  # noqa: E402,F401
     attention,
     cross_entropy,
     embedding,
+    gelu_mul,
     linear,
     log_softmax,
     rms_norm,

@@ -119,3 +119,34 @@ def row_lse(x_ptr, V, scale, BLOCK: tl.constexpr):
     mx = tl.max(m, axis=0)
     shift = tl.where(mx == float("-inf"), 0.0, mx)
     return mx + tl.log(tl.sum(s * tl.exp(m - shift), axis=0))
+
+
+ELEMENTWISE_BLOCK = 1024
+
+
+def gated_function(fwd_kernel, bwd_kernel, **constants):
+    """An autograd Function for a gated activation y = act(gate) * up whose Triton kernels take
+    (gate, up, y, n) forward and (gate, up, dy, dgate, dup, n) backward, each program one block of
+    ELEMENTWISE_BLOCK elements; `constants` are the kernels' other constexpr arguments."""
+
+    class Gated(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, gate, up):
+            y = torch.empty_like(gate)
+            n = gate.numel()
+            if n:
+                fwd_kernel[(triton.cdiv(n, ELEMENTWISE_BLOCK),)](gate, up, y, n, BLOCK=ELEMENTWISE_BLOCK, **constants)
+            ctx.save_for_backward(gate, up)
+            return y
+
+        @staticmethod
+        def backward(ctx, dy):
+            gate, up = ctx.saved_tensors
+            dg, du = torch.empty_like(gate), torch.empty_like(up)
+            n = gate.numel()
+            if n:
+                bwd_kernel[(triton.cdiv(n, ELEMENTWISE_BLOCK),)](gate, up, dy.contiguous(), dg, du, n,
+                                                                BLOCK=ELEMENTWISE_BLOCK, **constants)
+            return dg, du
+
+    return Gated

@@ -14,6 +14,7 @@ import triton.language as tl
 from ... import grad_tree
 from ...fixed_order import accumulate_dtype
 from ...registry import register
+from ...softcap import softcap as capped
 from .common import INTERPRET, cast_out, lane_block, row_lse
 from .gemm import gemm, weight_grad
 
@@ -66,9 +67,9 @@ def _chunks(v: int):
     return [(s, min(v, s + VOCAB_CHUNK)) for s in range(0, v, VOCAB_CHUNK)]
 
 
-def online_lse(hidden, weight, targets, temperature, visit=None):
-    """(target logit [T], log-sum-exp [T]) of hidden @ weight.T / temperature, chunk by chunk in
-    vocabulary order; visit(start, logits) sees each chunk's unscaled fp32 logits."""
+def online_lse(hidden, weight, targets, temperature, visit=None, cap=None):
+    """(target logit [T], log-sum-exp [T]) of cap(hidden @ weight.T) / temperature, chunk by chunk in
+    vocabulary order; visit(start, logits) sees each chunk's capped, unscaled fp32 logits."""
     m = hidden.shape[0]
     acc = accumulate_dtype(hidden.dtype)
     run_max = torch.empty(m, dtype=acc, device=hidden.device)
@@ -76,6 +77,8 @@ def online_lse(hidden, weight, targets, temperature, visit=None):
     tgt = torch.empty_like(run_max)
     for i, (s, e) in enumerate(_chunks(weight.shape[0])):
         logits = gemm(hidden, weight[s:e].t(), out_dtype=acc)
+        if cap is not None:
+            logits, _ = capped(logits, cap)
         if visit is not None:
             visit(s, logits)
         if m:
@@ -86,10 +89,10 @@ def online_lse(hidden, weight, targets, temperature, visit=None):
 
 class _SelectedLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, targets, temperature):
-        tgt, lse = online_lse(hidden, weight, targets, temperature)
+    def forward(ctx, hidden, weight, targets, temperature, cap):
+        tgt, lse = online_lse(hidden, weight, targets, temperature, cap=cap)
         ctx.save_for_backward(hidden, weight, targets, lse)
-        ctx.temperature = temperature
+        ctx.temperature, ctx.cap = temperature, cap
         ctx.use = grad_tree.capture("selected_logprobs", weight, hidden.shape[0], ctx.needs_input_grad[1])
         return tgt - lse
 
@@ -112,10 +115,15 @@ class _SelectedLogprobs(torch.autograd.Function):
             dw = torch.empty(weight.shape, dtype=acc, device=weight.device) if need_w else None   # every chunk written
             for s, e in _chunks(weight.shape[0]):
                 logits = gemm(h, weight[s:e].t(), out_dtype=acc)
+                slope = None
+                if ctx.cap is not None:
+                    logits, slope = capped(logits, ctx.cap)
                 dl = torch.empty_like(logits)
                 if m:
                     dlogits_kernel[(m,)](logits, targets[first:stop], lse[first:stop], g[first:stop], dl, e - s, s,
                                          scale, BLOCK=lane_block(e - s))
+                if slope is not None:
+                    dl = dl * slope
                 if need_h:
                     gemm(dl.to(gemm_dtype), weight[s:e].to(gemm_dtype), out=dh[first:stop], accumulate=True)
                 if need_w:
@@ -124,9 +132,9 @@ class _SelectedLogprobs(torch.autograd.Function):
 
         # Unit by unit inside a unit tree, so that one vocabulary-sized partial is held at a time.
         dw = grad_tree.per_unit(ctx.use, hidden.shape[0], rows_backward)
-        return (dh.to(hidden.dtype) if need_h else None), (None if dw is None else dw.to(weight.dtype)), None, None
+        return (dh.to(hidden.dtype) if need_h else None), (None if dw is None else dw.to(weight.dtype)), None, None, None
 
 
 @register("triton", "selected_logprobs")
-def selected_logprobs(hidden, weight, targets, temperature):
-    return _SelectedLogprobs.apply(hidden.contiguous(), weight.contiguous(), targets.contiguous(), temperature)
+def selected_logprobs(hidden, weight, targets, temperature, softcap=None):
+    return _SelectedLogprobs.apply(hidden.contiguous(), weight.contiguous(), targets.contiguous(), temperature, softcap)

@@ -3,15 +3,11 @@ per element."""
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 
 from ...registry import register
-from .common import cast_out
-
-BLOCK = 1024
-
+from .common import cast_out, gated_function
 
 @triton.jit(do_not_specialize=["n"])
 def silu_mul_fwd_kernel(g_ptr, u_ptr, y_ptr, n, BLOCK: tl.constexpr):
@@ -38,24 +34,7 @@ def silu_mul_bwd_kernel(g_ptr, u_ptr, dy_ptr, dg_ptr, du_ptr, n, BLOCK: tl.const
     tl.store(dg_ptr + offs, cast_out(((dy * u) * (s + gs * (1.0 - s))), dg_ptr), mask=m)
 
 
-class _SiluMul(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, gate, up):
-        y = torch.empty_like(gate)
-        n = gate.numel()
-        if n:
-            silu_mul_fwd_kernel[(triton.cdiv(n, BLOCK),)](gate, up, y, n, BLOCK=BLOCK)
-        ctx.save_for_backward(gate, up)
-        return y
-
-    @staticmethod
-    def backward(ctx, dy):
-        gate, up = ctx.saved_tensors
-        dg, du = torch.empty_like(gate), torch.empty_like(up)
-        n = gate.numel()
-        if n:
-            silu_mul_bwd_kernel[(triton.cdiv(n, BLOCK),)](gate, up, dy.contiguous(), dg, du, n, BLOCK=BLOCK)
-        return dg, du
+_SiluMul = gated_function(silu_mul_fwd_kernel, silu_mul_bwd_kernel)
 
 
 @register("triton", "silu_mul")

@@ -12,11 +12,11 @@ from .selected_logprobs import online_lse
 
 
 @register("triton", "vocab_logprobs")
-def vocab_logprobs(hidden, weight, temperature):
+def vocab_logprobs(hidden, weight, temperature, softcap=None):
     chunks = []
     with torch.no_grad():
         no_target = torch.full((hidden.shape[0],), -1, dtype=torch.int64, device=hidden.device)
         _, lse = online_lse(hidden.contiguous(), weight.contiguous(), no_target, temperature,
-                            lambda start, logits: chunks.append(logits))
+                            lambda start, logits: chunks.append(logits), cap=softcap)
         scaled = torch.cat(chunks, dim=1) * (1.0 / temperature)
         return scaled - lse[:, None]

@@ -1,0 +1,62 @@
+"""Portable gelu_mul, from primitives whose bits do not depend on the code path.
+
+torch.tanh, like torch.sigmoid, gives other fp32 bits in the scalar tail of its vector loop than in
+the body. gelu_tanh(g) = 0.5 g (1 + tanh(u)) equals g * sigmoid(2u), u = sqrt(2/pi) (g + 0.044715 g^3),
+and the sigmoid is written with exp and a reciprocal, which are path-independent
+(tests/test_primitives.py guards this).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from ...fixed_order import accumulate_dtype
+from ...registry import register
+from .silu_mul import sigmoid
+
+SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
+CUBIC = 0.044715
+
+
+def _two_u(g: Tensor) -> Tensor:
+    """2u = 2 sqrt(2/pi) (g + 0.044715 g^3), evaluated as g * (c1 + c3 * g * g)."""
+    return (g * g).mul_(2.0 * SQRT_2_OVER_PI * CUBIC).add_(2.0 * SQRT_2_OVER_PI).mul_(g)
+
+
+def gelu_tanh(g: Tensor) -> tuple[Tensor, Tensor]:
+    """(sigmoid(2u), gelu_tanh(g)) of an accumulation-dtype tensor; also batch_invariant()'s aten::gelu."""
+    s = sigmoid(_two_u(g))
+    return s, g * s
+
+
+def gelu_tanh_derivative(g: Tensor, s: Tensor, gelu: Tensor) -> Tensor:
+    """d gelu_tanh / dg = s + g s (1 - s) d(2u)/dg, d(2u)/dg = 2 sqrt(2/pi) (1 + 3 * 0.044715 g^2)."""
+    d2u = (g * g).mul_(2.0 * SQRT_2_OVER_PI * 3.0 * CUBIC).add_(2.0 * SQRT_2_OVER_PI)
+    return (1.0 - s).mul_(gelu).mul_(d2u).add_(s)
+
+
+class _GeluMul(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gate: Tensor, up: Tensor) -> Tensor:
+        acc = accumulate_dtype(gate.dtype)
+        g = gate.to(acc)
+        ctx.save_for_backward(gate, up)
+        return gelu_tanh(g)[1].mul_(up.to(acc)).to(gate.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_y: Tensor):
+        gate, up = ctx.saved_tensors
+        acc = accumulate_dtype(gate.dtype)
+        g, u, dy = gate.to(acc), up.to(acc), grad_y.contiguous().to(acc)
+        s, gelu = gelu_tanh(g)
+        dup = (dy * gelu).to(up.dtype)
+        dgate = (dy * u).mul_(gelu_tanh_derivative(g, s, gelu)).to(gate.dtype)
+        return dgate, dup
+
+
+@register("portable", "gelu_mul")
+def gelu_mul(gate: Tensor, up: Tensor) -> Tensor:
+    return _GeluMul.apply(gate.contiguous(), up.contiguous())
