@@ -19,6 +19,8 @@ from ...registry import register
 from ...softcap import softcap as capped
 
 VOCAB_CHUNK = 4096
+# Rows x vocabulary up to which online_lse folds all chunks at once (32 MiB of fp32 logits).
+BATCHED_LSE_ELEMENTS = 1 << 23
 
 
 def _chunk_logits(hidden: Tensor, weight: Tensor, start: int, acc: torch.dtype, temperature: float,
@@ -41,8 +43,21 @@ def _select(logits: Tensor, targets: Tensor, start: int) -> tuple[Tensor, Tensor
 def online_lse(hidden: Tensor, weight: Tensor, temperature: float,
                visit: Callable[[int, Tensor], None] | None = None, cap: float | None = None) -> Tensor:
     """log-sum-exp [T] of cap(hidden @ weight.T) / temperature over the vocabulary, chunk by chunk in
-    vocabulary order (accumulation dtype). visit(start, logits) sees each chunk's scaled logits."""
+    vocabulary order (accumulation dtype). visit(start, logits) sees each chunk's scaled logits.
+
+    The fold over chunks: m_i = max(m_{i-1}, max of chunk i), s_i = s_{i-1} exp(m_{i-1} - m_i) +
+    row_sum(exp(chunk_i - m_i)). A few rows at a time (decode) evaluate each step's elementwise and
+    row_sum parts for all chunks at once and only the recurrence on s one chunk at a time: the same
+    operations on the same values, so the same bits, in far fewer calls."""
     acc = accumulate_dtype(hidden.dtype)
+    if hidden.shape[0] * weight.shape[0] <= BATCHED_LSE_ELEMENTS:
+        chunks = []
+        for start in range(0, weight.shape[0], VOCAB_CHUNK):
+            logits, _ = _chunk_logits(hidden, weight, start, acc, temperature, cap)
+            if visit is not None:
+                visit(start, logits)
+            chunks.append(logits)
+        return _lse_of_chunks(chunks)
     run_max = run_sum = None
     for start in range(0, weight.shape[0], VOCAB_CHUNK):
         logits, _ = _chunk_logits(hidden, weight, start, acc, temperature, cap)
@@ -57,6 +72,26 @@ def online_lse(hidden: Tensor, weight: Tensor, temperature: float,
             run_sum = run_sum * torch.exp(run_max - new_max) + row_sum(torch.exp(logits - new_max[:, None]))
             run_max = new_max
     return run_max + torch.log(run_sum)
+
+
+def _lse_of_chunks(chunks: list[Tensor]) -> Tensor:
+    """online_lse's fold over chunk logits [T, VOCAB_CHUNK] (the last may be shorter), batched."""
+    full = [c for c in chunks if c.shape[1] == VOCAB_CHUNK]
+    tail = chunks[len(full):]
+    maxes = torch.stack([row_max(c) for c in chunks], dim=1)                 # [T, chunks]
+    running = torch.cummax(maxes, dim=1).values                             # m_i: exact, as the loop's maximum
+    sums = []
+    if full:
+        stacked = torch.stack(full, dim=1)                                  # [T, full chunks, VOCAB_CHUNK]
+        sums.append(row_sum(torch.exp(stacked - running[:, :len(full), None])))
+    if tail:
+        sums.append(row_sum(torch.exp(tail[0] - running[:, len(full), None]))[:, None])
+    chunk_sums = torch.cat(sums, dim=1)
+    decay = torch.exp(running[:, :-1] - running[:, 1:])
+    run_sum = chunk_sums[:, 0]
+    for i in range(1, chunk_sums.shape[1]):
+        run_sum = run_sum * decay[:, i - 1] + chunk_sums[:, i]
+    return running[:, -1] + torch.log(run_sum)
 
 
 def selected_logprobs_forward(hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float = 1.0,
