@@ -171,25 +171,29 @@ def weight_grad(grad_out: Tensor, inp: Tensor, out: Tensor | None = None) -> Ten
     batched: [B, M, N], [B, M, K] -> [B, N, K]. In the accumulation dtype; into `out` (a
     contiguous tensor of that shape and dtype, overwritten) when given.
 
-    Block by block from row 0, one GEMM of fixed shape [N, ROW_BLOCK] @ [ROW_BLOCK, K] adds into the
-    accumulator in place (addmm with beta = 1): out <- out + G_b^T X_b. The last block is
-    zero-padded, so zero-gradient rows appended to the batch add exact zeros.
+    Block by block from row 0, one GEMM of fixed shape [N, ROW_BLOCK] @ [ROW_BLOCK, K]: the first
+    writes the accumulator (out <- G_0^T X_0), each next one adds into it in place (addmm with
+    beta = 1: out <- out + G_b^T X_b). The last block is zero-padded, so zero-gradient rows appended
+    to the batch add exact zeros. Writing the first block, rather than adding it to zeros, spares a
+    pass over the accumulator (a vocabulary-sized one for the LM head).
     """
     acc = accumulate_dtype(grad_out.dtype)
     rows = grad_out.shape[-2]
     shape = tuple(grad_out.shape[:-2]) + (grad_out.shape[-1], inp.shape[-1])
     if out is None:
-        out = grad_out.new_zeros(shape, dtype=acc)
-    else:
-        if out.shape != shape or out.dtype != acc or not out.is_contiguous():
-            raise ValueError(f"out: expected a contiguous {acc} tensor of shape {shape}, got {out.dtype} "
-                             f"{tuple(out.shape)}")
-        out.zero_()
+        out = grad_out.new_empty(shape, dtype=acc)
+    elif out.shape != shape or out.dtype != acc or not out.is_contiguous():
+        raise ValueError(f"out: expected a contiguous {acc} tensor of shape {shape}, got {out.dtype} "
+                         f"{tuple(out.shape)}")
+    if rows == 0:
+        return out.zero_()
     for start in range(0, rows, ROW_BLOCK):
         stop = min(start + ROW_BLOCK, rows)
         g = padded_block(grad_out, start, stop).to(acc).transpose(-1, -2)
         x = padded_block(inp, start, stop).to(acc)
-        if out.dim() == 3:
+        if start == 0:
+            (torch.bmm if out.dim() == 3 else torch.mm)(g, x, out=out)
+        elif out.dim() == 3:
             torch.baddbmm(out, g, x, out=out)
         else:
             torch.addmm(out, g, x, out=out)
