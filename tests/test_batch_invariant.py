@@ -326,3 +326,16 @@ def test_every_probed_coverage_row_passes_and_the_probes_reach_the_covered_ops()
     for op in ("aten::mm (+ out=)", "aten::_grouped_mm (2-D rows, 3-D weights, offs)", "aten::sum (default, dim_IntList, out=)",
                "aten::_log_softmax (+ out=, backward)", "aten::tanh (+ backward)"):
         assert verified[op] == "pass", op
+
+
+def test_grouped_mm_forms_the_mode_does_not_cover_raise_under_strict():
+    rows, weights = torch.randn(6, 8), torch.randn(2, 8, 4)
+    offs = torch.tensor([2, 6], dtype=torch.int32)
+    from lockstep.fixed_order import matmul_rows
+
+    with lockstep.batch_invariant(strict=True):
+        out = torch.nn.functional.grouped_mm(rows, weights, offs=offs)
+        assert torch.equal(out[:2], matmul_rows(rows[:2], weights[0]))
+        assert torch.equal(out[2:], matmul_rows(rows[2:], weights[1]))
+        with pytest.raises(RuntimeError, match="aten::_grouped_mm is covered for 2-D rows against 3-D weights"):
+            torch.nn.functional.grouped_mm(rows.t().contiguous(), torch.randn(6, 4), offs=offs)

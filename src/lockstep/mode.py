@@ -46,7 +46,7 @@ COVERAGE: list[tuple[str, str, str]] = [
     ("aten::baddbmm (+ out=, _)", "as bmm, then beta * self added", "fp32 bf16 fp16 fp64"),
     ("aten::addbmm (+ out=, _)", "as bmm, the batch entries added in order", "fp32 bf16 fp16 fp64"),
     ("aten::_grouped_mm (2-D rows, 3-D weights, offs)", "each group's rows on fixed row tiles of its weight "
-     "(transformers' grouped_mm experts)", "fp32 bf16 fp16 fp64"),
+     "(transformers' grouped_mm experts); other forms run stock, strict=True raises", "fp32 bf16 fp16 fp64"),
     ("aten::mv, aten::addmv (+ out=, _)", "a one-column GEMM on fixed row tiles (no GEMV path)", "fp32 bf16 fp16 fp64"),
     ("aten::dot, aten::vdot (+ out=)", "a one-row GEMM (real dtypes)", "fp32 bf16 fp16 fp64"),
     ("aten::matmul / aten::linear", "decompose into the GEMMs above (3-D inputs, 1-D inputs, einsum, tensordot)",
@@ -145,6 +145,10 @@ def _grouped_mm(self, mat2, offs=None, bias=None, out_dtype=None):
     """The mixture-of-experts form: rows [S, K] in groups ending at offs [G], weights [G, K, N] ->
     [S, N], each group's rows on the fixed row tiles of its own weight. Other forms run stock."""
     if offs is None or self.dim() != 2 or mat2.dim() != 3 or bias is not None:
+        if _strict:
+            raise RuntimeError("lockstep.batch_invariant(strict=True): aten::_grouped_mm is covered for 2-D rows "
+                               "against 3-D weights with offs (the experts' forward); this form (its backward's "
+                               "weight gradient, say) has no batch-invariant implementation in lockstep")
         return None
     dtype = out_dtype or self.dtype
     out = self.new_zeros((self.shape[0], mat2.shape[2]), dtype=dtype)
