@@ -72,3 +72,20 @@ def test_gemm_row_tiles_agree_under_autocast():
         for m in (5, 100, ROW_TILE + 64):
             assert torch.equal(matmul_rows(a[:m], b), alone[:m]), m
     assert torch.equal(matmul_rows(a, b), alone)
+
+
+@pytest.mark.parametrize("rows", [1, 8, 100])
+def test_a_gemm_column_has_the_same_bits_in_a_call_of_any_width(rows, monkeypatch):
+    """matmul_rows cuts fp32 columns into COLUMN_CHUNK-column calls, and a column-parallel linear
+    shard is a call with fewer columns: both need a column's bits to be independent of N."""
+    from lockstep import fixed_order
+
+    gen = torch.Generator().manual_seed(1)
+    a = torch.randn(rows, 1024, generator=gen)
+    w = torch.randn(10_000, 1024, generator=gen) / 32
+    bias = torch.randn(10_000, generator=gen)
+    chunked = matmul_rows(a, w.t(), bias)
+    monkeypatch.setattr(fixed_order, "COLUMN_CHUNK", 1 << 30)
+    whole = matmul_rows(a, w.t(), bias)
+    assert torch.equal(chunked, whole)
+    assert torch.equal(whole[:, 1000:3000], matmul_rows(a, w[1000:3000].t(), bias[1000:3000]))
