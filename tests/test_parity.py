@@ -10,11 +10,11 @@ import torch
 from lockstep import cli, contract, parity
 from lockstep.registry import register, register_backend
 from lockstep.model import ModelConfig, Transformer
-from lockstep.parity import RunConfig, compare, ulp_distance
+from lockstep.parity import RunConfig, ulp_distance
 from lockstep.fixed_order import row_sum
 from lockstep.backends.portable.linear import linear as portable_linear
 from lockstep.backends.portable.rms_norm import rms_norm as portable_rms_norm
-from lockstep.report import build_html, from_run_dir
+from lockstep.report import build_html
 
 LINEARS_PER_LAYER = 7            # q, k, v, o, gate, up, down
 _calls = {"linear": 0}

@@ -82,8 +82,6 @@ class _LaunchCounter:
         self.names[name] = self.names.get(name, 0) + 1
 
     def __enter__(self):
-        import triton
-
         knobs = getattr(triton, "knobs", None)
         if knobs is not None and hasattr(knobs.runtime, "launch_enter_hook"):
             self._owner, self._attr = knobs.runtime, "launch_enter_hook"
