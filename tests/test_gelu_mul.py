@@ -2,7 +2,7 @@ import pytest
 import torch
 
 import lockstep
-from lockstep import ops
+from lockstep import contract, ops
 from lockstep.backends import reference
 
 from _contract_checks import DTYPES, assert_op_contract
@@ -19,7 +19,8 @@ def test_gelu_mul_is_transformers_gelu_pytorch_tanh():
     torch.manual_seed(0)
     g, u = torch.randn(64, 96) * 3, torch.randn(64, 96)
     want = ACT2FN["gelu_pytorch_tanh"](g.double()) * u.double()
-    torch.testing.assert_close(ops.gelu_mul(g, u).double(), want, atol=1e-5, rtol=1e-5)
+    tol = contract.tolerance("gelu_mul", torch.float32)
+    torch.testing.assert_close(ops.gelu_mul(g, u).double(), want, atol=tol.atol, rtol=tol.rtol)
 
 
 def test_eager_tanh_depends_on_position_in_the_vector_loop_and_gelu_mul_does_not():
@@ -39,7 +40,8 @@ def test_gelu_mul_extreme_values_match_reference():
     y = ops.gelu_mul(g, torch.ones_like(g))
     want = reference.gelu_mul(g, torch.ones_like(g))
     assert not y[:-1].isnan().any()
-    torch.testing.assert_close(y[:-1].double(), want[:-1], atol=1e-5, rtol=1e-5)
+    tol = contract.tolerance("gelu_mul", torch.float32)
+    torch.testing.assert_close(y[:-1].double(), want[:-1], atol=tol.atol, rtol=tol.rtol)
 
 
 def test_gelu_mul_gradient_matches_reference():
@@ -50,8 +52,9 @@ def test_gelu_mul_gradient_matches_reference():
     torch.autograd.backward(ops.gelu_mul(g, u), dy)
     g64, u64 = g.detach().double().requires_grad_(), u.detach().double().requires_grad_()
     torch.autograd.backward(reference.gelu_mul(g64, u64), dy.double())
-    torch.testing.assert_close(g.grad.double(), g64.grad, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(u.grad.double(), u64.grad, atol=1e-5, rtol=1e-5)
+    tol = contract.tolerance("gelu_mul", torch.float32, "gradient")
+    torch.testing.assert_close(g.grad.double(), g64.grad, atol=tol.atol, rtol=tol.rtol)
+    torch.testing.assert_close(u.grad.double(), u64.grad, atol=tol.atol, rtol=tol.rtol)
 
 
 def test_gelu_mul_bad_input():

@@ -126,6 +126,13 @@ def test_positions_from_cu_seqlens():
     assert positions_from_cu_seqlens(torch.tensor([0, 3, 3, 5])).tolist() == [0, 1, 2, 0, 1]
 
 
+def test_every_family_list_names_the_same_families():
+    from lockstep import cli, hf
+    from lockstep.model.config import FAMILIES as CONFIG_FAMILIES
+
+    assert set(cli.FAMILIES) == set(hf.FAMILIES) == set(CONFIG_FAMILIES) == set(FAMILIES)
+
+
 def test_unknown_architecture_lists_supported(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
     with pytest.raises(ValueError, match=r"unknown architecture model_type='gpt2'; supported: \['gemma3_text', 'llama', 'qwen2', 'qwen3', 'qwen3_moe'\]"):

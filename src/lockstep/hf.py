@@ -30,10 +30,13 @@ import torch
 from torch import Tensor, nn
 
 from . import ops
+from .model.config import FAMILIES as MODEL_FAMILIES
+from .model.config import HF_ACTS
 from .model.moe import route, run_experts
+from .model.transformer import ACTIVATIONS
 from .rotary import RopeScaling, rope_scaling_from_hf
 
-FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "gemma3_text")
+FAMILIES = tuple(MODEL_FAMILIES)
 MODULES = {"gemma3_text": "gemma3"}           # model_type -> its package under transformers.models
 _ATTN = "lockstep"
 _patched_count = 0
@@ -163,12 +166,10 @@ def _modeling(family: str):
 
 def _activation(config):
     act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "silu")
-    if act == "silu":
-        return ops.silu_mul
-    if act in ("gelu_pytorch_tanh", "gelu_tanh"):
-        return ops.gelu_mul
-    raise ValueError(f"model: lockstep.patch has no invariant MLP activation {act!r} (expected 'silu' or "
-                     "'gelu_pytorch_tanh')")
+    if act not in HF_ACTS:
+        raise ValueError(f"model: lockstep.patch has no invariant MLP activation {act!r} (expected one of "
+                         f"{sorted(HF_ACTS)})")
+    return ACTIVATIONS[HF_ACTS[act]]
 
 
 def _norm_forward(m: nn.Module):

@@ -30,6 +30,7 @@ from torch import Tensor
 from .backends.portable import attention as portable_attention
 from .backends.portable.gelu_mul import gelu_tanh, gelu_tanh_derivative
 from .fixed_order import accumulate_dtype, column_sum, matmul_rows, row_sum
+from .softcap import softcap
 
 _state = threading.local()
 _lock = threading.Lock()
@@ -457,8 +458,7 @@ def _gelu_backward(grad_output, self, approximate="none"):
 
 def _tanh(self):
     acc = accumulate_dtype(self.dtype)
-    x = self.to(acc)
-    return (1.0 - 2.0 / (torch.exp(x * 2.0) + 1.0)).to(self.dtype)
+    return softcap(self.to(acc), 1.0)[0].to(self.dtype)            # 1 * tanh(x / 1), lockstep's one tanh
 
 
 def _tanh_backward(grad_output, output):

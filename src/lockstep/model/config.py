@@ -18,6 +18,7 @@ FAMILIES: dict[str, dict] = {
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                  "qwen3_moe": "Qwen3MoeForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
 HIDDEN_ACTS = {"silu": "silu", "gelu_tanh": "gelu_pytorch_tanh"}       # lockstep name -> transformers name
+HF_ACTS = {v: k for k, v in HIDDEN_ACTS.items()} | {"gelu_tanh": "gelu_tanh"}   # transformers name -> lockstep's
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
@@ -165,8 +166,7 @@ class ModelConfig:
         gemma = model_type == "gemma3_text"
         act_key = "hidden_activation" if gemma and "hidden_activation" in hf else "hidden_act"
         act = hf.get(act_key, "gelu_pytorch_tanh" if gemma else "silu")
-        acts = {v: k for k, v in HIDDEN_ACTS.items()} | {"gelu_tanh": "gelu_tanh"}
-        if act not in acts:
+        if act not in HF_ACTS:
             raise ValueError(f"config.json: {act_key}={act!r} is not supported (expected one of {sorted(HIDDEN_ACTS.values())})")
         rope = dict(hf.get("rope_parameters") or {})
         legacy = hf.get("rope_scaling") or {}
@@ -231,7 +231,7 @@ class ModelConfig:
             qkv_bias=qkv_bias,
             qk_norm=family["qk_norm"],
             norm_offset=family.get("norm_offset", 0.0),
-            hidden_act=acts[act],
+            hidden_act=HF_ACTS[act],
             sandwich_norms=family.get("sandwich_norms", False),
             embed_scale=family.get("embed_scale", False),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", gemma)),

@@ -69,12 +69,17 @@ def replay_routing(choices: list[Tensor]) -> Iterator[None]:
         _ROUTING.reset(token)
 
 
+def router_probs(logits: Tensor) -> Tensor:
+    """The router's probabilities [T, E]: exp(log_softmax) in fp32 (float64 for float64 logits)."""
+    return torch.exp(ops.log_softmax(logits.to(accumulate_dtype(logits.dtype))))
+
+
 def route(logits: Tensor, top_k: int, normalize: bool, experts: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Router logits [T, E] -> (weights [T, k] in logits' dtype, experts [T, k] int64), each row's
     probabilities in fp32 (float64 for float64 logits), each row's
     slots in ascending expert order. Differentiable in the weights. `experts` given: those choices
     ([T, k], ascending per row) instead of the top k."""
-    probs = torch.exp(ops.log_softmax(logits.to(accumulate_dtype(logits.dtype))))
+    probs = router_probs(logits)
     if experts is None:
         ranked = torch.sort(probs.detach(), dim=-1, descending=True, stable=True).indices[:, :top_k]
         experts = torch.sort(ranked, dim=-1).values
@@ -216,7 +221,7 @@ def load_balancing_loss(router_logits: list[Tensor], num_experts: int, top_k: in
     prob_sum = torch.zeros(num_experts, dtype=acc, device=router_logits[0].device)
     rows = 0
     for logits in router_logits:
-        probs = torch.exp(ops.log_softmax(logits.to(acc)))
+        probs = router_probs(logits)
         _, chosen = route(logits.detach().to(acc), top_k, False)
         counts = counts + torch.bincount(chosen.reshape(-1), minlength=num_experts).to(acc)
         prob_sum = prob_sum + row_sum(probs.t().contiguous())
