@@ -16,7 +16,7 @@ PACKAGE = SRC / "lockstep"
 # Lower layers never import higher ones. A module's layer is that of its longest listed prefix.
 LAYERS = {
     0: ["lockstep.registry", "lockstep.fixed_order", "lockstep.grad_tree", "lockstep.rotary", "lockstep.paged_cache",
-        "lockstep.checks", "lockstep.autocast", "lockstep.softcap",
+        "lockstep.checks", "lockstep.autocast", "lockstep.softcap", "lockstep.chunks",
         "lockstep.contract"],
     1: ["lockstep.ops", "lockstep.backends"],
     2: ["lockstep.harness", "lockstep.model", "lockstep.sampling"],

@@ -7,7 +7,7 @@ this test says which primitive broke it.
 import pytest
 import torch
 
-from lockstep.fixed_order import ROW_TILE, TAIL_TILES, column_sum, matmul_rows, row_sum
+from lockstep.fixed_order import ROW_TILE, column_sum, matmul_rows, row_sum, tail_tiles
 
 PRIMITIVES = {
     "exp": (torch.exp, 30.0),
@@ -37,10 +37,10 @@ def test_gemm_row_tiles_agree_with_tail_tiles_and_threads(dtype):
     a = torch.randn(2 * ROW_TILE + 45, 300, generator=gen).to(dtype)
     b = (torch.randn(300, 77, generator=gen) / 17).to(dtype)
     torch.set_num_threads(2)
-    alone = torch.cat([matmul_rows(a[i:i + 1], b) for i in range(a.shape[0])])     # 8-row padded tiles
+    alone = torch.cat([matmul_rows(a[i:i + 1], b) for i in range(a.shape[0])])     # the smallest tile, padded
     # Row counts that run every tile shape after a full one, and padded ones: 13 -> 16, 50 -> 64,
-    # 100 -> 128, 5 -> 8, and all rows (128 + 128 + 32 + 16 padded).
-    for m in [ROW_TILE + t for t in TAIL_TILES] + [13, 50, 100, 5, a.shape[0]]:
+    # 100 -> 128, 5 -> 8 (fp32; 4 + 4 in bf16), 3 -> 4 (bf16), and all rows (128 + 128 + 32 + 16 padded).
+    for m in [ROW_TILE + t for t in tail_tiles(dtype, a.device)] + [13, 50, 100, 5, 3, a.shape[0]]:
         assert torch.equal(matmul_rows(a[:m], b), alone[:m]), m
     torch.set_num_threads(1)
     assert torch.equal(matmul_rows(a, b), alone)

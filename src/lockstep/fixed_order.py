@@ -34,6 +34,15 @@ from torch import Tensor
 ROW_TILE = 128
 TAIL_TILES = (64, 32, 16, 8)
 TAIL_TILE = TAIL_TILES[-1]
+# bf16 on a CPU adds a 4-row tile: oneDNN's bf16 GEMM gives 4 rows the bits of 128 (and runs them
+# at about GEMV speed, where an 8-row tile costs 1.3x), so decode's one row pays for 4, not 8. MKL's
+# fp32 4-row tile is not faster than its 8-row one.
+CPU_BF16_TAIL_TILES = TAIL_TILES + (4,)
+
+
+def tail_tiles(dtype: torch.dtype, device: torch.device) -> tuple[int, ...]:
+    """The tail tile shapes `matmul_rows` uses for a dtype on a device, largest first."""
+    return CPU_BF16_TAIL_TILES if dtype == torch.bfloat16 and device.type == "cpu" else TAIL_TILES
 # Width of the sequential stage of `row_sum`; the remaining WIDTH lanes are folded pairwise.
 SUM_WIDTH = 512
 # Rows per block in weight-gradient reductions.
@@ -98,10 +107,11 @@ def matmul_rows(a: Tensor, b: Tensor, bias: Tensor | None = None) -> Tensor:
     """a @ b (+ bias), row-invariant: a [M, K], b [K, N] (may be a transposed view), bias [N];
     or batched: a [B, M, K], b [B, K, N].
 
-    The rows of `a` are processed in tiles of exactly ROW_TILE rows, the tail in the TAIL_TILES
-    shapes, largest first; rows that fill more than 3/4 of a tile (or fewer than TAIL_TILE) are
-    zero-padded to it. In fp32 on a CPU the columns go in COLUMN_CHUNK-column calls. So each BLAS call
-    has one of a few fixed shapes and a row's result never depends on M or on its position. bf16 runs natively (fp32 accumulation in oneDNN);
+    The rows of `a` are processed in tiles of exactly ROW_TILE rows, the tail in the `tail_tiles`
+    shapes, largest first; rows that fill more than 3/4 of a tile (or fewer than the smallest) are
+    zero-padded to it. In fp32 on a CPU the columns go in COLUMN_CHUNK-column calls. So each BLAS
+    call has one of a few fixed shapes and a row's result never depends on M or on its position.
+    bf16 runs natively (fp32 accumulation in oneDNN);
     fp16 is computed in fp32 because CPUs without fp16 arithmetic are faster and exact that way.
     The bias is added inside the GEMM (addmm) so the result is rounded once. Returns [(B,) M, N]
     in a's dtype.
@@ -137,11 +147,12 @@ def matmul_rows(a: Tensor, b: Tensor, bias: Tensor | None = None) -> Tensor:
     # Every tile computes in a's dtype: autocast would cast the tiles called without `out=` (the
     # padded ones) and not the others, so a row's bits would depend on its tile. The ops decide the
     # dtype under autocast before they get here.
+    tails = tail_tiles(a.dtype, a.device)
     with torch.autocast(a.device.type, enabled=False):
         start = 0
         while start < m:
             rest = m - start
-            tile = next((t for t in (ROW_TILE,) + TAIL_TILES if rest >= t or 4 * rest > 3 * t), TAIL_TILE)
+            tile = next((t for t in (ROW_TILE,) + tails if rest >= t or 4 * rest > 3 * t), tails[-1])
             if rest >= tile:
                 gemm(a[..., start:start + tile, :], out=out[..., start:start + tile, :])
                 start += tile
@@ -275,35 +286,55 @@ class TreeSum:
 
     def __init__(self) -> None:
         self.pieces: list[tuple[int, int, Tensor]] = []
-        self._owned: set[int] = set()      # ids of the node tensors this tree created (added into in place)
+        self._owned: set[int] = set()      # ids of the node tensors no caller holds (added into in place)
+        self._spare: Tensor | None = None  # a freed node tensor, for `spare` to hand out
 
     @property
     def stop(self) -> int | None:
         """The index after the last one added (None when empty)."""
         return self.pieces[-1][0] + self.pieces[-1][1] if self.pieces else None
 
-    def add(self, start: int, size: int, value: Tensor) -> None:
+    def add(self, start: int, size: int, value: Tensor, donated: bool = False) -> None:
+        """Add a leaf or piece. `donated`: no caller holds `value`, so the tree may add into it in
+        place and hand it out again from `spare` once it is merged away (a vocabulary-sized partial
+        then costs no fresh allocation, whose page faults cost more than the add)."""
         if self.pieces and start != self.stop:
             raise ValueError(f"start: expected the next index {self.stop}, got {start} (indices must come in order)")
         if size < 1 or size & (size - 1) or start % size:
             raise ValueError(f"size: expected an aligned power-of-two block, got [{start}, {start + size})")
         self.pieces.append((start, size, value))
+        if donated and isinstance(value, Tensor):
+            self._owned.add(id(value))
         while len(self.pieces) >= 2 and _siblings(self.pieces[-2], self.pieces[-1]):
-            right = self.pieces.pop()
-            left = self.pieces.pop()
-            self._owned.discard(id(right[2]))
-            if id(left[2]) in self._owned:
-                node = left[2].add_(right[2])   # the same IEEE add, into a node no caller holds
+            right = self.pieces.pop()[2]
+            start_left, size_left, left = self.pieces.pop()
+            # Every node is left + right, in that operand order, wherever it is written.
+            if id(left) in self._owned:
+                node = left.add_(right)
+                if id(right) in self._owned:
+                    self._owned.discard(id(right))
+                    self._spare = right
+            elif id(right) in self._owned:
+                node = torch.add(left, right, out=right)
             else:
-                node = left[2] + right[2]
+                node = left + right
                 if isinstance(node, Tensor):
                     self._owned.add(id(node))
-            self.pieces.append((left[0], 2 * left[1], node))
+            self.pieces.append((start_left, 2 * size_left, node))
+
+    def spare(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
+        """An uninitialised tensor for the next leaf: the last node tensor merged away when it fits,
+        else a new one. Donate it back with `add(..., donated=True)`."""
+        spare, self._spare = self._spare, None
+        if spare is not None and spare.shape == tuple(shape) and spare.dtype == dtype and spare.device == device:
+            return spare
+        return torch.empty(shape, dtype=dtype, device=device)
 
     def total(self) -> Tensor:
         """The sum; the pieces must cover [0, n) (n = `stop`)."""
         if not self.pieces or self.pieces[0][0] != 0:
             raise ValueError("TreeSum: the pieces do not start at index 0")
+        self._spare = None
         out = self.pieces[0][2]
         for _, _, value in self.pieces[1:]:
             out = out + value

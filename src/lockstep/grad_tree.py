@@ -142,12 +142,21 @@ def dense(t: "Tensor | RowSparse") -> Tensor:
 def per_unit(use: Use | None, rows: int, partial: Callable[[int, int], "Tensor | RowSparse"]) -> Tensor | None:
     """The gradient of one op call: partial(0, rows) when `use` is None (dense); otherwise
     partial(start, stop) for each unit's rows, handed to the unit tree, and None (autograd then adds
-    nothing)."""
+    nothing). Each partial must be a tensor no one else holds (or a RowSparse): the tree adds into
+    it in place and may hand it out again through `empty`."""
     if use is None:
         return dense(partial(0, rows))
     for i in range(len(use.offsets) - 1):
-        use.tree.add(use.first + i, 1, partial(use.offsets[i], use.offsets[i + 1]))
+        use.tree.add(use.first + i, 1, partial(use.offsets[i], use.offsets[i + 1]), donated=True)
     return None
+
+
+def empty(use: Use | None, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
+    """An uninitialised tensor for a unit's partial: inside a unit tree, the tensor of a partial
+    already merged away when one is free (a vocabulary-sized LM-head partial is worth reusing)."""
+    if use is None:
+        return torch.empty(shape, dtype=dtype, device=device)
+    return use.tree.spare(shape, dtype, device)
 
 
 class UnitTrees:

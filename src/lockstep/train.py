@@ -37,6 +37,7 @@ from torch import Tensor
 
 from . import grad_tree
 from .dist import reduction_parts, share_of
+from .chunks import row_chunks
 from .fixed_order import row_sum, tree_sum
 from .model import ModelConfig, Transformer, load_tokenizer, model_from_source, pack
 from .model.files import read_json, read_tensors, safetensors_files
@@ -161,25 +162,43 @@ class AdamW:
             grad = p.grad if grads is None else grads.get(name)
             if grad is None:
                 continue
-            # One IEEE op per line, in place where the result is not needed twice: the same bits
-            # as the expression form, without a parameter-sized allocation for every op.
-            g = grad.to(torch.float32)
-            if grad_scale != 1.0:
-                g = g * grad_scale
             m, v = self.exp_avg[name], self.exp_avg_sq[name]
-            tmp = g * (1 - b1)
-            m.mul_(b1).add_(tmp)                                   # m * b1 + g * (1 - b1)
-            torch.mul(g, g, out=tmp).mul_(1 - b2)
-            v.mul_(b2).add_(tmp)                                   # v * b2 + (g * g) * (1 - b2)
             w = self.master[name] if self.master is not None else p.data
-            wf = w if w.dtype == torch.float32 else w.to(torch.float32)
-            if self.cfg.weight_decay:
-                wf.mul_(1 - lr * self.cfg.weight_decay)
-            torch.sqrt(v, out=tmp).div_(bc2_sqrt).add_(self.cfg.eps)      # denom
-            torch.div(m, tmp, out=tmp).mul_(lr / bc1)
-            wf.sub_(tmp)                                           # w - (m / denom) * (lr / bc1)
-            if wf is not p.data:
-                p.data.copy_(wf)
+            model = p.data if self.master is not None else None
+            if not w.is_contiguous() or (model is not None and not model.is_contiguous()):
+                self._update(grad, m, v, w, model, lr, grad_scale, bc1, bc2_sqrt)
+                continue
+            # Flat cache-sized chunks: the update is elementwise, so the bits are those of the
+            # whole-tensor chain (tests/test_train.py), at a fraction of its memory traffic.
+            flat = [None if t is None else t.view(-1) for t in (m, v, w, model)]
+            grad = grad.reshape(-1)
+            for s, e in row_chunks(grad.numel(), 1):
+                self._update(grad[s:e], *(None if t is None else t[s:e] for t in flat), lr, grad_scale, bc1, bc2_sqrt)
+
+    def _update(self, grad: Tensor, m: Tensor, v: Tensor, w: Tensor, model: Tensor | None, lr: float,
+                grad_scale: float, bc1: float, bc2_sqrt: float) -> None:
+        """The AdamW update of one tensor or chunk, in place on m and v (fp32) and on the weights w
+        (the model's, or fp32 master weights whose rounded values are then written into `model`)."""
+        b1, b2 = self.cfg.betas
+        # One IEEE op per line, in place where the result is not needed twice: the same bits as the
+        # expression form, without an allocation for every op.
+        g = grad.to(torch.float32)
+        if grad_scale != 1.0:
+            g = g * grad_scale
+        tmp = g * (1 - b1)
+        m.mul_(b1).add_(tmp)                                       # m * b1 + g * (1 - b1)
+        torch.mul(g, g, out=tmp).mul_(1 - b2)
+        v.mul_(b2).add_(tmp)                                       # v * b2 + (g * g) * (1 - b2)
+        wf = w if w.dtype == torch.float32 else w.to(torch.float32)
+        if self.cfg.weight_decay:
+            wf.mul_(1 - lr * self.cfg.weight_decay)
+        torch.sqrt(v, out=tmp).div_(bc2_sqrt).add_(self.cfg.eps)  # denom
+        torch.div(m, tmp, out=tmp).mul_(lr / bc1)
+        wf.sub_(tmp)                                               # w - (m / denom) * (lr / bc1)
+        if wf is not w:  # a bf16 / fp16 model without master weights
+            w.copy_(wf)
+        if model is not None:
+            model.copy_(wf)
 
     def state_tensors(self) -> dict[str, Tensor]:
         out = {f"exp_avg.{n}": t for n, t in self.exp_avg.items()}
@@ -208,13 +227,12 @@ def grad_norm(grads: dict[str, Tensor], parts: dict[str, tuple[int, int]] | None
     rank's ([tp, n], rank order); replicated parameters are counted once."""
     parts = parts or {}
     names = sorted(n for n, g in grads.items() if g is not None)
-    squares = {n: grads[n].detach().to(torch.float32).square() for n in names}
     split = [n for n in names if n in parts]
     local = []
     for n in split:
         dim, k = parts[n]
-        size = squares[n].shape[dim] // k
-        local += [square_sum(squares[n].narrow(dim, i * size, size)) for i in range(k)]
+        size = grads[n].shape[dim] // k
+        local += [square_sum(grads[n].narrow(dim, i * size, size)) for i in range(k)]
     gathered = None
     if local:
         mine = torch.stack(local).cpu()
@@ -227,18 +245,24 @@ def grad_norm(grads: dict[str, Tensor], parts: dict[str, tuple[int, int]] | None
             total = total + tree_sum(list(gathered[:, offset:offset + k].reshape(-1)))
             offset += k
         else:
-            total = total + square_sum(squares[n]).cpu()
+            total = total + square_sum(grads[n]).cpu()
     return torch.sqrt(total)
 
 
-def square_sum(squares: Tensor) -> Tensor:
-    """The sum of a tensor of squares, fp32 scalar: `row_sum` over the last dimension, then over
-    the row sums (for 0-d and 1-d tensors, one row_sum). A fixed order that depends on the shape
-    alone, and vectorised over rows (a flat row_sum of a vocabulary-sized table is a Python loop of
-    its length / SUM_WIDTH steps)."""
-    if squares.dim() < 2:
-        return row_sum(squares.reshape(1, -1))[0]
-    return row_sum(row_sum(squares.reshape(-1, squares.shape[-1]))[None])[0]
+def square_sum(grad: Tensor) -> Tensor:
+    """The sum of squares of a gradient (any float dtype), fp32 scalar: each square in fp32, `row_sum`
+    over the last dimension, then over the row sums (for 0-d and 1-d tensors, one row_sum). A fixed
+    order that depends on the shape alone, vectorised over rows (a flat row_sum of a
+    vocabulary-sized table is a Python loop of its length / SUM_WIDTH steps), and squared in
+    cache-sized row chunks (lockstep.chunks), which changes no bit."""
+    grad = grad.detach()
+    if grad.dim() < 2:
+        return row_sum(grad.to(torch.float32).square().reshape(1, -1))[0]
+    rows = grad.reshape(-1, grad.shape[-1])
+    sums = torch.empty(rows.shape[0], dtype=torch.float32, device=grad.device)
+    for s, e in row_chunks(rows.shape[0], rows.shape[1]):
+        sums[s:e] = row_sum(rows[s:e].to(torch.float32).square())
+    return row_sum(sums[None])[0]
 
 
 def lr_at(step: int, base_lr: float, warmup: int, total: int, min_lr_ratio: float = 0.1) -> float:

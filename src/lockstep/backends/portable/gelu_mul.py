@@ -3,7 +3,7 @@
 torch.tanh, like torch.sigmoid, gives other fp32 bits in the scalar tail of its vector loop than in
 the body. gelu_tanh(g) = 0.5 g (1 + tanh(u)) equals g * sigmoid(2u), u = sqrt(2/pi) (g + 0.044715 g^3),
 and the sigmoid is written with exp and a reciprocal, which are path-independent
-(tests/test_primitives.py guards this).
+(tests/test_primitives.py guards this). The chain runs on cache-sized row chunks, as silu_mul's.
 """
 
 from __future__ import annotations
@@ -13,9 +13,8 @@ import math
 import torch
 from torch import Tensor
 
-from ...fixed_order import accumulate_dtype
 from ...registry import register
-from .silu_mul import sigmoid
+from .silu_mul import gated_backward, gated_forward, sigmoid
 
 SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 CUBIC = 0.044715
@@ -38,23 +37,25 @@ def gelu_tanh_derivative(g: Tensor, s: Tensor, gelu: Tensor) -> Tensor:
     return (1.0 - s).mul_(gelu).mul_(d2u).add_(s)
 
 
+def _gelu(g: Tensor) -> Tensor:
+    return gelu_tanh(g)[1]
+
+
+def _gelu_and_derivative(g: Tensor) -> tuple[Tensor, Tensor]:
+    s, gelu = gelu_tanh(g)
+    return gelu, gelu_tanh_derivative(g, s, gelu)
+
+
 class _GeluMul(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gate: Tensor, up: Tensor) -> Tensor:
-        acc = accumulate_dtype(gate.dtype)
-        g = gate.to(acc)
         ctx.save_for_backward(gate, up)
-        return gelu_tanh(g)[1].mul_(up.to(acc)).to(gate.dtype)
+        return gated_forward(_gelu, gate, up)
 
     @staticmethod
     def backward(ctx, grad_y: Tensor):
         gate, up = ctx.saved_tensors
-        acc = accumulate_dtype(gate.dtype)
-        g, u, dy = gate.to(acc), up.to(acc), grad_y.contiguous().to(acc)
-        s, gelu = gelu_tanh(g)
-        dup = (dy * gelu).to(up.dtype)
-        dgate = (dy * u).mul_(gelu_tanh_derivative(g, s, gelu)).to(gate.dtype)
-        return dgate, dup
+        return gated_backward(_gelu_and_derivative, gate, up, grad_y.contiguous())
 
 
 @register("portable", "gelu_mul")

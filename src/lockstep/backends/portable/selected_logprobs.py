@@ -132,7 +132,8 @@ class _SelectedLogprobs(torch.autograd.Function):
         def rows_backward(first: int, stop: int) -> Tensor | None:
             """d(hidden) of rows [first, stop) into dh, and their weight gradient (or None)."""
             h = hidden[first:stop]
-            dw = torch.empty(weight.shape, dtype=acc, device=weight.device) if need_w else None   # every chunk written
+            # every chunk written
+            dw = grad_tree.empty(ctx.use, weight.shape, acc, weight.device) if need_w else None
             for start in range(0, weight.shape[0], VOCAB_CHUNK):
                 logits, slope = _chunk_logits(h, weight, start, acc, ctx.temperature, ctx.cap)
                 # d log p(t) / d logit_j = [j == t] - p_j

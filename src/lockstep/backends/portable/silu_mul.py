@@ -2,14 +2,18 @@
 
 torch.sigmoid and torch.nn.functional.silu give different fp32 bits in the vectorised loop and in
 its scalar tail, so an element's result would depend on where it falls in a thread's chunk;
-exp and division do not (tests/test_primitives.py guards this).
+exp and division do not (tests/test_primitives.py guards this). The chain runs on cache-sized row
+chunks (lockstep.chunks), which changes no bit.
 """
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch import Tensor
 
+from ...chunks import row_chunks
 from ...fixed_order import accumulate_dtype
 from ...registry import register
 
@@ -20,26 +24,52 @@ def sigmoid(x: Tensor) -> Tensor:
     return torch.exp(-x).add_(1.0).reciprocal_()
 
 
+def gated_forward(act: Callable[[Tensor], Tensor], gate: Tensor, up: Tensor) -> Tensor:
+    """act(gate) * up for rows [n, F], computed in the accumulation dtype chunk by chunk; `act`
+    maps an accumulation-dtype chunk to a new tensor. Returns [n, F] in gate's dtype."""
+    acc = accumulate_dtype(gate.dtype)
+    out = torch.empty_like(gate)
+    for s, e in row_chunks(gate.shape[0], gate.shape[1]):
+        out[s:e] = act(gate[s:e].to(acc)).mul_(up[s:e].to(acc))
+    return out
+
+
+def gated_backward(act_and_derivative: Callable[[Tensor], tuple[Tensor, Tensor]], gate: Tensor, up: Tensor,
+                   grad_y: Tensor) -> tuple[Tensor, Tensor]:
+    """(d gate, d up) of y = act(gate) * up for rows [n, F], chunk by chunk in the accumulation
+    dtype: d up = dy * act(g), d gate = (dy * up) * act'(g). `act_and_derivative` maps an
+    accumulation-dtype chunk g to (act(g), act'(g)). Returns two [n, F] tensors in the inputs' dtypes."""
+    acc = accumulate_dtype(gate.dtype)
+    dgate, dup = torch.empty_like(gate), torch.empty_like(up)
+    for s, e in row_chunks(gate.shape[0], gate.shape[1]):
+        dy = grad_y[s:e].to(acc)
+        a, da = act_and_derivative(gate[s:e].to(acc))
+        dup[s:e] = dy * a
+        dgate[s:e] = (dy * up[s:e].to(acc)).mul_(da)
+    return dgate, dup
+
+
+def _silu(g: Tensor) -> Tensor:
+    return sigmoid(g).mul_(g)
+
+
+def _silu_and_derivative(g: Tensor) -> tuple[Tensor, Tensor]:
+    s = sigmoid(g)
+    gs = g * s
+    # d silu / d g = s * (1 + g * (1 - s)) = s + gs * (1 - s)
+    return gs, (1.0 - s).mul_(gs).add_(s)
+
+
 class _SiluMul(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gate: Tensor, up: Tensor) -> Tensor:
-        acc = accumulate_dtype(gate.dtype)
-        g = gate.to(acc)
         ctx.save_for_backward(gate, up)
-        return sigmoid(g).mul_(g).mul_(up.to(acc)).to(gate.dtype)
+        return gated_forward(_silu, gate, up)
 
     @staticmethod
     def backward(ctx, grad_y: Tensor):
         gate, up = ctx.saved_tensors
-        acc = accumulate_dtype(gate.dtype)
-        g, u, dy = gate.to(acc), up.to(acc), grad_y.contiguous().to(acc)
-        s = sigmoid(g)
-        gs = g * s
-        dup = (dy * gs).to(up.dtype)
-        # d silu / d g = s * (1 + g * (1 - s)) = s + gs * (1 - s)
-        dsilu = (1.0 - s).mul_(gs).add_(s)
-        dgate = (dy * u).mul_(dsilu).to(gate.dtype)
-        return dgate, dup
+        return gated_backward(_silu_and_derivative, gate, up, grad_y.contiguous())
 
 
 @register("portable", "silu_mul")

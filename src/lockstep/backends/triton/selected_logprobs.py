@@ -112,7 +112,8 @@ class _SelectedLogprobs(torch.autograd.Function):
             """d(hidden) of rows [first, stop) into dh, and their weight gradient (or None)."""
             m = stop - first
             h = hidden[first:stop]
-            dw = torch.empty(weight.shape, dtype=acc, device=weight.device) if need_w else None   # every chunk written
+            # every chunk written
+            dw = grad_tree.empty(ctx.use, weight.shape, acc, weight.device) if need_w else None
             for s, e in _chunks(weight.shape[0]):
                 logits = gemm(h, weight[s:e].t(), out_dtype=acc)
                 slope = None
