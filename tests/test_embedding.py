@@ -1,6 +1,7 @@
 import pytest
 import torch
 
+import lockstep
 from lockstep import ops
 from lockstep.backends.portable.embedding import embedding_weight_grad
 
@@ -69,3 +70,22 @@ def test_a_tree_of_row_sparse_partials_has_the_dense_trees_bits():
     lone = RowSparse(torch.tensor([2]), torch.tensor([[-0.0]]), 4) + RowSparse(torch.tensor([3]), torch.tensor([[1.0]]), 4)
     assert torch.equal(lone.dense().view(torch.int32), (torch.tensor([[0.0], [0.0], [-0.0], [0.0]]) +
                                                        torch.tensor([[0.0], [0.0], [0.0], [1.0]])).view(torch.int32))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_a_row_sparse_gradient_densified_in_a_narrow_dtype_is_the_rounded_fp32_table(dtype):
+    """The embedding gradient outside a unit tree is written straight into the parameter's dtype:
+    the bits of the fp32 table rounded after, -0.0 and NaN included, without the fp32 table."""
+    from lockstep.grad_tree import RowSparse
+
+    values = torch.randn(4, 6, generator=torch.Generator().manual_seed(1)) * 1e3
+    values[0, 0], values[1, 1], values[2, 2] = -0.0, float("nan"), 1e6
+    leaf = RowSparse(torch.tensor([1, 3, 4, 8]), values, 10)
+    assert torch.equal(leaf.dense(dtype).view(torch.int16), leaf.dense().to(dtype).view(torch.int16))
+    ids = torch.tensor([3, 1, 3, 0])
+    w = torch.randn(5, 6).to(dtype).requires_grad_()
+    grad = torch.randn(4, 6).to(dtype)
+    with lockstep.use_backend("portable"):
+        ops.embedding(ids, w).backward(grad)
+    assert w.grad.dtype == dtype
+    assert torch.equal(w.grad.view(torch.int16), embedding_weight_grad(ids, grad, 5).dense().to(dtype).view(torch.int16))

@@ -128,24 +128,30 @@ class RowSparse:
         out[only_left] = out[only_left] + 0.0              # left only: va + 0.0
         return RowSparse(rows, out, self.size)
 
-    def dense(self) -> Tensor:
-        out = self.values.new_zeros(self.shape)
-        out[self.rows] = self.values
+    def dense(self, dtype: torch.dtype | None = None) -> Tensor:
+        """[size, D] in `dtype` (default: the values' dtype). Written directly in a narrower dtype,
+        which gives the bits of densifying first and rounding after, without the wide table."""
+        out = self.values.new_zeros(self.shape, dtype=dtype)
+        out[self.rows] = self.values.to(out.dtype)
         return out
 
 
-def dense(t: "Tensor | RowSparse") -> Tensor:
-    """A partial as a dense tensor."""
-    return t.dense() if isinstance(t, RowSparse) else t
+def dense(t: "Tensor | RowSparse", dtype: torch.dtype | None = None) -> Tensor:
+    """A partial as a dense tensor, in `dtype` when given."""
+    if isinstance(t, RowSparse):
+        return t.dense(dtype)
+    return t if dtype is None else t.to(dtype)
 
 
-def per_unit(use: Use | None, rows: int, partial: Callable[[int, int], "Tensor | RowSparse"]) -> Tensor | None:
+def per_unit(use: Use | None, rows: int, partial: Callable[[int, int], "Tensor | RowSparse"],
+             dtype: torch.dtype | None = None) -> Tensor | None:
     """The gradient of one op call: partial(0, rows) when `use` is None (dense); otherwise
     partial(start, stop) for each unit's rows, handed to the unit tree, and None (autograd then adds
     nothing). Each partial must be a tensor no one else holds (or a RowSparse): the tree adds into
-    it in place and may hand it out again through `empty`."""
+    it in place and may hand it out again through `empty`. The dense gradient is in `dtype` when
+    given."""
     if use is None:
-        return dense(partial(0, rows))
+        return dense(partial(0, rows), dtype)
     for i in range(len(use.offsets) - 1):
         use.tree.add(use.first + i, 1, partial(use.offsets[i], use.offsets[i + 1]), donated=True)
     return None

@@ -41,7 +41,7 @@ _strict = False
 
 # (aten op, what lockstep does, dtypes). "+ out=, _" means the out= overload and the in-place form.
 COVERAGE: list[tuple[str, str, str]] = [
-    ("aten::mm (+ out=)", "fixed 128/8-row GEMM tiles", "fp32 bf16 fp16 fp64"),
+    ("aten::mm (+ out=)", "fixed 128/8-row GEMM tiles (4-row in bf16 on CPU)", "fp32 bf16 fp16 fp64"),
     ("aten::addmm (+ out=, _)", "the product on fixed row tiles, rounded, then beta * self added", "fp32 bf16 fp16 fp64"),
     ("aten::bmm (+ out=)", "fixed row tiles per batch entry", "fp32 bf16 fp16 fp64"),
     ("aten::baddbmm (+ out=, _)", "as bmm, then beta * self added", "fp32 bf16 fp16 fp64"),

@@ -51,7 +51,7 @@ class _Embedding(torch.autograd.Function):
         (ids,) = ctx.saved_tensors
         g = grad_y.contiguous()
         dw = grad_tree.per_unit(ctx.use, ids.shape[0],
-                                lambda s, e: embedding_weight_grad(ids[s:e], g[s:e], ctx.num_embeddings))
+                                lambda s, e: embedding_weight_grad(ids[s:e], g[s:e], ctx.num_embeddings), g.dtype)
         return None, (None if dw is None else dw.to(grad_y.dtype))
 
 

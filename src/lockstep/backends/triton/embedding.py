@@ -69,7 +69,7 @@ class _Embedding(torch.autograd.Function):
                                                       BLOCK=min(1024, triton.next_power_of_2(d)))
             return grad_tree.RowSparse(uids, dw, v)
 
-        dw = grad_tree.per_unit(ctx.use, ids.numel(), partial)
+        dw = grad_tree.per_unit(ctx.use, ids.numel(), partial, g.dtype)
         return None, (None if dw is None else dw.to(g.dtype))
 
 
