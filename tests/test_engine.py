@@ -78,6 +78,26 @@ def test_preemption_recomputes_to_the_same_bits(model):
     assert engine.blocks.num_free == 17, "blocks of finished requests are returned"
 
 
+@pytest.mark.parametrize("fill", [float("nan"), float("inf")], ids=["nan", "inf"])
+def test_no_reader_touches_an_unwritten_cache_slot(model, fill):
+    """The KV cache is allocated uninitialised: filled with NaN or inf before the run, it must give
+    the bits of a zero-filled one, with chunked prefill, prefix sharing and preemption."""
+    prompts = _prompts() + [_prompts()[4][:40]]             # shares its first blocks with prompt 4
+
+    def run(value):
+        engine = Engine(model, max_num_seqs=6, max_num_batched_tokens=9, block_size=4, num_blocks=23)
+        for t in engine.runner.cache.k + engine.runner.cache.v:
+            t.fill_(value)
+        return engine.generate(prompts, SAMPLINGS[1]), engine
+
+    zero, _ = run(0.0)
+    filled, engine = run(fill)
+    assert engine.stats["preemptions"] > 0
+    for a, b in zip(zero, filled):
+        assert a.token_ids == b.token_ids and a.logprobs == b.logprobs
+        assert all(math.isfinite(x) for x in b.logprobs)
+
+
 def test_sampling_depends_on_seed_not_on_neighbours(model):
     p = _prompts()[1]
     sp = SamplingParams(temperature=1.0, max_new_tokens=12, seed=5)
