@@ -49,6 +49,7 @@ def test_gated_ops_give_the_bits_of_one_chunk(op, dtype, monkeypatch):
     assert whole[0][3, 5].isnan() and not whole[0][4].isnan().any()   # NaN stays in its element
 
 
+# "transposed fp32": a non-contiguous parameter takes the whole-tensor path, which must agree too.
 @pytest.mark.parametrize("case", ["fp32", "bf16 master", "bf16", "transposed fp32"])
 def test_adamw_gives_the_bits_of_one_chunk(case, monkeypatch):
     dtype = torch.float32 if "fp32" in case else torch.bfloat16

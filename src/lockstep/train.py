@@ -36,8 +36,8 @@ import torch
 from torch import Tensor
 
 from . import grad_tree
-from .dist import reduction_parts, share_of
 from .chunks import row_chunks
+from .dist import reduction_parts, share_of
 from .fixed_order import row_sum, tree_sum
 from .model import ModelConfig, Transformer, load_tokenizer, model_from_source, pack
 from .model.files import read_json, read_tensors, safetensors_files
@@ -169,7 +169,7 @@ class AdamW:
                 self._update(grad, m, v, w, model, lr, grad_scale, bc1, bc2_sqrt)
                 continue
             # Flat cache-sized chunks: the update is elementwise, so the bits are those of the
-            # whole-tensor chain (tests/test_train.py), at a fraction of its memory traffic.
+            # whole-tensor chain (tests/test_chunks.py), at a fraction of its memory traffic.
             flat = [None if t is None else t.view(-1) for t in (m, v, w, model)]
             grad = grad.reshape(-1)
             for s, e in row_chunks(grad.numel(), 1):

@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import math
 
-import torch
 from torch import Tensor
 
 from ...registry import register
-from .silu_mul import gated_backward, gated_forward, sigmoid
+from .silu_mul import GatedMul, sigmoid
 
 SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 CUBIC = 0.044715
@@ -46,18 +45,6 @@ def _gelu_and_derivative(g: Tensor) -> tuple[Tensor, Tensor]:
     return gelu, gelu_tanh_derivative(g, s, gelu)
 
 
-class _GeluMul(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, gate: Tensor, up: Tensor) -> Tensor:
-        ctx.save_for_backward(gate, up)
-        return gated_forward(_gelu, gate, up)
-
-    @staticmethod
-    def backward(ctx, grad_y: Tensor):
-        gate, up = ctx.saved_tensors
-        return gated_backward(_gelu_and_derivative, gate, up, grad_y.contiguous())
-
-
 @register("portable", "gelu_mul")
 def gelu_mul(gate: Tensor, up: Tensor) -> Tensor:
-    return _GeluMul.apply(gate.contiguous(), up.contiguous())
+    return GatedMul.apply(gate.contiguous(), up.contiguous(), _gelu, _gelu_and_derivative)

@@ -60,18 +60,24 @@ def _silu_and_derivative(g: Tensor) -> tuple[Tensor, Tensor]:
     return gs, (1.0 - s).mul_(gs).add_(s)
 
 
-class _SiluMul(torch.autograd.Function):
+class GatedMul(torch.autograd.Function):
+    """act(gate) * up with its backward, chunk by chunk (gated_forward / gated_backward); silu_mul
+    and gelu_mul pass their activation and its derivative."""
+
     @staticmethod
-    def forward(ctx, gate: Tensor, up: Tensor) -> Tensor:
+    def forward(ctx, gate: Tensor, up: Tensor, act: Callable[[Tensor], Tensor],
+                act_and_derivative: Callable[[Tensor], tuple[Tensor, Tensor]]) -> Tensor:
         ctx.save_for_backward(gate, up)
-        return gated_forward(_silu, gate, up)
+        ctx.act_and_derivative = act_and_derivative
+        return gated_forward(act, gate, up)
 
     @staticmethod
     def backward(ctx, grad_y: Tensor):
         gate, up = ctx.saved_tensors
-        return gated_backward(_silu_and_derivative, gate, up, grad_y.contiguous())
+        dgate, dup = gated_backward(ctx.act_and_derivative, gate, up, grad_y.contiguous())
+        return dgate, dup, None, None
 
 
 @register("portable", "silu_mul")
 def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
-    return _SiluMul.apply(gate.contiguous(), up.contiguous())
+    return GatedMul.apply(gate.contiguous(), up.contiguous(), _silu, _silu_and_derivative)
