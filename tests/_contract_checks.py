@@ -2,13 +2,15 @@
 
 import torch
 
+from lockstep import registry
 from lockstep.harness.check import check_op
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
-def assert_op_contract(op: str, dtype: torch.dtype, backend: str = "portable") -> None:
-    report = check_op(op, dtype, backend=backend)
+def assert_op_contract(op: str, dtype: torch.dtype, backend: str | None = None) -> None:
+    """Every sweep and the accuracy of `op` on `backend` (default: the CPU's, native where it builds)."""
+    report = check_op(op, dtype, backend=backend or registry.cpu_backend())
     failures = [f"{s.sweep}: {s.detail} (max diff {s.max_diff:.3e})" for s in report.sweeps if not s.passed]
     assert not failures, f"{op} {dtype} invariance failures: {failures}"
     assert all(s.compared > 0 for s in report.sweeps), "a sweep compared no rows"

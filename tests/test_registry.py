@@ -13,8 +13,9 @@ from lockstep.harness.specs import SPECS
 
 ROOT = Path(__file__).resolve().parent.parent
 BACKENDS = sorted(contract.load()["backends"])
-# Backend modules that hold shared kernels rather than one op (the Triton GEMM, column sums, tile helpers).
-SHARED = {"triton": {"common", "gemm", "reduce"}}
+# Backend modules that hold shared kernels rather than one op (the Triton and native GEMMs, column sums, tile
+# helpers, the native build).
+SHARED = {"triton": {"common", "gemm", "reduce"}, "native": {"build", "gemm"}}
 
 
 def face(op: str) -> str:

@@ -125,6 +125,8 @@ def cmd_check(args: argparse.Namespace) -> int:
         return cmd_check_mode()
     from . import harness
 
+    if args.backend is None:
+        args.backend = "triton" if str(args.device).startswith("cuda") else registry.cpu_backend()
     claimed = harness.checks_of(args.backend) if args.backend in contract.load()["backends"] else None
     names = list(dict.fromkeys(args.ops)) or claimed or harness.checks_of("portable")
     if claimed is not None:
@@ -341,7 +343,9 @@ def build_parser() -> argparse.ArgumentParser:
                        formatter_class=formatter)
     c.add_argument("ops", nargs="*", type=check_name, help="ops to check (default: every op the backend implements)")
     c.add_argument("--dtype", type=dtype_list, default="fp32,bf16,fp16", help="comma-separated dtypes")
-    c.add_argument("--backend", type=backend_name, default="portable", help="backend under test")
+    c.add_argument("--backend", type=backend_name, default=None,
+                   help="backend under test (default: the one lockstep runs on the device: native on a CPU where "
+                        "it builds, else portable; triton on CUDA)")
     c.add_argument("--no-grad", action="store_true", help="forward only")
     c.add_argument("--no-large", dest="large", action="store_false",
                    help="skip the LLM-width sweep (65,536 columns, 152k vocabulary)")
@@ -462,7 +466,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
     g.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")
     g.add_argument("--seed", type=int, default=0, help="seed of the model and the prompts")
-    g.add_argument("--backend", type=backend_name, default="portable",
+    g.add_argument("--backend", type=backend_name, default="auto",
                    help="op backend of trainer and server (eager: stock PyTorch, which shows the mismatch)")
     g.add_argument("--server", metavar="URL", help="use a running lockstep serve (it must hold the initial weights)")
     g.add_argument("--out", required=True, help="run folder: log.jsonl, report.html, the initial and final model")

@@ -66,6 +66,12 @@ def op_class(op: str) -> str:
     return op_entry(op)["class"]
 
 
+def promises_thread_invariance(backend: str) -> bool:
+    """Whether `backend`'s bits are promised not to change with the CPU thread count (contract.toml
+    [backends.B] thread_invariant, true unless it says otherwise; true for names it has no entry for)."""
+    return bool(load()["backends"].get(backend, {}).get("thread_invariant", True))
+
+
 def backend_ops(backend: str) -> list[str]:
     """The ops `backend` implements, by contract.toml's [backends] table."""
     try:

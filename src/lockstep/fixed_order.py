@@ -10,6 +10,8 @@ layout or the thread count (docs/contract.md, section 2):
   every code path), in a shape that depends on the row length alone.
 - `matmul_rows`: a GEMM whose row dimension is cut into fixed-shape tiles, so the BLAS library sees
   the same problem shape whatever the batch size (docs/adr/0001-fixed-tiles-and-reduction-order.md).
+  Under the "native" GEMM engine (`gemm_engine`), lockstep's own C kernels run it instead, in one
+  reduction order on every CPU and thread count (docs/adr/0010-native-cpu-backend.md).
 - `weight_grad` and `column_sum`: the order in which weight gradients reduce over rows: fixed
   blocks of `ROW_BLOCK` rows, each block's contribution produced by a fixed-shape kernel and added
   in block order. Zero rows appended at the end (padding) add exact zeros and change no bit.
@@ -20,7 +22,9 @@ layout or the thread count (docs/contract.md, section 2):
 
 from __future__ import annotations
 
-from typing import Callable
+import contextlib
+import threading
+from typing import Callable, Iterator, NamedTuple
 
 import torch
 from torch import Tensor
@@ -103,8 +107,66 @@ def row_max(x: Tensor) -> Tensor:
     return torch.amax(x, dim=-1)
 
 
+class GemmEngine(NamedTuple):
+    """Who computes the GEMMs of `matmul_rows` and `weight_grad` (same signatures) on a CPU."""
+    name: str
+    matmul_rows: Callable[..., Tensor]
+    weight_grad: Callable[..., Tensor]
+
+
+_GEMM_ENGINES: dict[str, GemmEngine] = {}
+_gemm_state = threading.local()
+
+
+def register_gemm_engine(engine: GemmEngine) -> None:
+    """Make `engine` selectable by `gemm_engine(engine.name)` (the native backend registers itself)."""
+    _GEMM_ENGINES[engine.name] = engine
+
+
+def current_gemm_engine() -> str:
+    """The GEMM engine selected for this thread: "torch" (fixed tiles through PyTorch's BLAS) unless
+    a `gemm_engine` block says otherwise. Autograd Functions record it in forward and restore it in
+    backward, which may run on another thread."""
+    stack = getattr(_gemm_state, "stack", None)
+    return stack[-1] if stack else "torch"
+
+
+@contextlib.contextmanager
+def gemm_engine(name: str) -> Iterator[None]:
+    """Run `matmul_rows` and `weight_grad` on CPU tensors with engine `name` inside the block."""
+    if name != "torch" and name not in _GEMM_ENGINES:
+        raise ValueError(f"name: unknown GEMM engine {name!r}; expected one of {['torch', *_GEMM_ENGINES]}")
+    stack = getattr(_gemm_state, "stack", None)
+    if stack is None:
+        stack = _gemm_state.stack = []
+    stack.append(name)
+    try:
+        yield
+    finally:
+        stack.pop()
+
+
+def _engine_for(t: Tensor) -> GemmEngine | None:
+    """The registered engine that takes `t`'s GEMMs, or None for PyTorch's fixed tiles (any device
+    but the CPU, float64, or no engine selected)."""
+    name = current_gemm_engine()
+    if name == "torch" or t.device.type != "cpu" or t.dtype == torch.float64:
+        return None
+    return _GEMM_ENGINES[name]
+
+
 def matmul_rows(a: Tensor, b: Tensor, bias: Tensor | None = None) -> Tensor:
     """a @ b (+ bias), row-invariant: a [M, K], b [K, N] (may be a transposed view), bias [N];
+    or batched: a [B, M, K], b [B, K, N]. Returns [(B,) M, N] in a's dtype. On the selected GEMM
+    engine (`gemm_engine`) when there is one for `a`, else by `torch_matmul_rows`."""
+    engine = _engine_for(a)
+    if engine is not None:
+        return engine.matmul_rows(a, b, bias)
+    return torch_matmul_rows(a, b, bias)
+
+
+def torch_matmul_rows(a: Tensor, b: Tensor, bias: Tensor | None = None) -> Tensor:
+    """a @ b (+ bias) through PyTorch's GEMMs, row-invariant: a [M, K], b [K, N] (may be a transposed view), bias [N];
     or batched: a [B, M, K], b [B, K, N].
 
     The rows of `a` are processed in tiles of exactly ROW_TILE rows, the tail in the `tail_tiles`
@@ -193,6 +255,16 @@ def padded_block(x: Tensor, start: int, stop: int) -> Tensor:
 
 
 def weight_grad(grad_out: Tensor, inp: Tensor, out: Tensor | None = None) -> Tensor:
+    """sum over rows r of grad_out[r]^T inp[r]: [M, N], [M, K] -> [N, K]; batched: [B, M, N],
+    [B, M, K] -> [B, N, K]; in the accumulation dtype, into `out` when given. On the selected GEMM
+    engine when there is one for `grad_out`, else by `torch_weight_grad`."""
+    engine = _engine_for(grad_out)
+    if engine is not None:
+        return engine.weight_grad(grad_out, inp, out)
+    return torch_weight_grad(grad_out, inp, out)
+
+
+def torch_weight_grad(grad_out: Tensor, inp: Tensor, out: Tensor | None = None) -> Tensor:
     """sum over rows r of grad_out[r]^T inp[r], in fixed row blocks: [M, N], [M, K] -> [N, K];
     batched: [B, M, N], [B, M, K] -> [B, N, K]. In the accumulation dtype; into `out` (a
     contiguous tensor of that shape and dtype, overwritten) when given.

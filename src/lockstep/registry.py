@@ -3,14 +3,16 @@
 Callers use `lockstep.ops.*` and never name a backend. A backend is a package with one module per
 op, each registering its implementation (`register`); the package is imported the first time the
 backend is used, so `import lockstep` imports no kernel. `use_backend(name)` selects a backend for
-a block of code (per thread); the default, "auto", picks "triton" for CUDA tensors and "portable"
-otherwise.
+a block of code (per thread); the default, "auto", picks "triton" for CUDA tensors and, on a CPU,
+"native" where its kernels build, else "portable" (saying once why).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
+import logging
 import threading
 from typing import Callable, Iterator
 
@@ -34,6 +36,7 @@ OPS = (
 
 # Backend name -> the package whose import registers its ops.
 BACKENDS: dict[str, str] = {
+    "native": "lockstep.backends.native",
     "portable": "lockstep.backends.portable",
     "eager": "lockstep.backends.eager",
     "reference": "lockstep.backends.reference",
@@ -122,13 +125,27 @@ def use_backend(name: str) -> Iterator[str]:
         stack.pop()
 
 
+@functools.cache
+def cpu_backend() -> str:
+    """The backend "auto" runs on CPU tensors: "native" where lockstep's kernels build and load,
+    else "portable", after one line on stderr that says why (docs/adr/0010-native-cpu-backend.md)."""
+    try:
+        load("native")
+    except ImportError as e:
+        logging.getLogger("lockstep").warning("lockstep: the native CPU backend is not in use (%s); running the "
+                                              "portable backend, whose bits follow this machine's BLAS", e)
+        return "portable"
+    return "native"
+
+
 def resolve(op: str, device: torch.device) -> Callable:
     """The implementation of `op` for tensors on `device` under the current selection."""
     name = current_backend()
     if name == "auto":
-        name = "portable"
         if device.type == "cuda" and _implements("triton", op):
             name = "triton"
+        else:
+            name = cpu_backend() if device.type == "cpu" else "portable"
     load(name)
     impl = _REGISTRY.get(name, {}).get(op)
     while impl is None and name in _FALLBACK:

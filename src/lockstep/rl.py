@@ -137,7 +137,7 @@ class RLConfig:
     lr: float = 3e-3
     clip: float = 0.2
     seed: int = 0
-    backend: str = "portable"       # of the trainer and the server; "eager" shows the mismatch
+    backend: str = "auto"           # of the trainer and the server; "eager" shows the mismatch
 
     def validate(self) -> None:
         for name in ("steps", "prompts_per_step", "group", "max_tokens"):

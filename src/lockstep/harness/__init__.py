@@ -35,7 +35,7 @@ def checks_of(backend: str) -> list[str]:
     return out
 
 
-def check(name: str, dtype: torch.dtype, backend: str = "portable", grad: bool = True, seed: int = 0,
+def check(name: str, dtype: torch.dtype, backend: str | None = None, grad: bool = True, seed: int = 0,
           device: str = "cpu", large: bool = False) -> OpReport:
     """Every sweep and the accuracy check of harness check `name` (an op name; see `checks_of`).
 

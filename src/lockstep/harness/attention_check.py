@@ -21,7 +21,16 @@ from ..backends import reference
 from ..fixed_order import ceil_div
 from ..paged_cache import build_step
 from ..registry import use_backend
-from .check import AccuracyResult, OpReport, SweepResult, bitwise_diff, max_abs_error, num_threads
+from .check import (
+    AccuracyResult,
+    OpReport,
+    SweepResult,
+    bitwise_diff,
+    default_backend,
+    max_abs_error,
+    num_threads,
+    threads_sweep,
+)
 
 
 @dataclass(frozen=True)
@@ -215,9 +224,11 @@ def _accuracy(case: AttnCase, ref: list[tuple], grad: bool) -> AccuracyResult:
                           eager_err, g_err, g_excess, e_g, ratio, relative_ok, passed)
 
 
-def check_attention(dtype: torch.dtype, backend: str = "portable", grad: bool = True, seed: int = 0,
+def check_attention(dtype: torch.dtype, backend: str | None = None, grad: bool = True, seed: int = 0,
                     sizes: AttnSizes | None = None, with_accuracy: bool = True) -> OpReport:
-    """Every attention sweep (and optionally the accuracy check) for one dtype."""
+    """Every attention sweep (and optionally the accuracy check) for one dtype, on `backend`
+    (default: the CPU's, `default_backend`)."""
+    backend = backend or default_backend()
     sizes = sizes or AttnSizes()
     case = AttnCase(dtype, sizes, seed)
     n = len(case.seqs)
@@ -253,6 +264,6 @@ def check_attention(dtype: torch.dtype, backend: str = "portable", grad: bool = 
                                [(i, i) for i in order]))
     with num_threads(1):
         got, _ = case.prefill(backend, order, grad)
-        sweeps.append(_compare("threads=1 vs 2", ref, got, [(i, i) for i in order]))
+        sweeps.append(threads_sweep(backend, _compare("threads=1 vs 2", ref, got, [(i, i) for i in order])))
     acc = _accuracy(case, ref, grad) if with_accuracy else None
     return OpReport("attention", backend, contract.dtype_name(dtype), acc, sweeps)

@@ -21,6 +21,8 @@ from torch import Tensor
 from ...fixed_order import (
     KEY_BLOCK,
     accumulate_dtype,
+    current_gemm_engine,
+    gemm_engine,
     matmul_rows,
     row_sum,
     weight_grad,
@@ -222,10 +224,16 @@ class _Attention(torch.autograd.Function):
         ctx.save_for_backward(q, k, v)
         ctx.stats, ctx.cu_q, ctx.cu_k = stats, cu_q, cu_k
         ctx.options = (scale, causal, window)
+        ctx.gemm = current_gemm_engine()
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, grad_out):
+        with gemm_engine(ctx.gemm):
+            return _Attention._backward(ctx, grad_out)
+
+    @staticmethod
+    def _backward(ctx, grad_out):
         q, k, v = ctx.saved_tensors
         acc = accumulate_dtype(q.dtype)
         g = grad_out.to(acc)

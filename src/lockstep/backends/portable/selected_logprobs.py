@@ -14,7 +14,15 @@ import torch
 from torch import Tensor
 
 from ... import grad_tree
-from ...fixed_order import accumulate_dtype, matmul_rows, row_max, row_sum, weight_grad
+from ...fixed_order import (
+    accumulate_dtype,
+    current_gemm_engine,
+    gemm_engine,
+    matmul_rows,
+    row_max,
+    row_sum,
+    weight_grad,
+)
 from ...registry import register
 from ...softcap import softcap as capped
 
@@ -115,10 +123,16 @@ class _SelectedLogprobs(torch.autograd.Function):
         ctx.save_for_backward(hidden, weight, targets, lse)
         ctx.temperature, ctx.cap = temperature, cap
         ctx.use = grad_tree.capture("selected_logprobs", weight, hidden.shape[0], ctx.needs_input_grad[1])
+        ctx.gemm = current_gemm_engine()
         return out    # float32, or float64 for float64 inputs
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
+        with gemm_engine(ctx.gemm):
+            return _SelectedLogprobs._backward(ctx, grad_out)
+
+    @staticmethod
+    def _backward(ctx, grad_out: Tensor):
         hidden, weight, targets, lse = ctx.saved_tensors
         acc = lse.dtype
         g = grad_out.contiguous().to(acc)

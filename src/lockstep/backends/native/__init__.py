@@ -1,0 +1,29 @@
+"""The native backend: lockstep's own CPU kernels (kernels.c), one reduction order on every x86 CPU,
+instruction set and thread count (docs/adr/0010-native-cpu-backend.md).
+
+The ops are the portable backend's, with their GEMMs (forward, dX, dW, attention's products, the LM
+head) on the native kernels. Importing this package builds the kernels (build.py) and raises
+ImportError with the reason when they cannot be built or loaded here.
+"""
+
+from .build import NativeUnavailable, library
+
+try:
+    library()
+except NativeUnavailable as e:
+    raise ImportError(str(e)) from e
+
+from . import (  # noqa: E402, F401
+    attention,
+    cross_entropy,
+    embedding,
+    gelu_mul,
+    gemm,
+    linear,
+    log_softmax,
+    rms_norm,
+    rope,
+    selected_logprobs,
+    silu_mul,
+    vocab_logprobs,
+)

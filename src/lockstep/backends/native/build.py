@@ -1,0 +1,116 @@
+"""Build and load the native kernels (kernels.c) with the machine's C compiler.
+
+The library is compiled on first use into a cache folder and reused while the source, the compiler
+and the flags stay the same: a fresh Linux machine needs only `cc`, no CUDA and no second torch.
+Anything that stops the build or the load raises `NativeUnavailable` with the reason, which the
+registry prints in one line before it falls back to the portable backend.
+
+LOCKSTEP_CPU_ISA=scalar|avx2|avx512 forces an instruction set (all three give the same bits;
+tests run each on one machine); unset, the widest one the CPU runs is used.
+LOCKSTEP_CACHE_DIR overrides the cache folder (default: $XDG_CACHE_HOME/lockstep or ~/.cache/lockstep).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+SOURCE = Path(__file__).with_name("kernels.c")
+# -ffp-contract=off: the compiler must not fuse a multiply and an add that the source keeps apart.
+FLAGS = ["-O3", "-std=gnu11", "-shared", "-fPIC", "-pthread", "-ffp-contract=off", "-fno-fast-math"]
+ISAS = {"scalar": 0, "avx2": 1, "avx512": 2}
+ABI_VERSION = 1
+
+
+class NativeUnavailable(RuntimeError):
+    """The native backend cannot run on this machine; the message says why."""
+
+
+def cache_dir() -> Path:
+    if os.environ.get("LOCKSTEP_CACHE_DIR"):
+        return Path(os.environ["LOCKSTEP_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "lockstep"
+
+
+def compiler() -> str:
+    for name in filter(None, (os.environ.get("CC"), "cc", "gcc", "clang")):
+        path = shutil.which(name)
+        if path:
+            return path
+    raise NativeUnavailable("no C compiler found (looked for $CC, cc, gcc and clang)")
+
+
+def _compile(cc: str) -> Path:
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + version.encode()).hexdigest()[:16]
+    target = cache_dir() / f"native-{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Compile beside the target and rename: processes building at once never load a partial file.
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        done = subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True)
+        if done.returncode != 0:
+            first = (done.stderr.strip().splitlines() or ["(no message)"])[0]
+            raise NativeUnavailable(f"{Path(cc).name} could not compile {SOURCE.name}: {first}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+@functools.cache
+def library() -> ctypes.CDLL:
+    """The loaded kernel library (built on first use); raises NativeUnavailable."""
+    if sys.platform == "win32":
+        raise NativeUnavailable("the native kernels are built for Linux and macOS only")
+    try:
+        lib = ctypes.CDLL(str(_compile(compiler())))
+    except OSError as e:
+        raise NativeUnavailable(f"the compiled kernels could not be loaded: {e}") from e
+    if lib.ls_abi_version() != ABI_VERSION:
+        raise NativeUnavailable(f"kernel library ABI {lib.ls_abi_version()}, expected {ABI_VERSION}")
+    i64, ptr, cint = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+    lib.ls_gemm_nt.argtypes = [i64, i64, i64, i64, ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, ptr, cint, cint, cint]
+    lib.ls_gemm_nt.restype = cint
+    lib.ls_cpu_supports.argtypes = [cint]
+    lib.ls_cpu_supports.restype = cint
+    return lib
+
+
+def supported_isas() -> list[str]:
+    """The instruction sets this CPU runs, narrowest first."""
+    lib = library()
+    return [name for name, code in ISAS.items() if lib.ls_cpu_supports(code)]
+
+
+@functools.cache
+def _isa_for(forced: str | None) -> int:
+    supported = supported_isas()
+    if forced is None:
+        return ISAS[supported[-1]]
+    if forced not in ISAS:
+        raise ValueError(f"LOCKSTEP_CPU_ISA: expected one of {list(ISAS)}, got {forced!r}")
+    if forced not in supported:
+        raise ValueError(f"LOCKSTEP_CPU_ISA: this CPU does not run {forced!r}; it runs {supported}")
+    return ISAS[forced]
+
+
+def isa() -> int:
+    """The instruction-set code the kernels run with (LOCKSTEP_CPU_ISA, else the widest supported)."""
+    return _isa_for(os.environ.get("LOCKSTEP_CPU_ISA") or None)
+
+
+def isa_name() -> str:
+    return {code: name for name, code in ISAS.items()}[isa()]

@@ -1,0 +1,88 @@
+"""The native GEMM engine: `matmul_rows` and `weight_grad` on lockstep's own kernels (kernels.c).
+
+Every GEMM becomes one "NT" product C[m, n] = dot(A[m, :], B[n, :]) over rows whose K elements are
+contiguous, which kernels.c computes in one fixed order per output (16 lanes over K, each one FMA
+chain from k = 0, folded by a fixed tree). Operands in another layout are copied into that one
+first: a copy moves values and changes no bit. bf16 and fp16 operands go to the kernel as they are
+and are widened exactly there; other mixes are widened to fp32 here, which gives the same values.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import torch
+from torch import Tensor
+
+from ...fixed_order import GemmEngine, gemm_engine, register_gemm_engine
+from .build import isa, library
+
+_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+def _rows_contiguous(x: Tensor) -> Tensor:
+    """x with unit stride along its last dimension (a copy only when needed)."""
+    return x if x.stride(-1) == 1 or x.shape[-1] <= 1 else x.contiguous()
+
+
+def gemm_nt(a: Tensor, b: Tensor, bias: Tensor | None = None, out: Tensor | None = None) -> Tensor:
+    """dot products of rows: a [M, K] or [B, M, K], b [N, K] or [B, N, K] (any dtype of fp32, bf16,
+    fp16; any row and batch strides) -> fp32 [(B,) M, N], plus an fp32-widened bias [N] added once
+    after each dot. `out`: an fp32 tensor of that shape with unit column stride, written in place."""
+    if a.dim() != b.dim() or a.dim() not in (2, 3) or a.shape[-1] != b.shape[-1] or a.shape[:-2] != b.shape[:-2]:
+        raise ValueError(f"a, b: expected [(B,) M, K] and [(B,) N, K], got {tuple(a.shape)} and {tuple(b.shape)}")
+    if a.dtype != b.dtype or a.dtype not in _DTYPE_CODES:
+        a, b = a.float(), b.float()
+    a, b = _rows_contiguous(a), _rows_contiguous(b)
+    shape = a.shape[:-1] + (b.shape[-2],)
+    if out is None:
+        out = torch.empty(shape, dtype=torch.float32)
+    elif out.shape != shape or out.dtype != torch.float32 or (out.shape[-1] > 1 and out.stride(-1) != 1):
+        raise ValueError(f"out: expected an fp32 tensor of shape {tuple(shape)} with unit column stride, got "
+                         f"{out.dtype} {tuple(out.shape)} strides {out.stride()}")
+    if bias is not None:
+        bias = bias.float().contiguous()
+    batched = a.dim() == 3
+    bsz = a.shape[0] if batched else 1
+    m, k = a.shape[-2], a.shape[-1]
+    n = b.shape[-2]
+    status = library().ls_gemm_nt(
+        bsz, m, n, k,
+        a.data_ptr(), a.stride(-2) if m > 1 else k, a.stride(0) if batched else 0,
+        b.data_ptr(), b.stride(-2) if n > 1 else k, b.stride(0) if batched else 0,
+        out.data_ptr(), out.stride(-2) if m > 1 else n, out.stride(0) if batched else 0,
+        None if bias is None else bias.data_ptr(),
+        _DTYPE_CODES[a.dtype], isa(), torch.get_num_threads())
+    if status != 0:
+        raise RuntimeError(f"ls_gemm_nt refused a [{bsz}, {m}, {k}] x [{n}, {k}] {a.dtype} product")
+    return out
+
+
+def matmul_rows(a: Tensor, b: Tensor, bias: Tensor | None = None) -> Tensor:
+    """a @ b (+ bias): a [(B,) M, K], b [(B,) K, N] (a transposed view is free) -> a's dtype."""
+    return gemm_nt(a, b.transpose(-1, -2), bias).to(a.dtype)
+
+
+def weight_grad(grad_out: Tensor, inp: Tensor, out: Tensor | None = None) -> Tensor:
+    """sum over rows r of grad_out[r]^T inp[r]: [(B,) M, N], [(B,) M, K] -> fp32 [(B,) N, K] (into
+    `out`, a contiguous fp32 tensor, when given). The rows are the reduction axis, so both operands
+    are transposed into row-contiguous copies first."""
+    shape = tuple(grad_out.shape[:-2]) + (grad_out.shape[-1], inp.shape[-1])
+    if out is not None and (tuple(out.shape) != shape or out.dtype != torch.float32 or not out.is_contiguous()):
+        raise ValueError(f"out: expected a contiguous torch.float32 tensor of shape {shape}, got {out.dtype} "
+                         f"{tuple(out.shape)}")
+    g = grad_out.transpose(-1, -2).contiguous()
+    x = inp.transpose(-1, -2).contiguous()
+    return gemm_nt(g, x, out=out)
+
+
+ENGINE = GemmEngine("native", matmul_rows, weight_grad)
+register_gemm_engine(ENGINE)
+
+
+@contextlib.contextmanager
+def native_gemm() -> Iterator[None]:
+    """The block's CPU GEMMs on the native kernels."""
+    with gemm_engine(ENGINE.name):
+        yield
