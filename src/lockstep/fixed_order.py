@@ -10,8 +10,9 @@ layout or the thread count (docs/contract.md, section 2):
   every code path), in a shape that depends on the row length alone.
 - `matmul_rows`: a GEMM whose row dimension is cut into fixed-shape tiles, so the BLAS library sees
   the same problem shape whatever the batch size (docs/adr/0001-fixed-tiles-and-reduction-order.md).
-  Under the "native" GEMM engine (`gemm_engine`), lockstep's own C kernels run it instead, in one
-  reduction order on every CPU and thread count (docs/adr/0010-native-cpu-backend.md).
+  Under the "native" CPU kernels (`cpu_kernels`), lockstep's own C kernels run it instead, in one
+  reduction order on every CPU, instruction set and thread count (docs/adr/0010-native-cpu-backend.md);
+  so do `exp` and `log`, whose bits MKL's vector math otherwise picks by instruction set.
 - `weight_grad` and `column_sum`: the order in which weight gradients reduce over rows: fixed
   blocks of `ROW_BLOCK` rows, each block's contribution produced by a fixed-shape kernel and added
   in block order. Zero rows appended at the end (padding) add exact zeros and change no bit.
@@ -23,6 +24,7 @@ layout or the thread count (docs/contract.md, section 2):
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 from typing import Callable, Iterator, NamedTuple
 
@@ -107,38 +109,42 @@ def row_max(x: Tensor) -> Tensor:
     return torch.amax(x, dim=-1)
 
 
-class GemmEngine(NamedTuple):
-    """Who computes the GEMMs of `matmul_rows` and `weight_grad` (same signatures) on a CPU."""
+class CpuKernels(NamedTuple):
+    """A set of CPU kernels for the arithmetic whose bits a library may choose: the GEMMs of
+    `matmul_rows` and `weight_grad` (same signatures), and `exp` and `log` (fp32 in, fp32 out; MKL's
+    vector math gives them other bits under another instruction set)."""
     name: str
     matmul_rows: Callable[..., Tensor]
     weight_grad: Callable[..., Tensor]
+    exp: Callable[[Tensor], Tensor]
+    log: Callable[[Tensor], Tensor]
 
 
-_GEMM_ENGINES: dict[str, GemmEngine] = {}
-_gemm_state = threading.local()
+_CPU_KERNELS: dict[str, CpuKernels] = {}
+_kernels_state = threading.local()
 
 
-def register_gemm_engine(engine: GemmEngine) -> None:
-    """Make `engine` selectable by `gemm_engine(engine.name)` (the native backend registers itself)."""
-    _GEMM_ENGINES[engine.name] = engine
+def register_cpu_kernels(kernels: CpuKernels) -> None:
+    """Make `kernels` selectable by `cpu_kernels(kernels.name)` (the native backend registers its own)."""
+    _CPU_KERNELS[kernels.name] = kernels
 
 
-def current_gemm_engine() -> str:
-    """The GEMM engine selected for this thread: "torch" (fixed tiles through PyTorch's BLAS) unless
-    a `gemm_engine` block says otherwise. Autograd Functions record it in forward and restore it in
+def current_cpu_kernels() -> str:
+    """The CPU kernels selected for this thread: "torch" (PyTorch's, in fixed tiles) unless a
+    `cpu_kernels` block says otherwise. Autograd Functions record it in forward and restore it in
     backward, which may run on another thread."""
-    stack = getattr(_gemm_state, "stack", None)
+    stack = getattr(_kernels_state, "stack", None)
     return stack[-1] if stack else "torch"
 
 
 @contextlib.contextmanager
-def gemm_engine(name: str) -> Iterator[None]:
-    """Run `matmul_rows` and `weight_grad` on CPU tensors with engine `name` inside the block."""
-    if name != "torch" and name not in _GEMM_ENGINES:
-        raise ValueError(f"name: unknown GEMM engine {name!r}; expected one of {['torch', *_GEMM_ENGINES]}")
-    stack = getattr(_gemm_state, "stack", None)
+def cpu_kernels(name: str) -> Iterator[None]:
+    """Run `matmul_rows`, `weight_grad`, `exp` and `log` on CPU tensors with kernels `name` in the block."""
+    if name != "torch" and name not in _CPU_KERNELS:
+        raise ValueError(f"name: unknown CPU kernels {name!r}; expected one of {['torch', *_CPU_KERNELS]}")
+    stack = getattr(_kernels_state, "stack", None)
     if stack is None:
-        stack = _gemm_state.stack = []
+        stack = _kernels_state.stack = []
     stack.append(name)
     try:
         yield
@@ -146,22 +152,54 @@ def gemm_engine(name: str) -> Iterator[None]:
         stack.pop()
 
 
-def _engine_for(t: Tensor) -> GemmEngine | None:
-    """The registered engine that takes `t`'s GEMMs, or None for PyTorch's fixed tiles (any device
-    but the CPU, float64, or no engine selected)."""
-    name = current_gemm_engine()
+def records_cpu_kernels(forward: Callable) -> Callable:
+    """Decorator of an autograd Function's forward: remember the CPU kernels it ran with (see
+    `restores_cpu_kernels`)."""
+    @functools.wraps(forward)
+    def wrapped(ctx, *args, **kwargs):
+        ctx.cpu_kernels = current_cpu_kernels()
+        return forward(ctx, *args, **kwargs)
+    return wrapped
+
+
+def restores_cpu_kernels(backward: Callable) -> Callable:
+    """Decorator of an autograd Function's backward: run it on the CPU kernels its forward ran with,
+    whichever thread autograd runs it on."""
+    @functools.wraps(backward)
+    def wrapped(ctx, *grads):
+        with cpu_kernels(ctx.cpu_kernels):
+            return backward(ctx, *grads)
+    return wrapped
+
+
+def _kernels_for(t: Tensor) -> CpuKernels | None:
+    """The selected kernels that take `t`, or None for PyTorch's own (any device but the CPU,
+    float64, or none selected)."""
+    name = current_cpu_kernels()
     if name == "torch" or t.device.type != "cpu" or t.dtype == torch.float64:
         return None
-    return _GEMM_ENGINES[name]
+    return _CPU_KERNELS[name]
+
+
+def exp(x: Tensor) -> Tensor:
+    """torch.exp, on the selected CPU kernels when there are some for `x` (same dtype out)."""
+    kernels = _kernels_for(x)
+    return torch.exp(x) if kernels is None else kernels.exp(x)
+
+
+def log(x: Tensor) -> Tensor:
+    """torch.log, on the selected CPU kernels when there are some for `x` (same dtype out)."""
+    kernels = _kernels_for(x)
+    return torch.log(x) if kernels is None else kernels.log(x)
 
 
 def matmul_rows(a: Tensor, b: Tensor, bias: Tensor | None = None) -> Tensor:
     """a @ b (+ bias), row-invariant: a [M, K], b [K, N] (may be a transposed view), bias [N];
-    or batched: a [B, M, K], b [B, K, N]. Returns [(B,) M, N] in a's dtype. On the selected GEMM
-    engine (`gemm_engine`) when there is one for `a`, else by `torch_matmul_rows`."""
-    engine = _engine_for(a)
-    if engine is not None:
-        return engine.matmul_rows(a, b, bias)
+    or batched: a [B, M, K], b [B, K, N]. Returns [(B,) M, N] in a's dtype. On the selected CPU
+    kernels (`cpu_kernels`) when there are some for `a`, else by `torch_matmul_rows`."""
+    kernels = _kernels_for(a)
+    if kernels is not None:
+        return kernels.matmul_rows(a, b, bias)
     return torch_matmul_rows(a, b, bias)
 
 
@@ -256,11 +294,11 @@ def padded_block(x: Tensor, start: int, stop: int) -> Tensor:
 
 def weight_grad(grad_out: Tensor, inp: Tensor, out: Tensor | None = None) -> Tensor:
     """sum over rows r of grad_out[r]^T inp[r]: [M, N], [M, K] -> [N, K]; batched: [B, M, N],
-    [B, M, K] -> [B, N, K]; in the accumulation dtype, into `out` when given. On the selected GEMM
-    engine when there is one for `grad_out`, else by `torch_weight_grad`."""
-    engine = _engine_for(grad_out)
-    if engine is not None:
-        return engine.weight_grad(grad_out, inp, out)
+    [B, M, K] -> [B, N, K]; in the accumulation dtype, into `out` when given. On the selected CPU
+    kernels when there are some for `grad_out`, else by `torch_weight_grad`."""
+    kernels = _kernels_for(grad_out)
+    if kernels is not None:
+        return kernels.weight_grad(grad_out, inp, out)
     return torch_weight_grad(grad_out, inp, out)
 
 

@@ -133,7 +133,7 @@ def cpu_backend() -> str:
         load("native")
     except ImportError as e:
         logging.getLogger("lockstep").warning("lockstep: the native CPU backend is not in use (%s); running the "
-                                              "portable backend, whose bits follow this machine's BLAS", e)
+                                              "portable backend, whose bits follow this machine's BLAS", e.__cause__ or e)
         return "portable"
     return "native"
 

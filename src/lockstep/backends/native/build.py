@@ -84,6 +84,8 @@ def library() -> ctypes.CDLL:
     i64, ptr, cint = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
     lib.ls_gemm_nt.argtypes = [i64, i64, i64, i64, ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, ptr, cint, cint, cint]
     lib.ls_gemm_nt.restype = cint
+    lib.ls_unary.argtypes = [ptr, ptr, i64, cint, cint, cint]
+    lib.ls_unary.restype = cint
     lib.ls_cpu_supports.argtypes = [cint]
     lib.ls_cpu_supports.restype = cint
     return lib

@@ -1,5 +1,5 @@
-"""Native cross_entropy: the portable op itself. It has no GEMM, and its sums (if any) are elementwise
-adds in fixed orders, the same bits on every CPU and thread count (docs/adr/0010)."""
+"""Native cross_entropy: the portable op, with any GEMM, exp and log on lockstep's own kernels (cpu.py);
+its sums are elementwise adds in fixed orders, the same bits on every CPU."""
 
 from __future__ import annotations
 
@@ -7,8 +7,10 @@ from torch import Tensor
 
 from ...registry import register
 from ..portable import cross_entropy as portable
+from .cpu import native_kernels
 
 
 @register("native", "cross_entropy")
 def cross_entropy(logits: Tensor, targets: Tensor, ignore_index: int, reduction: str) -> Tensor:
-    return portable.cross_entropy(logits, targets, ignore_index, reduction)
+    with native_kernels():
+        return portable.cross_entropy(logits, targets, ignore_index, reduction)

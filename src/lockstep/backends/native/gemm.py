@@ -1,4 +1,4 @@
-"""The native GEMM engine: `matmul_rows` and `weight_grad` on lockstep's own kernels (kernels.c).
+"""The native GEMMs: `matmul_rows` and `weight_grad` on lockstep's own kernels (kernels.c).
 
 Every GEMM becomes one "NT" product C[m, n] = dot(A[m, :], B[n, :]) over rows whose K elements are
 contiguous, which kernels.c computes in one fixed order per output (16 lanes over K, each one FMA
@@ -9,13 +9,9 @@ and are widened exactly there; other mixes are widened to fp32 here, which gives
 
 from __future__ import annotations
 
-import contextlib
-from typing import Iterator
-
 import torch
 from torch import Tensor
 
-from ...fixed_order import GemmEngine, gemm_engine, register_gemm_engine
 from .build import isa, library
 
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -75,14 +71,3 @@ def weight_grad(grad_out: Tensor, inp: Tensor, out: Tensor | None = None) -> Ten
     g = grad_out.transpose(-1, -2).contiguous()
     x = inp.transpose(-1, -2).contiguous()
     return gemm_nt(g, x, out=out)
-
-
-ENGINE = GemmEngine("native", matmul_rows, weight_grad)
-register_gemm_engine(ENGINE)
-
-
-@contextlib.contextmanager
-def native_gemm() -> Iterator[None]:
-    """The block's CPU GEMMs on the native kernels."""
-    with gemm_engine(ENGINE.name):
-        yield

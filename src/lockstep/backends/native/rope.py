@@ -1,5 +1,5 @@
-"""Native rope: the portable op itself. It has no GEMM, and its sums (if any) are elementwise
-adds in fixed orders, the same bits on every CPU and thread count (docs/adr/0010)."""
+"""Native rope: the portable op, with any GEMM, exp and log on lockstep's own kernels (cpu.py);
+its sums are elementwise adds in fixed orders, the same bits on every CPU."""
 
 from __future__ import annotations
 
@@ -7,8 +7,10 @@ from torch import Tensor
 
 from ...registry import register
 from ..portable import rope as portable
+from .cpu import native_kernels
 
 
 @register("native", "rope")
 def rope(x: Tensor, positions: Tensor, theta: float, style: str, scaling) -> Tensor:
-    return portable.rope(x, positions, theta, style, scaling)
+    with native_kernels():
+        return portable.rope(x, positions, theta, style, scaling)

@@ -1,5 +1,5 @@
-"""Native silu_mul: the portable op itself. It has no GEMM, and its sums (if any) are elementwise
-adds in fixed orders, the same bits on every CPU and thread count (docs/adr/0010)."""
+"""Native silu_mul: the portable op, with any GEMM, exp and log on lockstep's own kernels (cpu.py);
+its sums are elementwise adds in fixed orders, the same bits on every CPU."""
 
 from __future__ import annotations
 
@@ -7,8 +7,10 @@ from torch import Tensor
 
 from ...registry import register
 from ..portable import silu_mul as portable
+from .cpu import native_kernels
 
 
 @register("native", "silu_mul")
 def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
-    return portable.silu_mul(gate, up)
+    with native_kernels():
+        return portable.silu_mul(gate, up)

@@ -1,5 +1,5 @@
-"""Native vocab_logprobs: the portable op's fixed tiles and orders, with every GEMM on lockstep's own
-kernels (gemm.py)."""
+"""Native vocab_logprobs: the portable op's fixed tiles and orders, with its GEMMs, exp and log on
+lockstep's own kernels (cpu.py)."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ from torch import Tensor
 
 from ...registry import register
 from ..portable import vocab_logprobs as portable
-from .gemm import native_gemm
+from .cpu import native_kernels
 
 
 @register("native", "vocab_logprobs")
 def vocab_logprobs(hidden: Tensor, weight: Tensor, temperature: float, softcap: float | None = None) -> Tensor:
-    with native_gemm():
+    with native_kernels():
         return portable.vocab_logprobs(hidden, weight, temperature, softcap)

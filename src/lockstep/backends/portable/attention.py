@@ -21,9 +21,10 @@ from torch import Tensor
 from ...fixed_order import (
     KEY_BLOCK,
     accumulate_dtype,
-    current_gemm_engine,
-    gemm_engine,
+    exp,
     matmul_rows,
+    records_cpu_kernels,
+    restores_cpu_kernels,
     row_sum,
     weight_grad,
 )
@@ -132,8 +133,8 @@ def group_forward(q: Tensor, k: Tensor, v: Tensor, len_k: list[int], scale: floa
         new = torch.maximum(old, torch.amax(s, dim=-1))
         # A row that has seen no key yet keeps max -inf; shift by 0 so exp gives 0, never NaN.
         shift = torch.where(new == float("-inf"), torch.zeros_like(new), new)
-        alpha = torch.exp(old - shift)
-        p = torch.exp(s - shift[..., None])
+        alpha = exp(old - shift)
+        p = exp(s - shift[..., None])
         run_sum[:, lo:hi] = run_sum[:, lo:hi] * alpha + row_sum(p)
         acc[:, lo:hi] = acc[:, lo:hi] * alpha[..., None] + matmul_rows(p, _key_block(v, start))
         run_max[:, lo:hi] = new
@@ -170,7 +171,7 @@ def sequence_backward(q: Tensor, k: Tensor, v: Tensor, grad_out: Tensor, stats: 
 
     def probs_and_dp(start: int, lo: int, hi: int) -> tuple[Tensor, Tensor]:
         s = _scores(qr[:, lo:hi], _key_block(kk, start), scale, plan.visible(start, lo, hi))
-        p = torch.exp(s - shift[:, lo:hi, None]) / torch.where(run_sum == 0, 1.0, run_sum)[:, lo:hi, None]
+        p = exp(s - shift[:, lo:hi, None]) / torch.where(run_sum == 0, 1.0, run_sum)[:, lo:hi, None]
         return p, matmul_rows(dor[:, lo:hi], _key_block(vv, start).transpose(1, 2))
 
     blocks = plan.blocks()
@@ -218,22 +219,18 @@ def _grouped_forward(q: Tensor, k: Tensor, v: Tensor, cu_q: list[int], cu_k: lis
 
 class _Attention(torch.autograd.Function):
     @staticmethod
+    @records_cpu_kernels
     def forward(ctx, q, k, v, cu_q, cu_k, scale, causal, window):
         acc = accumulate_dtype(q.dtype)
         out, stats = _grouped_forward(q, k, v, cu_q, cu_k, scale, causal, window, acc)
         ctx.save_for_backward(q, k, v)
         ctx.stats, ctx.cu_q, ctx.cu_k = stats, cu_q, cu_k
         ctx.options = (scale, causal, window)
-        ctx.gemm = current_gemm_engine()
         return out.to(q.dtype)
 
     @staticmethod
+    @restores_cpu_kernels
     def backward(ctx, grad_out):
-        with gemm_engine(ctx.gemm):
-            return _Attention._backward(ctx, grad_out)
-
-    @staticmethod
-    def _backward(ctx, grad_out):
         q, k, v = ctx.saved_tensors
         acc = accumulate_dtype(q.dtype)
         g = grad_out.to(acc)

@@ -5,13 +5,14 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ...fixed_order import accumulate_dtype, reduce_losses, row_scale
+from ...fixed_order import accumulate_dtype, exp, records_cpu_kernels, reduce_losses, restores_cpu_kernels, row_scale
 from ...registry import register
 from .log_softmax import shifted_and_lse
 
 
 class _CrossEntropy(torch.autograd.Function):
     @staticmethod
+    @records_cpu_kernels
     def forward(ctx, logits: Tensor, targets: Tensor, ignore_index: int, reduction: str) -> Tensor:
         xf = logits.to(accumulate_dtype(logits.dtype))
         shifted, lse = shifted_and_lse(xf)
@@ -26,11 +27,12 @@ class _CrossEntropy(torch.autograd.Function):
         return reduce_losses(loss, count, reduction, logits.dtype)
 
     @staticmethod
+    @restores_cpu_kernels
     def backward(ctx, grad: Tensor):
         shifted, lse, safe, valid, count = ctx.saved_tensors
         acc = shifted.dtype
         scale = row_scale(grad, ctx.reduction, count, shifted.shape[0], acc)
-        d = torch.exp(shifted - lse[:, None])
+        d = exp(shifted - lse[:, None])
         d.scatter_(1, safe[:, None], d.gather(1, safe[:, None]) - 1.0)
         # where, not a multiply by zero: an ignored row holding NaN must still get a zero gradient.
         d = torch.where(valid[:, None], d * scale[:, None], torch.zeros_like(d))

@@ -6,7 +6,14 @@ import torch
 from torch import Tensor
 
 from ... import grad_tree
-from ...fixed_order import column_sum, current_gemm_engine, gemm_engine, matmul_rows, split_sum, weight_grad
+from ...fixed_order import (
+    column_sum,
+    matmul_rows,
+    records_cpu_kernels,
+    restores_cpu_kernels,
+    split_sum,
+    weight_grad,
+)
 from ...registry import register
 
 
@@ -21,21 +28,17 @@ def linear_forward(x: Tensor, weight: Tensor, bias: Tensor | None, split_k: int 
 
 class _Linear(torch.autograd.Function):
     @staticmethod
+    @records_cpu_kernels
     def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, split_k: int, split_n: int) -> Tensor:
         ctx.save_for_backward(x, weight)
         ctx.has_bias, ctx.split_n = bias is not None, split_n
-        ctx.gemm = current_gemm_engine()
         ctx.use_w = grad_tree.capture("linear", weight, x.shape[0], ctx.needs_input_grad[1])
         ctx.use_b = grad_tree.capture("linear", bias, x.shape[0], ctx.needs_input_grad[2])
         return linear_forward(x, weight, bias, split_k)
 
     @staticmethod
+    @restores_cpu_kernels
     def backward(ctx, grad_y: Tensor):
-        with gemm_engine(ctx.gemm):
-            return _Linear._backward(ctx, grad_y)
-
-    @staticmethod
-    def _backward(ctx, grad_y: Tensor):
         x, weight = ctx.saved_tensors
         grad_y = grad_y.contiguous()
         dx = None

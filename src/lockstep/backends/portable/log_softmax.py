@@ -5,18 +5,19 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ...fixed_order import accumulate_dtype, row_max, row_sum
+from ...fixed_order import accumulate_dtype, exp, log, records_cpu_kernels, restores_cpu_kernels, row_max, row_sum
 from ...registry import register
 
 
 def shifted_and_lse(xf: Tensor) -> tuple[Tensor, Tensor]:
     """For rows xf [M, V] (accumulation dtype): (xf - max, log sum exp(xf - max)) per row."""
     shifted = xf - row_max(xf)[:, None]
-    return shifted, torch.log(row_sum(torch.exp(shifted)))
+    return shifted, log(row_sum(exp(shifted)))
 
 
 class _LogSoftmax(torch.autograd.Function):
     @staticmethod
+    @records_cpu_kernels
     def forward(ctx, x: Tensor) -> Tensor:
         shifted, lse = shifted_and_lse(x.to(accumulate_dtype(x.dtype)))
         y = shifted - lse[:, None]
@@ -27,10 +28,11 @@ class _LogSoftmax(torch.autograd.Function):
         return y.to(x.dtype)
 
     @staticmethod
+    @restores_cpu_kernels
     def backward(ctx, grad_y: Tensor):
         (y,) = ctx.saved_tensors
         g = grad_y.contiguous().to(y.dtype)
-        return (g - torch.exp(y) * row_sum(g)[:, None]).to(ctx.dtype)
+        return (g - exp(y) * row_sum(g)[:, None]).to(ctx.dtype)
 
 
 @register("portable", "log_softmax")

@@ -16,9 +16,11 @@ from torch import Tensor
 from ... import grad_tree
 from ...fixed_order import (
     accumulate_dtype,
-    current_gemm_engine,
-    gemm_engine,
+    exp,
+    log,
     matmul_rows,
+    records_cpu_kernels,
+    restores_cpu_kernels,
     row_max,
     row_sum,
     weight_grad,
@@ -74,12 +76,12 @@ def online_lse(hidden: Tensor, weight: Tensor, temperature: float,
         chunk_max = row_max(logits)
         if run_max is None:
             run_max = chunk_max
-            run_sum = row_sum(torch.exp(logits - run_max[:, None]))
+            run_sum = row_sum(exp(logits - run_max[:, None]))
         else:
             new_max = torch.maximum(run_max, chunk_max)
-            run_sum = run_sum * torch.exp(run_max - new_max) + row_sum(torch.exp(logits - new_max[:, None]))
+            run_sum = run_sum * exp(run_max - new_max) + row_sum(exp(logits - new_max[:, None]))
             run_max = new_max
-    return run_max + torch.log(run_sum)
+    return run_max + log(run_sum)
 
 
 def _lse_of_chunks(chunks: list[Tensor]) -> Tensor:
@@ -91,15 +93,15 @@ def _lse_of_chunks(chunks: list[Tensor]) -> Tensor:
     sums = []
     if full:
         stacked = torch.stack(full, dim=1)                                  # [T, full chunks, VOCAB_CHUNK]
-        sums.append(row_sum(torch.exp(stacked - running[:, :len(full), None])))
+        sums.append(row_sum(exp(stacked - running[:, :len(full), None])))
     if tail:
-        sums.append(row_sum(torch.exp(tail[0] - running[:, len(full), None]))[:, None])
+        sums.append(row_sum(exp(tail[0] - running[:, len(full), None]))[:, None])
     chunk_sums = torch.cat(sums, dim=1)
-    decay = torch.exp(running[:, :-1] - running[:, 1:])
+    decay = exp(running[:, :-1] - running[:, 1:])
     run_sum = chunk_sums[:, 0]
     for i in range(1, chunk_sums.shape[1]):
         run_sum = run_sum * decay[:, i - 1] + chunk_sums[:, i]
-    return running[:, -1] + torch.log(run_sum)
+    return running[:, -1] + log(run_sum)
 
 
 def selected_logprobs_forward(hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float = 1.0,
@@ -118,21 +120,17 @@ def selected_logprobs_forward(hidden: Tensor, weight: Tensor, targets: Tensor, t
 
 class _SelectedLogprobs(torch.autograd.Function):
     @staticmethod
+    @records_cpu_kernels
     def forward(ctx, hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float, cap: float | None) -> Tensor:
         out, lse = selected_logprobs_forward(hidden, weight, targets, temperature, cap)
         ctx.save_for_backward(hidden, weight, targets, lse)
         ctx.temperature, ctx.cap = temperature, cap
         ctx.use = grad_tree.capture("selected_logprobs", weight, hidden.shape[0], ctx.needs_input_grad[1])
-        ctx.gemm = current_gemm_engine()
         return out    # float32, or float64 for float64 inputs
 
     @staticmethod
+    @restores_cpu_kernels
     def backward(ctx, grad_out: Tensor):
-        with gemm_engine(ctx.gemm):
-            return _SelectedLogprobs._backward(ctx, grad_out)
-
-    @staticmethod
-    def _backward(ctx, grad_out: Tensor):
         hidden, weight, targets, lse = ctx.saved_tensors
         acc = lse.dtype
         g = grad_out.contiguous().to(acc)
@@ -151,7 +149,7 @@ class _SelectedLogprobs(torch.autograd.Function):
             for start in range(0, weight.shape[0], VOCAB_CHUNK):
                 logits, slope = _chunk_logits(h, weight, start, acc, ctx.temperature, ctx.cap)
                 # d log p(t) / d logit_j = [j == t] - p_j
-                dlogits = -torch.exp(logits - lse[first:stop, None])
+                dlogits = -exp(logits - lse[first:stop, None])
                 inside, _ = _select(logits, targets[first:stop], start)
                 local = (targets[first:stop] - start).clamp(0, logits.shape[1] - 1)[:, None]
                 dlogits.scatter_(1, local, dlogits.gather(1, local) + inside[:, None].to(acc))

@@ -14,14 +14,14 @@ import torch
 from torch import Tensor
 
 from ...chunks import row_chunks
-from ...fixed_order import accumulate_dtype
+from ...fixed_order import accumulate_dtype, exp, records_cpu_kernels, restores_cpu_kernels
 from ...registry import register
 
 
 def sigmoid(x: Tensor) -> Tensor:
     """1 / (1 + exp(-x)), path-independent (shared with gelu_mul). In place after the first op"""
     # In place after the first op: the same arithmetic, without a full-size temporary per step.
-    return torch.exp(-x).add_(1.0).reciprocal_()
+    return exp(-x).add_(1.0).reciprocal_()
 
 
 def gated_forward(act: Callable[[Tensor], Tensor], gate: Tensor, up: Tensor) -> Tensor:
@@ -65,6 +65,7 @@ class GatedMul(torch.autograd.Function):
     and gelu_mul pass their activation and its derivative."""
 
     @staticmethod
+    @records_cpu_kernels
     def forward(ctx, gate: Tensor, up: Tensor, act: Callable[[Tensor], Tensor],
                 act_and_derivative: Callable[[Tensor], tuple[Tensor, Tensor]]) -> Tensor:
         ctx.save_for_backward(gate, up)
@@ -72,6 +73,7 @@ class GatedMul(torch.autograd.Function):
         return gated_forward(act, gate, up)
 
     @staticmethod
+    @restores_cpu_kernels
     def backward(ctx, grad_y: Tensor):
         gate, up = ctx.saved_tensors
         dgate, dup = gated_backward(ctx.act_and_derivative, gate, up, grad_y.contiguous())

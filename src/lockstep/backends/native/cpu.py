@@ -1,0 +1,19 @@
+"""The native backend's CPU kernels as one set (fixed_order.CpuKernels), and the block that selects them."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+from ...fixed_order import CpuKernels, cpu_kernels, register_cpu_kernels
+from . import gemm, unary
+
+KERNELS = CpuKernels("native", gemm.matmul_rows, gemm.weight_grad, unary.exp, unary.log)
+register_cpu_kernels(KERNELS)
+
+
+@contextlib.contextmanager
+def native_kernels() -> Iterator[None]:
+    """The block's CPU GEMMs, exp and log on the native kernels."""
+    with cpu_kernels(KERNELS.name):
+        yield

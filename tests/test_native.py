@@ -1,0 +1,194 @@
+"""The native backend (docs/adr/0010-native-cpu-backend.md): one set of bits for every instruction
+set, thread count and BLAS selection, and a fallback that says why it is taken.
+
+The op-by-op invariance sweeps (rows, batch composition, padding, chunking, paged decode) run on
+the native backend in each op's own test file, since it is the CPU's default backend."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from lockstep import ops, registry
+from lockstep.backends.native import build, gemm, unary
+
+from test_cpu_kernels import ATEN_CAPABILITIES, MKL_ISAS, ONEDNN_ISAS, require
+
+ROOT = Path(__file__).resolve().parent.parent
+DIGEST = Path(__file__).with_name("_native_digest.py")
+ISA_FLAGS = {"scalar": set(), "avx2": {"avx2", "fma", "f16c"}, "avx512": {"avx512f", "avx512bw", "avx512vl"}}
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def digest(env: dict[str, str]) -> dict:
+    proc = subprocess.run([sys.executable, "-W", "ignore", str(DIGEST)], env={**os.environ, **env},
+                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def widest() -> dict:
+    return digest({})
+
+
+@pytest.fixture
+def isa(monkeypatch):
+    """Force an instruction set in this process (build.isa reads LOCKSTEP_CPU_ISA at every call)."""
+    def force(name: str) -> None:
+        require(ISA_FLAGS[name])
+        monkeypatch.setenv("LOCKSTEP_CPU_ISA", name)
+    return force
+
+
+def test_every_thread_count_gives_one_digest(widest):
+    assert len(set(widest["digests"].values())) == 1, widest
+
+
+@pytest.mark.parametrize("name", list(build.ISAS))
+def test_every_instruction_set_gives_the_same_bits_for_every_op(name, widest):
+    """Every op forward and backward, fp32, bf16 and fp16, on 1, 2 and 3 threads, in a process that
+    runs only instruction set `name`: one digest."""
+    require(ISA_FLAGS[name])
+    got = digest({"LOCKSTEP_CPU_ISA": name})
+    assert got["isa"] == name
+    assert got["digests"] == widest["digests"]
+
+
+@pytest.mark.parametrize("env", [{"MKL_ENABLE_INSTRUCTIONS": "AVX2"}, {"ONEDNN_MAX_CPU_ISA": "AVX2"},
+                                 {"ATEN_CPU_CAPABILITY": "default"}], ids=lambda e: "=".join(*e.items()))
+def test_the_bits_do_not_follow_pytorchs_kernel_selection(env, widest):
+    """MKL's and oneDNN's instruction sets and ATen's vector capability move the portable backend's
+    bits (fp32 GEMMs, and exp and log through MKL's vector math); the native backend's stay."""
+    (key, value), = env.items()
+    table = {"MKL_ENABLE_INSTRUCTIONS": MKL_ISAS, "ONEDNN_MAX_CPU_ISA": ONEDNN_ISAS,
+             "ATEN_CPU_CAPABILITY": ATEN_CAPABILITIES}[key]
+    require(table[value])
+    assert digest(env)["digests"] == widest["digests"]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_gemm_bits_across_instruction_sets_threads_rows_and_tails(dtype, isa):
+    """K = 1029 leaves a tail in every lane width; 37 x 301 outputs leave partial micro-tiles; big enough
+    to run on several threads."""
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(37, 1029, generator=gen).to(dtype)
+    b = torch.randn(301, 1029, generator=gen).to(dtype)
+    bias = torch.randn(301, generator=gen)
+    outs = []
+    for name in build.ISAS:
+        isa(name)
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            outs.append(gemm.gemm_nt(a, b, bias))
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
+    # A row's and a column's bits do not depend on the others in the call.
+    assert torch.equal(gemm.gemm_nt(a[5:6], b, bias), outs[0][5:6])
+    assert torch.equal(gemm.gemm_nt(a, b[7:9], bias[7:9]), outs[0][:, 7:9])
+    ref = a.double() @ b.double().t() + bias.double()
+    assert (outs[0].double() - ref).abs().max() < 1e-4 * ref.abs().max()
+
+
+def test_gemm_order_is_the_documented_one():
+    """kernels.c's order, restated in Python: 16 lanes over K, each one fp32 FMA chain from k = 0
+    (emulated exactly in float64 then rounded, as an FMA rounds once), folded by the fixed tree."""
+    gen = torch.Generator().manual_seed(1)
+    a = torch.randn(3, 45, generator=gen)
+    b = torch.randn(2, 45, generator=gen)
+    got = gemm.gemm_nt(a, b)
+    for m in range(3):
+        for n in range(2):
+            lanes = [torch.tensor(0.0)] * 16
+            for k in range(45):
+                j = k % 16
+                lanes[j] = (lanes[j].double() + a[m, k].double() * b[n, k].double()).float()
+            t = [lanes[j] + lanes[j + 8] for j in range(8)]
+            u = [t[j] + t[j + 4] for j in range(4)]
+            v = [u[j] + u[j + 2] for j in range(2)]
+            assert torch.equal(got[m, n], v[0] + v[1]), (m, n)
+
+
+def test_weight_grad_of_rows_appended_with_zero_gradient_is_unchanged():
+    gen = torch.Generator().manual_seed(2)
+    g, x = torch.randn(50, 33, generator=gen), torch.randn(50, 70, generator=gen)
+    pad_g, pad_x = torch.cat([g, torch.zeros(13, 33)]), torch.cat([x, torch.randn(13, 70, generator=gen)])
+    assert torch.equal(gemm.weight_grad(g, x), gemm.weight_grad(pad_g, pad_x))
+    torch.testing.assert_close(gemm.weight_grad(g, x).double(), g.double().t() @ x.double(), atol=1e-4, rtol=1e-5)
+
+
+def test_exp_and_log_bits_across_instruction_sets_and_their_accuracy(isa):
+    gen = torch.Generator().manual_seed(3)
+    x = torch.cat([torch.randn(50_001, generator=gen) * 30, torch.linspace(-110, 95, 20_003),
+                   torch.tensor([0.0, -0.0, 1e-45, -1e-45, 1e-40, 88.72, 88.73, -103.9, -104.1, float("inf"),
+                                 float("-inf"), float("nan")])])
+    pos = torch.cat([torch.rand(50_001, generator=gen) * 1e3, torch.tensor([1e-45, 1e-40, 1.17549435e-38, 1.0,
+                                                                            2.0 ** 0.5, 3e38])])
+    results = []
+    for name in build.ISAS:
+        isa(name)
+        results.append((unary.exp(x), unary.log(pos), unary.log(x)))
+    for other in results[1:]:
+        for u, v in zip(results[0], other):
+            assert torch.equal(u.view(torch.int32), v.view(torch.int32))
+    e, lg, lgx = results[0]
+    ref_e, ref_l = torch.exp(x.double()), torch.log(pos.double())
+    normal = (ref_e > 1.2e-38) & (ref_e < 3.4e38)  # fp32's normal range: 2 ulp = 2.4e-7 relative
+    assert ((e.double() - ref_e).abs() <= 2.4e-7 * ref_e.abs())[normal].all()
+    assert torch.equal(torch.isinf(e), torch.isinf(ref_e.float())) and torch.isnan(e[-1])
+    assert ((lg.double() - ref_l).abs() <= 2.4e-7 * ref_l.abs().clamp_min(1.0)).all()
+    assert lgx[x < 0].isnan().all() and (lgx[x == 0] == float("-inf")).all() and lgx[-3] == float("inf")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_ops_under_native_and_portable_agree_within_the_contract(dtype):
+    """They need not agree bitwise (docs/contract.md); both are held to the float64 reference by
+    the op tests. Here: native is the CPU default, and a linear layer on it differs from portable's
+    at most by accumulation rounding."""
+    gen = torch.Generator().manual_seed(4)
+    x, w = torch.randn(9, 256, generator=gen).to(dtype), (torch.randn(64, 256, generator=gen) / 16).to(dtype)
+    assert registry.cpu_backend() == "native"
+    native = ops.linear(x, w)
+    with registry.use_backend("portable"):
+        portable = ops.linear(x, w)
+    torch.testing.assert_close(native.float(), portable.float(), atol=2e-2 if dtype != torch.float32 else 1e-5,
+                               rtol=1e-2 if dtype != torch.float32 else 1e-5)
+
+
+def test_gemm_argument_errors_name_the_argument():
+    with pytest.raises(ValueError, match=r"a, b: expected \[\(B,\) M, K\] and \[\(B,\) N, K\], got \(3, 4\) and \(2, 5\)"):
+        gemm.gemm_nt(torch.ones(3, 4), torch.ones(2, 5))
+    with pytest.raises(ValueError, match="out: expected an fp32 tensor of shape"):
+        gemm.gemm_nt(torch.ones(3, 4), torch.ones(2, 4), out=torch.empty(3, 2, dtype=torch.float64))
+    with pytest.raises(ValueError, match="out: expected a contiguous torch.float32 tensor of shape"):
+        gemm.weight_grad(torch.ones(3, 4), torch.ones(3, 5), out=torch.empty(5, 4))
+
+
+def test_a_forced_instruction_set_must_be_known_and_runnable(monkeypatch):
+    monkeypatch.setenv("LOCKSTEP_CPU_ISA", "sse9")
+    with pytest.raises(ValueError, match=r"LOCKSTEP_CPU_ISA: expected one of \['scalar', 'avx2', 'avx512'\], got 'sse9'"):
+        build.isa()
+    missing = [name for name in build.ISAS if name not in build.supported_isas()]
+    if missing:
+        monkeypatch.setenv("LOCKSTEP_CPU_ISA", missing[-1])
+        with pytest.raises(ValueError, match="this CPU does not run"):
+            build.isa()
+
+
+def test_without_a_working_compiler_the_portable_backend_runs_and_one_line_says_why(tmp_path):
+    code = ("import torch, lockstep\nfrom lockstep import ops, registry\n"
+            "x, w = torch.randn(3, 8), torch.randn(4, 8)\ny = ops.linear(x, w)\n"
+            "with registry.use_backend('portable'):\n    assert torch.equal(y, ops.linear(x, w))\n"
+            "print(registry.cpu_backend())\n")
+    env = {**os.environ, "CC": "/bin/false", "PATH": str(tmp_path), "LOCKSTEP_CACHE_DIR": str(tmp_path / "cache")}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "portable"
+    lines = [line for line in proc.stderr.splitlines() if "native CPU backend" in line]
+    assert lines == ["lockstep: the native CPU backend is not in use (false could not compile kernels.c: (no message)); "
+                     "running the portable backend, whose bits follow this machine's BLAS"], proc.stderr
