@@ -32,8 +32,10 @@ PROBE = Sizes(hidden=48, out_features=40, heads=2, head_dim=16, ffn=40, vocab=10
 ATTN = AttnSizes(lens=(20, 1, 9), q_heads=2, kv_heads=1, head_dim=16, chunks=(7,))
 # The ops whose arithmetic could reach a library kernel that the CPU model selects: in the Triton
 # interpreter, the ones that multiply tiles (numpy's matmul is OpenBLAS); in the portable backend,
-# every op (ATen's vector kernels, MKL, oneDNN).
+# and the native one, every op (ATen's vector kernels, MKL, oneDNN).
 OPS = {"triton": ["linear", "selected_logprobs", "attention"],
+       "native": ["linear", "selected_logprobs", "rms_norm", "log_softmax", "silu_mul", "rope", "cross_entropy",
+                  "embedding", "attention"],
        "portable": ["linear", "selected_logprobs", "rms_norm", "log_softmax", "silu_mul", "rope", "cross_entropy",
                     "embedding", "attention"]}
 

@@ -17,7 +17,7 @@ from typing import Callable
 import torch
 
 from . import ops
-from .registry import use_backend
+from .registry import cpu_backend, use_backend
 
 
 @dataclass
@@ -184,7 +184,10 @@ def machine() -> str:
 
 
 def main(selected: list[str] | None = None, quick: bool = False, out: str | None = None,
-         backend: str = "portable") -> int:
+         backend: str | None = None) -> int:
+    """Time `selected` ops (default all) on `backend` (default: the CPU's, native where it builds)
+    against eager PyTorch; print a markdown table, appended to `out` when given."""
+    backend = backend or cpu_backend()
     repeats = 3 if quick else 5
     rows = []
     header = f"| op | dtype | shape | fwd {backend} ms | fwd eager ms | fwd ratio | fwd+bwd {backend} ms | fwd+bwd eager ms | fwd+bwd ratio |"

@@ -322,7 +322,7 @@ def serve_dtype(text: str) -> torch.dtype:
 def cmd_bench(args: argparse.Namespace) -> int:
     from . import bench
 
-    return bench.main(args.ops, quick=args.quick, out=args.markdown)
+    return bench.main(args.ops, quick=args.quick, out=args.markdown, backend=args.backend)
 
 
 # --- the parser --------------------------------------------------------------------------------
@@ -476,6 +476,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("ops", nargs="*", help="ops to time (default: all)")
     b.add_argument("--quick", action="store_true", help="fewer shapes and repeats")
     b.add_argument("--markdown", metavar="PATH", help="append the table to a markdown file")
+    b.add_argument("--backend", type=backend_name, default=None,
+                   help="backend to time (default: the CPU's, native where it builds, else portable)")
     b.set_defaults(func=cmd_bench)
     return p
 

@@ -29,7 +29,8 @@ from torch import Tensor
 
 from .backends.portable import attention as portable_attention
 from .backends.portable.gelu_mul import gelu_tanh, gelu_tanh_derivative
-from .fixed_order import accumulate_dtype, column_sum, matmul_rows, row_sum
+from . import registry
+from .fixed_order import accumulate_dtype, column_sum, cpu_kernels, exp, log, matmul_rows, row_sum
 from .softcap import softcap
 
 _state = threading.local()
@@ -37,6 +38,7 @@ _lock = threading.Lock()
 _owner: int | None = None
 _depth = 0
 _libs: list = []
+_kernels = contextlib.ExitStack()   # the CPU kernels the mode selected, left on its exit
 _strict = False
 
 # (aten op, what lockstep does, dtypes). "+ out=, _" means the out= overload and the in-place form.
@@ -255,7 +257,7 @@ def _log_softmax(self, dim, half_to_float):
     x = _last(self, dim)
     xf = x.to(accumulate_dtype(x.dtype))
     shifted = xf - torch.amax(xf, dim=-1, keepdim=True)
-    y = shifted - torch.log(row_sum(torch.exp(shifted)))[..., None]
+    y = shifted - log(row_sum(exp(shifted)))[..., None]
     return y.to(out_dtype).movedim(-1, dim)
 
 
@@ -263,7 +265,7 @@ def _log_softmax_backward(grad_output, output, dim, input_dtype):
     g = _last(grad_output, dim)
     acc = accumulate_dtype(g.dtype)
     gf, yf = g.to(acc), _last(output, dim).to(acc)
-    dx = gf - torch.exp(yf) * row_sum(gf)[..., None]
+    dx = gf - exp(yf) * row_sum(gf)[..., None]
     return dx.to(input_dtype).movedim(-1, dim)
 
 
@@ -271,7 +273,7 @@ def _softmax(self, dim, half_to_float):
     out_dtype = torch.float32 if half_to_float else self.dtype
     x = _last(self, dim)
     xf = x.to(accumulate_dtype(x.dtype))
-    e = torch.exp(xf - torch.amax(xf, dim=-1, keepdim=True))
+    e = exp(xf - torch.amax(xf, dim=-1, keepdim=True))
     return (e / row_sum(e)[..., None]).to(out_dtype).movedim(-1, dim)
 
 
@@ -367,7 +369,7 @@ def masked_attention(q: Tensor, k: Tensor, v: Tensor, visible: Tensor, scale: fl
             o, st = portable_attention.group_forward(qi[None], ki[None], vi[None], [ki.shape[0]], scale, False, None,
                                         visible[i][rows, a:][None])
             out[i][:, rows] = o[0].transpose(0, 1)
-            g = (st[0] + torch.log(st[1])).reshape(hkv, len(rows), hq // hkv).permute(0, 2, 1).reshape(hq, len(rows))
+            g = (st[0] + log(st[1])).reshape(hkv, len(rows), hq // hkv).permute(0, 2, 1).reshape(hq, len(rows))
             lse[i][:, rows] = g.to(torch.float32)
     return out.to(q.dtype), lse
 
@@ -423,13 +425,13 @@ def _sdpa_cpu_backward(grad_out, query, key, value, out, logsumexp, dropout_p, i
 def _silu(self):
     acc = accumulate_dtype(self.dtype)
     g = self.to(acc)
-    return (g * (1.0 / (1.0 + torch.exp(-g)))).to(self.dtype)
+    return (g * (1.0 / (1.0 + exp(-g)))).to(self.dtype)
 
 
 def _silu_backward(grad_output, self):
     acc = accumulate_dtype(self.dtype)
     g, dy = self.to(acc), grad_output.to(acc)
-    s = 1.0 / (1.0 + torch.exp(-g))
+    s = 1.0 / (1.0 + exp(-g))
     return (dy * (s + g * s * (1.0 - s))).to(self.dtype)
 
 
@@ -584,6 +586,9 @@ def enable(strict: bool = False) -> None:
         if _depth == 0:
             _register(strict)
             _owner, _strict = me, strict
+            # The overrides' GEMMs, exp and log run on the CPU backend's kernels: native where it
+            # builds, whose bits do not follow MKL's blocking (docs/adr/0010).
+            _kernels.enter_context(cpu_kernels("native" if registry.cpu_backend() == "native" else "torch"))
         elif strict and not _strict:
             raise RuntimeError("lockstep.batch_invariant: cannot enter strict=True inside a non-strict block")
         _depth += 1
@@ -602,6 +607,7 @@ def disable() -> None:
         if _depth == 0:
             while _libs:
                 _libs.pop()._destroy()
+            _kernels.close()
             _owner = None
 
 
