@@ -51,9 +51,9 @@ def test_triton_attention_window_and_head_dim_80():
 
 
 def test_auto_picks_triton_only_for_cuda_tensors():
-    from lockstep.registry import resolve
+    from lockstep.registry import cpu_backend, resolve
 
-    assert resolve("linear", torch.device("cpu")).__module__.startswith("lockstep.backends.portable")
+    assert resolve("linear", torch.device("cpu")).__module__.startswith(f"lockstep.backends.{cpu_backend()}")
     with lockstep.use_backend("triton"):
         assert resolve("linear", torch.device("cpu")).__module__.startswith("lockstep.backends.triton")
 
