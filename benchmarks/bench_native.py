@@ -1,0 +1,45 @@
+"""Benchmark: the native CPU GEMM against the portable backend's (PyTorch's BLAS in fixed tiles) and
+stock PyTorch (`x @ w.T`), at Qwen3-0.6B's linear shapes (K = 1024; N = 3072 and the 151,936-row LM
+head), M = 1, 8, 128 and 512 rows, bf16 and fp32, in one run. Ratios above 1: native is slower.
+
+Usage: python benchmarks/bench_native.py"""
+
+import time
+
+import torch
+
+from lockstep.backends.native import build, gemm
+from lockstep.bench import machine
+from lockstep.fixed_order import torch_matmul_rows
+
+
+def best_ms(fn, repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times) * 1e3
+
+
+def main() -> None:
+    print(f"machine: {machine()}, native ISA {build.isa_name()}")
+    print("| dtype | M x N x K | native ms | portable ms | stock ms | native / portable | native / stock |")
+    print("|---|---|---|---|---|---|---|")
+    for dtype in (torch.bfloat16, torch.float32):
+        for n in (3072, 151936):
+            for m in (1, 8, 128, 512):
+                if n > 100000 and m > 128:
+                    continue
+                x, w = torch.randn(m, 1024).to(dtype), (torch.randn(n, 1024) / 32).to(dtype)
+                reps = 3 if n > 100000 else 10
+                nat = best_ms(lambda: gemm.matmul_rows(x, w.t()), reps)
+                por = best_ms(lambda: torch_matmul_rows(x, w.t()), reps)
+                sto = best_ms(lambda: x @ w.t(), reps)
+                print(f"| {str(dtype)[6:]} | {m} x {n} x 1024 | {nat:.2f} | {por:.2f} | {sto:.2f} | {nat / por:.2f} | "
+                      f"{nat / sto:.2f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
