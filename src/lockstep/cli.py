@@ -319,6 +319,12 @@ def serve_dtype(text: str) -> torch.dtype:
     return dtype[0]
 
 
+def cmd_gpu_audit(args: argparse.Namespace) -> int:
+    from . import gpu_audit          # before anything imports Triton: it needs TRITON_INTERPRET=0
+
+    return gpu_audit.run(args.arch, args.out, args.json, args.jobs, args.quiet)
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from . import bench
 
@@ -471,6 +477,16 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--server", metavar="URL", help="use a running lockstep serve (it must hold the initial weights)")
     g.add_argument("--out", required=True, help="run folder: log.jsonl, report.html, the initial and final model")
     g.set_defaults(func=cmd_rl)
+
+    a = sub.add_parser("gpu-audit", help="compile every Triton kernel to NVIDIA machine code (no GPU needed) and "
+                                         "report registers, spills, shared memory, atomics and MMA instructions",
+                       formatter_class=formatter)
+    a.add_argument("--arch", default="sm_80,sm_90a,sm_100a", help="comma-separated: sm_80, sm_90a, sm_100a")
+    a.add_argument("--out", default="gpu-audit", help="folder for the cubin and SASS files")
+    a.add_argument("--json", metavar="PATH", help="write one record per kernel x configuration x architecture")
+    a.add_argument("--jobs", type=int, default=None, help="compiler processes (default: one per core)")
+    a.add_argument("--quiet", action="store_true", help="only the summary line")
+    a.set_defaults(func=cmd_gpu_audit)
 
     b = sub.add_parser("bench", help="time ops against eager PyTorch and print ratios", formatter_class=formatter)
     b.add_argument("ops", nargs="*", help="ops to time (default: all)")

@@ -7,6 +7,7 @@ one variant per (kernel, dtype, tile config) and never one per batch size (docs/
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import torch
 import triton
@@ -14,15 +15,42 @@ import triton.language as tl
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
-# One tile configuration per dtype; none depends on M.
-GEMM_TILES = {torch.float32: (32, 32, 32), torch.bfloat16: (64, 64, 32), torch.float16: (64, 64, 32),
-              torch.float64: (32, 32, 16)}
+
+
+class GemmConfig(NamedTuple):
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+# One GEMM configuration per dtype and GPU architecture; none depends on M. The Hopper (sm_90)
+# entries were chosen from `lockstep gpu-audit`'s figures (docs/gpu.md): wgmma works on a warpgroup
+# tile of 64 x N, and 64 x 128 x 64 keeps 238 registers and no spills where 128 x 128 reaches 255.
+# BLOCK_K fixes the order of each output's sum, so another architecture may give other bits
+# (docs/contract.md, section 7).
+GEMM_CONFIGS = {
+    None: {torch.float32: GemmConfig(32, 32, 32), torch.bfloat16: GemmConfig(64, 64, 32),
+           torch.float16: GemmConfig(64, 64, 32), torch.float64: GemmConfig(32, 32, 16)},
+    90: {torch.float32: GemmConfig(64, 64, 16), torch.bfloat16: GemmConfig(64, 128, 64),
+         torch.float16: GemmConfig(64, 128, 64), torch.float64: GemmConfig(32, 32, 16)},
+}
 LANE_BLOCK = 1024         # lanes per step of a row reduction (at most; fewer for short rows)
 ROWS_PER_PARTIAL = 64     # rows per partial sum in two-pass weight-gradient reductions
 
 
-def gemm_tiles(dtype: torch.dtype) -> tuple[int, int, int]:
-    return GEMM_TILES[dtype]
+def gpu_capability() -> int | None:
+    """The compute capability (80, 90, ...) of the target that Triton compiles for; None under
+    the interpreter. `lockstep gpu-audit` sets the target without a GPU."""
+    if INTERPRET:
+        return None
+    return triton.runtime.driver.active.get_current_target().arch
+
+
+def gemm_config(dtype: torch.dtype) -> GemmConfig:
+    """The GEMM tile configuration of `dtype` on the current architecture (GEMM_CONFIGS)."""
+    return GEMM_CONFIGS.get(gpu_capability(), GEMM_CONFIGS[None])[dtype]
 
 
 def dot_precision(dtype: torch.dtype) -> str:
@@ -70,6 +98,17 @@ def dot(a, b, PRECISION: tl.constexpr):
         return fixed_order_dot(a, b)
     else:
         return tl.dot(a, b, input_precision=PRECISION)
+
+
+@triton.jit
+def dot_acc(a, b, acc, PRECISION: tl.constexpr):
+    """acc + a @ b. On a GPU the MMA accumulates into acc (one rounding per product step, in the
+    order the instruction defines, the same for every output element); under the interpreter the
+    tile product is summed by `fixed_order_dot` and then added."""
+    if PRECISION == "fixed":
+        return acc + fixed_order_dot(a, b)
+    else:
+        return tl.dot(a, b, acc, input_precision=PRECISION)
 
 
 @triton.jit

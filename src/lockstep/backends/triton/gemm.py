@@ -11,15 +11,36 @@ import triton
 import triton.language as tl
 
 from ...fixed_order import accumulate_dtype
-from .common import cast_out, dot, dot_precision, gemm_tiles
+from .common import cast_out, dot_acc, dot_precision, gemm_config
 
 SIZE_ARGS = ["M", "N", "K", "stride_am", "stride_ak", "stride_bk", "stride_bn", "stride_cm", "stride_cn"]
+
+
+@triton.jit
+def _offsets(rows, cols, stride_r, stride_c, UNIT: tl.constexpr):
+    """Element offsets of a [rows, cols] tile. UNIT names the axis whose stride is 1 ("rows",
+    "cols" or "none"): a layout, known before launch, that lets the compiler vectorize the loads,
+    where a runtime stride of 1 would have to be specialized on its value."""
+    if UNIT == "cols":
+        return rows[:, None] * stride_r + cols[None, :]
+    elif UNIT == "rows":
+        return rows[:, None] + cols[None, :] * stride_c
+    else:
+        return rows[:, None] * stride_r + cols[None, :] * stride_c
+
+
+def unit_axis(t: torch.Tensor) -> str:
+    """Which axis of the 2-D tensor t has stride 1 (see `_offsets`)."""
+    if t.stride(1) == 1:
+        return "cols"
+    return "rows" if t.stride(0) == 1 else "none"
 
 
 @triton.jit(do_not_specialize=SIZE_ARGS)
 def gemm_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, stride_cm,
                 stride_cn, HAS_BIAS: tl.constexpr, ACCUMULATE: tl.constexpr, PRECISION: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                A_UNIT: tl.constexpr, B_UNIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_K: tl.constexpr):
     """One program computes the BLOCK_M x BLOCK_N tile (pid_m, pid_n) of C, over all of K."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -29,11 +50,11 @@ def gemm_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K, stride_am, stride_ak, st
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + rk
-        a = tl.load(a_ptr + rm[:, None] * stride_am + kk[None, :] * stride_ak,
+        a = tl.load(a_ptr + _offsets(rm, kk, stride_am, stride_ak, A_UNIT),
                     mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
-        b = tl.load(b_ptr + kk[:, None] * stride_bk + rn[None, :] * stride_bn,
+        b = tl.load(b_ptr + _offsets(kk, rn, stride_bk, stride_bn, B_UNIT),
                     mask=(kk[:, None] < K) & (rn[None, :] < N), other=0.0)
-        acc += dot(a, b, PRECISION)
+        acc = dot_acc(a, b, acc, PRECISION)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
     c_ptrs = c_ptr + rm[:, None] * stride_cm + rn[None, :] * stride_cn
@@ -50,11 +71,13 @@ def gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, out
     n = b.shape[1]
     if out is None:
         out = torch.empty((m, n), dtype=out_dtype or a.dtype, device=a.device)
-    bm, bn, bk = gemm_tiles(a.dtype)
-    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
+    cfg = gemm_config(a.dtype)
+    grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n))
     gemm_kernel[grid](a, b, out, bias if bias is not None else out, m, n, k, a.stride(0), a.stride(1), b.stride(0),
                       b.stride(1), out.stride(0), out.stride(1), HAS_BIAS=bias is not None, ACCUMULATE=accumulate,
-                      PRECISION=dot_precision(a.dtype), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
+                      PRECISION=dot_precision(a.dtype), A_UNIT=unit_axis(a), B_UNIT=unit_axis(b),
+                      BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps,
+                      num_stages=cfg.num_stages)
     return out
 
 

@@ -1,0 +1,435 @@
+"""`lockstep gpu-audit`: every Triton kernel of the backend compiled to real NVIDIA machine code on a
+machine without a GPU, and what the machine code says about it.
+
+Triton's compiler needs no GPU: given a target (GPUTarget("cuda", 90, 32)) it lowers a kernel to
+PTX and, through the `ptxas` that the triton wheel ships, to a cubin. What is compiled is exactly
+what the backend launches: the audit runs the backend's ops, forward and backward, on CPU tensors
+of every dtype and flag, with a stand-in for Triton's driver that reports the target architecture,
+and Triton's own launcher computes each launch's signature, constexprs and specialization
+attributes. Its `jit_cache_hook` records them and stops the launch before anything reaches a
+device. Each distinct launch is then compiled per architecture, and `cuobjdump` (also in the
+wheel) gives registers, local memory (spills), shared memory and the SASS.
+
+The workload runs every size argument at several values (rows, sequences, sequence lengths, the
+vocabulary); a size that reached the compiled code through Triton's integer specialization would
+show up as a second binary for one kernel configuration (docs/contract.md, section 6).
+
+Run it in a process of its own: the Triton backend must be imported with TRITON_INTERPRET=0,
+and a process that has already imported it under the interpreter cannot switch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import os
+import re
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+
+if "lockstep.backends.triton" in sys.modules and os.environ.get("TRITON_INTERPRET") == "1":
+    raise RuntimeError("lockstep.gpu_audit: this process already imported the Triton backend under the interpreter; "
+                       "run `lockstep gpu-audit` (or python -m lockstep.gpu_audit) in a process of its own")
+os.environ["TRITON_INTERPRET"] = "0"
+# Say what we mean instead of leaning on Triton's default, which Triton 3.10 flips (see docs/gpu.md).
+os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton import knobs  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+from triton.runtime.driver import driver  # noqa: E402
+
+# --arch name -> compute capability.
+ARCHS = {"sm_80": 80, "sm_90a": 90, "sm_100a": 100}
+DEFAULT_ARCHS = ("sm_80", "sm_90a", "sm_100a")
+# Most shared memory one block may use (static + dynamic, after opting in): CUDA C Programming
+# Guide, "Features and Technical Specifications" (A100 163 KB, H100 and B200 227 KB).
+SHARED_LIMIT = {80: 163 * 1024, 90: 227 * 1024, 100: 227 * 1024}
+# Registers and resident warps per SM (the same on sm_80, sm_90 and sm_100).
+REGISTERS_PER_SM = 65536
+MAX_WARPS_PER_SM = {80: 64, 90: 64, 100: 64}
+SHARED_PER_SM = {80: 164 * 1024, 90: 228 * 1024, 100: 228 * 1024}
+ATOMIC_OPCODES = {"ATOM", "ATOMS", "ATOMG", "RED", "REDG", "REDAS"}
+# Shared-memory bit operations with which sm_100 code claims and frees tensor memory (paired with
+# UTCATOMSWS, tcgen05.alloc's bookkeeping); they touch no data, so no result depends on their order.
+ALLOCATOR_ATOMICS = {"ATOMS.OR", "ATOMS.AND"}
+TRITON_BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+
+
+@dataclasses.dataclass
+class Launch:
+    """One launch as Triton's launcher sees it, before it compiles: the kernel, its argument
+    types, its constexprs and the attributes that specialization gave its arguments."""
+
+    kernel: str
+    fn: object
+    signature: dict[str, str]
+    constexprs: dict
+    attrs: dict
+    options: dict
+    case: str
+
+    def config(self) -> dict:
+        """The constexprs by name (what the backend chose: dtypes' tiles, flags, block sizes)."""
+        names = list(self.signature)
+        return {names[path[0]]: value for path, value in self.constexprs.items()}
+
+    def key(self) -> str:
+        """What decides the binary: two launches with one key run one compiled kernel."""
+        return repr((self.kernel, sorted(self.signature.items()), sorted(self.constexprs.items()),
+                     sorted((k, repr(v)) for k, v in self.attrs.items()), sorted(self.options.items())))
+
+    def group(self) -> str:
+        """The kernel configuration: kernel, argument types and constexprs, not the sizes."""
+        return repr((self.kernel, sorted(self.signature.items()), sorted(self.config().items())))
+
+
+class _AuditDriver:
+    """Stands in for Triton's CUDA driver: reports the audited architecture and no device."""
+
+    def __init__(self, capability: int):
+        self.target = GPUTarget("cuda", capability, 32)
+
+    def get_current_target(self):
+        return self.target
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_active_torch_device(self):
+        return torch.device("cpu")
+
+
+@contextlib.contextmanager
+def recording(capability: int) -> Iterator[tuple[list[Launch], list[str]]]:
+    """Inside the block, Triton launches are recorded into the yielded list and never run; the
+    second list names the workload case running (set its last element)."""
+    launches: list[Launch] = []
+    case = ["?"]
+
+    def hook(*, key, repr, fn, compile, is_manual_warmup, already_compiled):
+        options = {k: compile[k] for k in ("num_warps", "num_stages", "num_ctas", "enable_fp_fusion")}
+        launches.append(Launch(fn.name, fn.jit_function, dict(compile["signature"]), dict(compile["constants"]),
+                               dict(compile["configs"][0]), options, case[-1]))
+        return True                 # skip the compile and the launch
+
+    previous_hook = knobs.runtime.jit_cache_hook
+    driver.set_active(_AuditDriver(capability))
+    knobs.runtime.jit_cache_hook = hook
+    try:
+        yield launches, case
+    finally:
+        knobs.runtime.jit_cache_hook = previous_hook
+        driver.reset_active() if _has_default_driver() else setattr(driver, "_active", None)
+
+
+def _has_default_driver() -> bool:
+    try:
+        driver.default
+        return True
+    except RuntimeError:
+        return False
+
+
+# ---------------------------------------------------------------------------------------------
+# The workload: every op of the backend, forward and backward, every dtype and flag it launches
+# with, and every size argument at several values.
+# ---------------------------------------------------------------------------------------------
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+ROWS = (1, 7, 16, 4096)
+
+
+def _rand(*shape, dtype, grad=True):
+    t = torch.randn(*shape).to(dtype)
+    return t.requires_grad_(grad)
+
+
+def _backward(out: torch.Tensor, *inputs: torch.Tensor) -> None:
+    torch.autograd.grad(out.float().sum(), [t for t in inputs if t.requires_grad], allow_unused=True)
+
+
+def _row_ops(ops, dtype, rows: int, hidden: int, vocab: int) -> Iterator[str]:
+    """The row-wise ops at `rows` rows; yields the case name before each."""
+    yield "linear"
+    x, w, b = _rand(rows, hidden, dtype=dtype), _rand(96, hidden, dtype=dtype), _rand(96, dtype=dtype)
+    _backward(ops.linear(x, w, b), x, w, b)
+    _backward(ops.linear(x, w, None, split_k=2, split_n=2), x, w)
+    yield "rms_norm"
+    x, w = _rand(rows, hidden, dtype=dtype), _rand(hidden, dtype=dtype)
+    _backward(ops.rms_norm(x, w, eps=1e-6), x, w)
+    _backward(ops.rms_norm(x, w, eps=1e-6, offset=1.0), x, w)
+    yield "rope"
+    x, pos = _rand(rows, 2, 64, dtype=dtype), torch.arange(rows) * 3
+    for style in ("neox", "gptj"):
+        _backward(ops.rope(x, pos, theta=10000.0, style=style), x)
+    yield "silu_mul/gelu_mul"
+    g, u = _rand(rows, hidden, dtype=dtype), _rand(rows, hidden, dtype=dtype)
+    _backward(ops.silu_mul(g, u), g, u)
+    _backward(ops.gelu_mul(g, u), g, u)
+    yield "embedding"
+    w = _rand(vocab, 64, dtype=dtype)
+    _backward(ops.embedding(torch.randint(0, vocab, (rows,)), w), w)
+    yield "log_softmax/cross_entropy"
+    logits, t = _rand(rows, vocab, dtype=dtype), torch.randint(0, vocab, (rows,))
+    _backward(ops.log_softmax(logits), logits)
+    _backward(ops.cross_entropy(logits, t, reduction="mean"), logits)
+    yield "selected_logprobs/vocab_logprobs"
+    h, w = _rand(rows, 64, dtype=dtype), _rand(vocab, 64, dtype=dtype)
+    _backward(ops.selected_logprobs(h, w, t, temperature=0.7), h, w)
+    _backward(ops.selected_logprobs(h, w, t, softcap=30.0), h, w)
+    with torch.no_grad():
+        ops.vocab_logprobs(h, w)
+        ops.vocab_logprobs(h, w, softcap=30.0)
+
+
+def _attention_ops(ops, dtype, lengths: list[int], head_dim: int) -> Iterator[str]:
+    """Prefill, chunked prefill and paged decode over sequences of `lengths` keys, and backward."""
+    hq, hkv = 4, 2
+    cu = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0)), dtype=torch.int32)
+    total = int(cu[-1])
+    yield "attention prefill"
+    q, k, v = (_rand(total, h, head_dim, dtype=dtype) for h in (hq, hkv, hkv))
+    for causal, window in ((True, None), (False, None), (True, 8)):
+        _backward(ops.attention(q, k, v, cu, cu, causal=causal, window=window), q, k, v)
+    yield "attention chunked"
+    chunk = [max(1, n // 3) for n in lengths]
+    cu_q = torch.tensor([0] + list(torch.tensor(chunk).cumsum(0)), dtype=torch.int32)
+    qc = _rand(int(cu_q[-1]), hq, head_dim, dtype=dtype)
+    _backward(ops.attention(qc, k, v, cu_q, cu), qc, k, v)
+    yield "paged decode"
+    block_size = 16
+    blocks = [(n + block_size - 1) // block_size for n in lengths]
+    table = torch.zeros(len(lengths), max(blocks), dtype=torch.int32)
+    start = 0
+    for b, nb in enumerate(blocks):
+        table[b, :nb] = torch.arange(start, start + nb)
+        start += nb
+    k_cache = torch.randn(start, block_size, hkv, head_dim).to(dtype)
+    v_cache = torch.randn(start, block_size, hkv, head_dim).to(dtype)
+    q1 = torch.randn(len(lengths), hq, head_dim).to(dtype)
+    cu1 = torch.arange(len(lengths) + 1, dtype=torch.int32)
+    with torch.no_grad():
+        for window in (None, 8):
+            ops.paged_attention(q1, k_cache, v_cache, table, torch.tensor(lengths), cu1, window=window)
+
+
+def workload() -> Iterator[str]:
+    """Runs the backend's ops; yields a description of each case before it runs."""
+    from . import ops
+    from .registry import use_backend
+
+    with use_backend("triton"):
+        for dtype in DTYPES:
+            name = str(dtype).removeprefix("torch.")
+            for rows in ROWS:
+                for op in _row_ops(ops, dtype, rows, hidden=320, vocab=3000):
+                    yield f"{op} {name} rows={rows}"
+            for hidden, vocab in ((1024, 151936), (576, 49152), (48, 40)):
+                for op in _row_ops(ops, dtype, 2, hidden=hidden, vocab=vocab):
+                    yield f"{op} {name} hidden={hidden} vocab={vocab}"
+            for lengths in ([5], [1, 17, 64], [70, 3, 129, 1, 40, 33, 16, 200]):
+                for head_dim in (64, 128):
+                    for op in _attention_ops(ops, dtype, lengths, head_dim):
+                        yield f"{op} {name} seqs={len(lengths)} lengths={lengths} head_dim={head_dim}"
+
+
+def record(capability: int) -> list[Launch]:
+    """Every launch of the workload on an architecture of `capability` (80, 90, 100)."""
+    torch.manual_seed(0)
+    with recording(capability) as (launches, case):
+        for name in workload():
+            case.append(name)
+    return launches
+
+
+# ---------------------------------------------------------------------------------------------
+# Compiling and reading the machine code.
+# ---------------------------------------------------------------------------------------------
+
+
+def _tool(name: str, *args: str) -> str:
+    path = os.path.join(TRITON_BIN, name)
+    done = subprocess.run([path, *args], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"{name} {' '.join(args)} failed: {done.stderr.strip()}")
+    return done.stdout
+
+
+def resource_usage(cubin_path: str) -> dict[str, int]:
+    """REG, STACK, SHARED (static) and LOCAL of the cubin's one function, from cuobjdump -res-usage."""
+    text = _tool("cuobjdump", "-res-usage", cubin_path)
+    line = next((line for line in text.splitlines() if "REG:" in line), None)
+    if line is None:
+        raise RuntimeError(f"cuobjdump -res-usage {cubin_path}: no resource line in {text!r}")
+    return {k: int(v) for k, v in re.findall(r"(\w+):(\d+)", line)}
+
+
+def opcodes(sass: str) -> list[str]:
+    """The instruction mnemonics of cuobjdump -sass output, in order (predicates dropped)."""
+    return re.findall(r"^\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*(?:\.[A-Z0-9_]+)*)", sass, re.M)
+
+
+def tensor_core(ops: list[str]) -> str:
+    """The MMA instruction family the SASS uses ("HMMA", "HGMMA", "UTCHMMA", ...), or "none"."""
+    families = sorted({op.split(".")[0] for op in ops if "MMA" in op.split(".")[0]})
+    return "+".join(families) if families else "none"
+
+
+def _constexpr_json(v):
+    return v if isinstance(v, (bool, int, float, str)) or v is None else repr(v)
+
+
+def compile_launch(launch: Launch, arch: str, out_dir: str) -> dict:
+    """Compile `launch` for `arch`, write its cubin and SASS under out_dir/arch, and describe it."""
+    capability = ARCHS[arch]
+    src = ASTSource(launch.fn, launch.signature, launch.constexprs, launch.attrs)
+    kernel = triton.compile(src, target=GPUTarget("cuda", capability, 32), options=dict(launch.options))
+    cubin = kernel.asm["cubin"]
+    digest = hashlib.sha256(cubin).hexdigest()[:16]
+    folder = os.path.join(out_dir, arch)
+    os.makedirs(folder, exist_ok=True)
+    stem = os.path.join(folder, f"{launch.kernel}-{digest}")
+    with open(stem + ".cubin", "wb") as f:
+        f.write(cubin)
+    sass = _tool("cuobjdump", "-sass", stem + ".cubin")
+    with open(stem + ".sass", "w") as f:
+        f.write(sass)
+    usage = resource_usage(stem + ".cubin")
+    ops = opcodes(sass)
+    if not ops:
+        raise RuntimeError(f"cuobjdump -sass {stem}.cubin: no instructions found")
+    dynamic_shared = int(kernel.metadata.shared)
+    return {
+        "kernel": launch.kernel,
+        "arch": arch,
+        "config": {k: _constexpr_json(v) for k, v in launch.config().items()},
+        "signature": {k: v for k, v in launch.signature.items() if v != "constexpr"},
+        "registers": usage["REG"],
+        "spill_bytes": usage.get("LOCAL", 0),
+        "stack_bytes": usage.get("STACK", 0),
+        "shared_bytes": dynamic_shared + usage.get("SHARED", 0),
+        "num_warps": int(kernel.metadata.num_warps),
+        "num_stages": int(launch.options["num_stages"]),
+        "atomics": sum(op.split(".")[0] in ATOMIC_OPCODES for op in ops),
+        "atomic_ops": sorted({op for op in ops if op.split(".")[0] in ATOMIC_OPCODES}),
+        "data_atomics": sum(op.split(".")[0] in ATOMIC_OPCODES and op not in ALLOCATOR_ATOMICS for op in ops),
+        "tensor_core": tensor_core(ops),
+        "tf32": any("MMA" in op and "TF32" in op for op in ops),
+        "instructions": len(ops),
+        "sass_sha256": hashlib.sha256(sass_body(sass).encode()).hexdigest(),
+        "cubin": os.path.relpath(stem + ".cubin", out_dir),
+        "cases": [],
+    }
+
+
+def sass_body(sass: str) -> str:
+    """The instructions of a SASS listing without the file name line cuobjdump prints first."""
+    return "\n".join(line for line in sass.splitlines() if not line.lstrip().startswith("Fatbin")
+                     and "code for sm_" not in line and not line.startswith("\t\tFunction"))
+
+
+def occupancy(record: dict) -> int:
+    """Warps of this kernel resident on one SM: limited by registers, shared memory and warps."""
+    capability = ARCHS[record["arch"]]
+    warps = record["num_warps"]
+    # Registers are allocated per warp in units of 256 (8 per thread, rounded up).
+    regs_per_warp = -(-record["registers"] * 32 // 256) * 256
+    by_regs = REGISTERS_PER_SM // (regs_per_warp * warps) if record["registers"] else 10 ** 9
+    by_shared = SHARED_PER_SM[capability] // (record["shared_bytes"] + 1024) if record["shared_bytes"] else 10 ** 9
+    blocks = min(by_regs, by_shared, MAX_WARPS_PER_SM[capability] // warps, 32)
+    return blocks * warps
+
+
+_PENDING: list[tuple[Launch, str, str]] = []
+
+
+def _compile_pending(i: int) -> dict:
+    launch, arch, out_dir = _PENDING[i]
+    return compile_launch(launch, arch, out_dir)
+
+
+def audit(archs: list[str], out_dir: str, jobs: int = 1, progress: Callable[[str], None] = lambda s: None) -> list[dict]:
+    """One record per kernel x configuration x architecture (see the module docstring), compiled
+    by `jobs` processes.
+
+    A configuration whose launches needed more than one binary gets one record per binary, all
+    with the same `config`: the compile-once tests find them there. `cases` lists the workload
+    cases whose launches ran each binary."""
+    unique: dict[tuple[str, str], Launch] = {}
+    cases: dict[tuple[str, str], list[str]] = {}
+    for arch in archs:
+        for launch in record(ARCHS[arch]):
+            key = (arch, launch.key())
+            unique.setdefault(key, launch)
+            if launch.case not in cases.setdefault(key, []):
+                cases[key].append(launch.case)
+    _PENDING[:] = [(launch, arch, out_dir) for (arch, _), launch in unique.items()]
+    progress(f"{len(_PENDING)} binaries to compile for {', '.join(archs)} with {jobs} process(es)")
+    if jobs > 1:
+        import multiprocessing
+
+        # fork: the workers inherit the recorded launches (their JIT functions do not pickle).
+        with multiprocessing.get_context("fork").Pool(jobs) as pool:
+            records = pool.map(_compile_pending, range(len(_PENDING)))
+    else:
+        records = [_compile_pending(i) for i in range(len(_PENDING))]
+    for record_, key in zip(records, unique):
+        record_["cases"] = cases[key]
+    return records
+
+
+def table(records: list[dict]) -> str:
+    """A text table of the records, one line each."""
+    lines = [f"{'arch':8} {'kernel':28} {'dtype':6} {'regs':>4} {'spill':>5} {'shared':>7} {'warps':>5} "
+             f"{'resident':>8} {'atom':>4} {'mma':8} config"]
+    for r in records:
+        dtype = next(iter(r["signature"].values())).lstrip("*")
+        config = " ".join(f"{k}={v}" for k, v in r["config"].items())
+        lines.append(f"{r['arch']:8} {r['kernel']:28} {dtype:6} {r['registers']:4d} {r['spill_bytes']:5d} "
+                     f"{r['shared_bytes']:7d} {r['num_warps']:5d} {occupancy(r):8d} {r['atomics']:4d} "
+                     f"{r['tensor_core']:8} {config}")
+    return "\n".join(lines)
+
+
+def parse_archs(text: str) -> list[str]:
+    archs = [a.strip() for a in text.split(",") if a.strip()]
+    bad = [a for a in archs if a not in ARCHS]
+    if not archs or bad:
+        raise ValueError(f"--arch: expected a comma-separated list of {', '.join(ARCHS)}, got {text!r}")
+    return archs
+
+
+def run(arch: str = ",".join(DEFAULT_ARCHS), out: str = "gpu-audit", json_path: str | None = None,
+        jobs: int | None = None, quiet: bool = False) -> int:
+    """`lockstep gpu-audit`: audit, print the table and a summary line, write the JSON."""
+    archs = parse_archs(arch)
+    jobs = jobs or os.cpu_count() or 1
+    if jobs < 1:
+        raise ValueError(f"--jobs: expected a positive number of processes, got {jobs}")
+    progress = (lambda s: None) if quiet else (lambda s: print(f"lockstep gpu-audit: {s}", file=sys.stderr, flush=True))
+    records = audit(archs, out, jobs, progress)
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(records, f, indent=1)
+    if not quiet:
+        print(table(records))
+    atomics = [r for r in records if r["data_atomics"]]
+    spills = [r for r in records if r["spill_bytes"]]
+    print(f"lockstep gpu-audit: {len(records)} binaries of {len({r['kernel'] for r in records})} kernels for "
+          f"{', '.join(archs)}; {len(atomics)} with atomics on data, {len(spills)} with spills; cubins and SASS in {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    from .cli import main
+
+    sys.exit(main(["gpu-audit", *sys.argv[1:]]))

@@ -1,0 +1,189 @@
+"""lockstep gpu-audit: every Triton kernel compiled to sm_80, sm_90a and sm_100a machine code on this
+CPU, and the machine code held to the contract (docs/gpu.md).
+
+The audit runs once per session, as a user runs it (`lockstep gpu-audit` in a process of its own:
+the Triton backend must be imported with TRITON_INTERPRET=0, and this process imports it under
+the interpreter). The checks that show the audit's detectors can fail compile planted kernels in
+another subprocess.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+ARCHS = ("sm_80", "sm_90a", "sm_100a")
+SHARED_LIMIT = {"sm_80": 163 * 1024, "sm_90a": 227 * 1024, "sm_100a": 227 * 1024}
+HOT_KERNELS = {"gemm_kernel", "attn_fwd_kernel", "attn_bwd_dq_kernel", "attn_bwd_dkdv_kernel", "lse_update_kernel",
+               "dlogits_kernel"}
+# Every kernel the Triton backend defines (a new one must be launched by the audit's workload).
+KERNELS = {"gemm_kernel", "partial_colsum_kernel", "rms_norm_fwd_kernel", "rms_norm_bwd_kernel", "rope_kernel",
+           "silu_mul_fwd_kernel", "silu_mul_bwd_kernel", "gelu_mul_fwd_kernel", "gelu_mul_bwd_kernel",
+           "embedding_fwd_kernel", "embedding_bwd_kernel", "log_softmax_fwd_kernel", "log_softmax_bwd_kernel",
+           "cross_entropy_fwd_kernel", "cross_entropy_bwd_kernel", "lse_update_kernel", "dlogits_kernel",
+           "attn_fwd_kernel", "attn_bwd_dq_kernel", "attn_bwd_dkdv_kernel"}
+
+
+def _env():
+    env = dict(os.environ)
+    env.pop("TRITON_INTERPRET", None)
+    return env
+
+
+@pytest.fixture(scope="module")
+def audit(tmp_path_factory):
+    out = tmp_path_factory.mktemp("gpu-audit")
+    done = subprocess.run([sys.executable, "-m", "lockstep.cli", "gpu-audit", "--out", str(out), "--json",
+                           str(out / "audit.json")], capture_output=True, text=True, env=_env(), timeout=1500)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return out, json.load(open(out / "audit.json")), done.stdout
+
+
+def _dtype(record):
+    return next(t for t in record["signature"].values() if t.startswith("*")).lstrip("*")
+
+
+def test_every_kernel_on_every_arch_with_its_files(audit):
+    out, records, stdout = audit
+    fields = {"kernel", "arch", "config", "registers", "spill_bytes", "shared_bytes", "num_warps", "atomics",
+              "tensor_core", "sass_sha256", "cubin"}
+    for r in records:
+        assert fields <= set(r), f"missing fields {fields - set(r)}"
+        assert (out / r["cubin"]).is_file() and (out / r["cubin"].replace(".cubin", ".sass")).is_file()
+        assert r["registers"] > 0 and r["num_warps"] in (1, 2, 4, 8, 16)
+    for arch in ARCHS:
+        assert {r["kernel"] for r in records if r["arch"] == arch} == KERNELS, arch
+        # every dtype of the contract, fp32 and both 16-bit types, reaches the GEMM
+        assert {_dtype(r) for r in records if r["arch"] == arch and r["kernel"] == "gemm_kernel"} >= \
+            {"fp32", "bf16", "fp16"}
+    assert f"{len(records)} binaries of {len(KERNELS)} kernels" in stdout
+    for line in stdout.splitlines()[1:4]:
+        assert line.split()[0] in ARCHS
+
+
+def test_no_atomics_on_data(audit):
+    _, records, _ = audit
+    for r in records:
+        assert r["data_atomics"] == 0, (r["kernel"], r["arch"], r["config"], r["atomic_ops"])
+        if r["arch"] != "sm_100a":
+            assert r["atomics"] == 0, (r["kernel"], r["arch"], r["atomic_ops"])
+        # sm_100's MMA claims tensor memory with shared-memory bit operations (docs/gpu.md)
+        assert set(r["atomic_ops"]) <= {"ATOMS.OR", "ATOMS.AND"}
+
+
+def test_no_spills_and_shared_memory_within_the_block_limit(audit):
+    _, records, _ = audit
+    for r in records:
+        if r["kernel"] in HOT_KERNELS:
+            assert r["spill_bytes"] == 0, (r["kernel"], r["arch"], r["config"])
+        assert r["shared_bytes"] <= SHARED_LIMIT[r["arch"]], (r["kernel"], r["arch"], r["config"], r["shared_bytes"])
+
+
+def test_fp32_kernels_use_no_reduced_precision_mma(audit):
+    _, records, _ = audit
+    fp32 = [r for r in records if r["config"].get("PRECISION") == "ieee"]
+    assert {r["kernel"] for r in fp32} >= {"gemm_kernel", "attn_fwd_kernel", "attn_bwd_dq_kernel"}
+    for r in fp32:
+        assert _dtype(r) == "fp32"
+        assert r["tensor_core"] == "none" and not r["tf32"], (r["kernel"], r["arch"], r["tensor_core"])
+    # and the 16-bit GEMM does run on the tensor cores, each generation with its own instruction
+    for arch, family in (("sm_80", "HMMA"), ("sm_90a", "HGMMA"), ("sm_100a", "UTCHMMA")):
+        gemm16 = [r for r in records if r["arch"] == arch and r["kernel"] == "gemm_kernel" and _dtype(r) == "bf16"]
+        assert gemm16 and all(family in r["tensor_core"].split("+") for r in gemm16), arch
+
+
+def test_compile_once_across_sizes(audit):
+    """One binary per kernel configuration, although the workload ran every size argument at
+    several values: rows 1, 7, 16 and 4096; 1, 3 and 8 sequences of many lengths; vocabularies
+    of 3000, 49152 and 151936."""
+    _, records, _ = audit
+    binaries = collections.defaultdict(list)
+    for r in records:
+        binaries[(r["kernel"], r["arch"], json.dumps(r["signature"], sort_keys=True),
+                  json.dumps(r["config"], sort_keys=True))].append(r["sass_sha256"])
+    assert all(len(v) == 1 for v in binaries.values()), [k for k, v in binaries.items() if len(v) > 1]
+
+    def sizes_seen(kernel, arch, dtype, pattern):
+        return {case.split(pattern)[1].split()[0] for r in records if r["kernel"] == kernel and r["arch"] == arch
+                and _dtype(r) == dtype for case in r["cases"] if pattern in case}
+
+    for arch in ARCHS:
+        gemm = [r for r in records if r["kernel"] == "gemm_kernel" and r["arch"] == arch and _dtype(r) == "bf16"
+                and not r["config"]["HAS_BIAS"] and r["signature"]["c_ptr"] == "*bf16"]
+        rows = {case.split("rows=")[1] for r in gemm for case in r["cases"] if "rows=" in case}
+        assert {"1", "7", "16", "4096"} <= rows
+        assert sizes_seen("attn_fwd_kernel", arch, "bf16", "seqs=") == {"1", "3", "8"}
+        assert sizes_seen("lse_update_kernel", arch, "fp32", "vocab=") >= {"49152", "151936"}
+
+
+PLANTED = textwrap.dedent("""
+    import json, sys
+    from lockstep import gpu_audit
+    import torch, triton, triton.language as tl
+
+    @triton.jit
+    def specialized(x_ptr, n, BLOCK: tl.constexpr):
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(x_ptr + i, tl.load(x_ptr + i, mask=i < n) * 2, mask=i < n)
+
+    @triton.jit(do_not_specialize=["n"])
+    def unspecialized(x_ptr, n, BLOCK: tl.constexpr):
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(x_ptr + i, tl.load(x_ptr + i, mask=i < n) * 2, mask=i < n)
+
+    @triton.jit
+    def atomic(x_ptr, y_ptr, BLOCK: tl.constexpr):
+        i = tl.arange(0, BLOCK)
+        tl.atomic_add(y_ptr, tl.sum(tl.load(x_ptr + i), axis=0))
+
+    out = {}
+    with gpu_audit.recording(90) as (launches, case):
+        for n in (1, 7, 16, 4096):
+            x = torch.zeros(n)
+            specialized[(1,)](x, n, BLOCK=64)
+            unspecialized[(1,)](x, n, BLOCK=64)
+        atomic[(1,)](torch.zeros(64), torch.zeros(1), BLOCK=64)
+        from lockstep.backends.triton import gemm
+        gemm.gemm(torch.zeros(8, 64), torch.zeros(64, 32))
+    for name in ("specialized", "unspecialized"):
+        ls = [l for l in launches if l.kernel == name]
+        out[name] = [len({l.key() for l in ls}),
+                     len({gpu_audit.compile_launch(l, "sm_90a", sys.argv[1])["sass_sha256"] for l in ls})]
+    atom = next(l for l in launches if l.kernel == "atomic")
+    out["atomic"] = gpu_audit.compile_launch(atom, "sm_90a", sys.argv[1])["data_atomics"]
+    fp32 = next(l for l in launches if l.kernel == "gemm_kernel")
+    names = list(fp32.signature)
+    fp32.constexprs = {p: ("tf32" if names[p[0]] == "PRECISION" else v) for p, v in fp32.constexprs.items()}
+    tf32 = gpu_audit.compile_launch(fp32, "sm_80", sys.argv[1])
+    out["tf32"] = [tf32["tf32"], tf32["tensor_core"]]
+    print(json.dumps(out))
+""")
+
+
+def test_the_detectors_catch_planted_faults(tmp_path):
+    """A size that Triton specializes on gives several binaries, an atomic add is counted, and an
+    fp32 GEMM asked for TF32 is flagged: the checks above can fail."""
+    script = tmp_path / "planted.py"             # Triton reads a kernel's source from its file
+    script.write_text(PLANTED)
+    done = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, env=_env(),
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.splitlines()[-1])
+    keys, binaries = out["specialized"]
+    assert keys == 3 and binaries >= 2          # n == 1 (a constant), n % 16 == 0, and the rest
+    assert out["unspecialized"] == [1, 1]
+    assert out["atomic"] >= 1
+    assert out["tf32"] == [True, "HMMA"]
+
+
+def test_bad_arch_is_a_clear_error():
+    done = subprocess.run([sys.executable, "-m", "lockstep.cli", "gpu-audit", "--arch", "sm_75"], capture_output=True,
+                          text=True, env=_env(), timeout=120)
+    assert done.returncode == 2
+    assert "--arch: expected a comma-separated list of sm_80, sm_90a, sm_100a, got 'sm_75'" in done.stderr
