@@ -319,6 +319,15 @@ def serve_dtype(text: str) -> torch.dtype:
     return dtype[0]
 
 
+def cmd_convert(args: argparse.Namespace) -> int:
+    from .model import convert_gguf
+
+    convert_gguf(args.gguf, args.out)
+    print(f"lockstep convert: wrote {args.out} (config.json, model.safetensors in float32, tokenizer.json, "
+          "tokenizer_config.json)")
+    return 0
+
+
 def cmd_gpu_audit(args: argparse.Namespace) -> int:
     from . import gpu_audit          # before anything imports Triton: it needs TRITON_INTERPRET=0
 
@@ -477,6 +486,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--server", metavar="URL", help="use a running lockstep serve (it must hold the initial weights)")
     g.add_argument("--out", required=True, help="run folder: log.jsonl, report.html, the initial and final model")
     g.set_defaults(func=cmd_rl)
+
+    cv = sub.add_parser("convert", help="write a GGUF file's model as a Hugging Face folder (safetensors, "
+                                        "tokenizer, chat template) that lockstep and transformers load",
+                        formatter_class=formatter)
+    cv.add_argument("gguf", help="the .gguf file (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q6_K tensors)")
+    cv.add_argument("out", help="the folder to write")
+    cv.set_defaults(func=cmd_convert)
 
     a = sub.add_parser("gpu-audit", help="compile every Triton kernel to NVIDIA machine code (no GPU needed) and "
                                          "report registers, spills, shared memory, atomics and MMA instructions",

@@ -1,10 +1,11 @@
 """lockstep.model: Llama, Qwen2, Qwen3, Qwen3-MoE and Gemma 3 decoders built only from lockstep.ops."""
 
 from ..paged_cache import CacheStep
-from .checkpoint import load_model, model_from_source
+from .checkpoint import DEFAULT_MODEL, convert_gguf, load_model, model_from_source, smollm2_path
 from .config import ModelConfig
 from .tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 from .transformer import KVCache, Transformer, logprobs, pack, positions_from_cu_seqlens
 
-__all__ = ["ModelConfig", "Transformer", "KVCache", "CacheStep", "load_model", "model_from_source", "logprobs", "pack",
+__all__ = ["ModelConfig", "Transformer", "KVCache", "CacheStep", "load_model", "model_from_source", "convert_gguf",
+           "smollm2_path", "DEFAULT_MODEL", "logprobs", "pack",
            "positions_from_cu_seqlens", "ByteTokenizer", "HFTokenizer", "load_tokenizer"]

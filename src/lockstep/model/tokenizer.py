@@ -58,13 +58,27 @@ class ByteTokenizer:
 
 
 class HFTokenizer:
-    """A tokenizer.json read with the `tokenizers` library (no network, no transformers)."""
+    """A tokenizer.json read with the `tokenizers` library (no network, no transformers), from a
+    folder or from the files' contents (a GGUF file carries them; `files`).
 
-    def __init__(self, path: str, config: ModelConfig | None = None):
+    `config` is the tokenizer_config.json beside it ({} without one): its chat template and special
+    tokens."""
+
+    def __init__(self, path: str | None, config: ModelConfig | None = None, files: dict[str, str] | None = None):
         from tokenizers import Tokenizer
 
-        self.folder = os.path.dirname(os.path.abspath(path))
-        self._tok = Tokenizer.from_file(path)
+        if files is not None:
+            self.folder, self.files = None, dict(files)
+            self._tok = Tokenizer.from_str(files["tokenizer.json"])
+            self.config = json.loads(files.get("tokenizer_config.json", "{}"))
+        else:
+            self.folder, self.files = os.path.dirname(os.path.abspath(path)), None
+            self._tok = Tokenizer.from_file(path)
+            config_path = os.path.join(self.folder, "tokenizer_config.json")
+            self.config = {}
+            if os.path.isfile(config_path):
+                with open(config_path) as f:
+                    self.config = json.load(f)
         self.vocab_size = self._tok.get_vocab_size()
         self.bos_token_id = config.bos_token_id if config else None
         eos = config.eos_token_id if config else None
@@ -78,10 +92,16 @@ class HFTokenizer:
         return self._tok.decode(ids)
 
     def save(self, path: str) -> None:
-        """Copy this tokenizer's files (those of TOKENIZER_FILES in its folder) into `path`."""
-        if os.path.abspath(path) == self.folder:
+        """Write this tokenizer's files into `path`: those it was read from (TOKENIZER_FILES in its
+        folder), or the contents it was given."""
+        if self.folder is not None and os.path.abspath(path) == self.folder:
             return
         os.makedirs(path, exist_ok=True)
+        if self.files is not None:
+            for name, content in self.files.items():
+                with open(os.path.join(path, name), "w") as f:
+                    f.write(content)
+            return
         for name in TOKENIZER_FILES:
             src = os.path.join(self.folder, name)
             if os.path.isfile(src):

@@ -59,7 +59,7 @@ class Server:
                  backend: str = "auto"):
         self.model, self.name, self.api_key = model, name, api_key
         self.tokenizer = model.tokenizer
-        self.chat_template = ChatTemplate.from_folder(getattr(self.tokenizer, "folder", None) or model_dir)
+        self.chat_template = ChatTemplate.for_tokenizer(self.tokenizer, model_dir)
         self.context = model.config.max_position_embeddings
         self.worker = EngineWorker(Engine(model, **engine_kwargs), backend=backend)
         self.load_weights = load_weights

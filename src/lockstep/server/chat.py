@@ -43,13 +43,18 @@ class ChatTemplate:
         if os.path.exists(config_path):
             with open(config_path) as f:
                 config = json.load(f)
+        jinja_path = os.path.join(folder, "chat_template.jinja")
+        if not config.get("chat_template") and os.path.exists(jinja_path):
+            with open(jinja_path) as f:
+                config = {**config, "chat_template": f.read()}
+        return cls.from_config(config)
+
+    @classmethod
+    def from_config(cls, config: dict) -> "ChatTemplate | None":
+        """The template of a tokenizer_config.json's contents; None without one."""
         template = config.get("chat_template")
         if isinstance(template, list):                 # named templates: the default one
             template = next((t["template"] for t in template if t.get("name") == "default"), None)
-        jinja_path = os.path.join(folder, "chat_template.jinja")
-        if template is None and os.path.exists(jinja_path):
-            with open(jinja_path) as f:
-                template = f.read()
         if not template:
             return None
 
@@ -58,3 +63,10 @@ class ChatTemplate:
             return value.get("content", "") if isinstance(value, dict) else value
 
         return cls(template, token("bos_token"), token("eos_token"))
+
+    @classmethod
+    def for_tokenizer(cls, tokenizer, model_dir: str | None = None) -> "ChatTemplate | None":
+        """The template that came with `tokenizer` (its tokenizer_config), else the one in model_dir."""
+        config = getattr(tokenizer, "config", None)
+        found = cls.from_config(config) if isinstance(config, dict) else None
+        return found or cls.from_folder(getattr(tokenizer, "folder", None) or model_dir)
