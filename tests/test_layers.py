@@ -22,7 +22,7 @@ LAYERS = {
     2: ["lockstep.harness", "lockstep.model", "lockstep.sampling"],
     3: ["lockstep.engine", "lockstep.train", "lockstep.dist", "lockstep.mode", "lockstep.hf"],
     4: ["lockstep.verify", "lockstep.parity", "lockstep.report", "lockstep.bench", "lockstep.integrations", "lockstep.rl",
-        "lockstep.server"],
+        "lockstep.server", "lockstep.batch_experiment", "lockstep.gpu_audit"],
     5: ["lockstep.cli", "lockstep.__main__", "lockstep"],
 }
 # Same-layer groups that must not import each other: the public ops reach the backends only

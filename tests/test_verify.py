@@ -63,7 +63,8 @@ def test_verify_cli_on_a_transformers_checkpoint(family, tmp_path, capsys, monke
 def test_verify_writes_its_json_into_a_folder_it_creates(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(verify, "SETTINGS", FEW[:1])
     json_path = tmp_path / "missing" / "deeper" / "verify.json"
-    assert cli.main(["verify", "--dtype", "fp32", "--max-new-tokens", "2", "--no-eager", "--json", str(json_path)]) == 0
+    assert cli.main(["verify", "tiny", "--dtype", "fp32", "--max-new-tokens", "2", "--no-eager", "--json",
+                     str(json_path)]) == 0
     out = capsys.readouterr().out
     assert "0 / 0 / 0 and identical tokens" in out and json_path.exists()
 

@@ -7,11 +7,14 @@
     lockstep train ...           deterministic training with checkpoints and bitwise resume
     lockstep parity ...          the first op where two runs diverge, or two training trajectories
     lockstep report RUN_DIR      one HTML page from the JSON files of a run folder
-    lockstep serve MODEL         an OpenAI-compatible server (completions, chat, weight updates)
+    lockstep serve [MODEL]       an OpenAI-compatible server (completions, chat, weight updates)
+    lockstep convert GGUF DIR    a GGUF file's model as a Hugging Face folder
+    lockstep gpu-audit           every Triton kernel compiled for NVIDIA GPUs on this CPU, and audited
     lockstep rl                  GRPO on a small task, rollouts through lockstep serve over HTTP
     lockstep bench [OP ...]      op speed against eager PyTorch, as ratios
 
-MODEL is a local Hugging Face checkpoint folder or "tiny" (a built-in random model). Each handler
+MODEL is a local Hugging Face checkpoint folder or GGUF file, "smollm2" (SmolLM2-135M-Instruct, the
+default of verify and serve) or "tiny" (a built-in random model). Each handler
 parses, calls one library function and prints; bad arguments exit with status 2 and one line that
 names the argument.
 """
@@ -29,6 +32,7 @@ import time
 import torch
 
 from . import contract, registry
+from .model.checkpoint import DEFAULT_MODEL
 
 FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "gemma3_text")     # the keys of model.config.FAMILIES
 
@@ -205,18 +209,37 @@ def cmd_check_model(args: argparse.Namespace) -> int:
 def cmd_verify(args: argparse.Namespace) -> int:
     import dataclasses
 
-    from . import verify
+    from . import batch_experiment, verify
     from .model import model_from_source
 
     _prepare_outputs(args)
-    model_from_source(args.model, torch.float32, args.family, args.seed)     # a bad folder fails here, first
-    what = f"built-in tiny {args.family} model (random weights)" if args.model == "tiny" else args.model
+    first = model_from_source(args.model, torch.float32, args.family, args.seed)     # a bad model fails here, first
+    # A model with a chat template is a real one: its gate runs on its own chat prompts (short enough
+    # for `make verify` on 2 cores), and the batch experiment follows.
+    real = args.model != "tiny" and batch_experiment.has_chat_template(first)
+    if args.model == "tiny":
+        what = f"built-in tiny {args.family} model (random weights)"
+    else:
+        what = args.model + (" (SmolLM2-135M-Instruct, GGUF Q4_1)" if args.model == DEFAULT_MODEL else "")
+    prompts = batch_experiment.chat_prompts(first)[:4] if real else None
+    max_new_tokens = args.max_new_tokens or (8 if real else 16)
     print(f"lockstep verify: {what}; engine logprobs vs trainer logprobs (lockstep.logprobs)")
-    report = verify.run(lambda dtype: model_from_source(args.model, dtype, args.family, args.seed), args.dtype,
-                        max_new_tokens=args.max_new_tokens, seed=args.seed, with_eager=not args.no_eager)
+    dtypes = args.dtype or ([torch.bfloat16] if real else [torch.float32, torch.bfloat16])
+    report = verify.run(lambda dtype: model_from_source(args.model, dtype, args.family, args.seed), dtypes,
+                        prompts=prompts, max_new_tokens=max_new_tokens, seed=args.seed, with_eager=not args.no_eager)
     print("\nlockstep: 0 / 0 / 0 and identical tokens in every setting" if report.passed else
           "\nlockstep: FAILED (see the rows above)")
-    _write_outputs(args, {"verify": dataclasses.asdict(report)}, "lockstep verify")
+    out = {"model": args.model, "config": first.config.to_hf(), "verify": dataclasses.asdict(report)}
+    if not real and args.model != "tiny":
+        print("(no batch experiment: the model has no chat template)")
+    if real and not args.no_experiment:
+        print(f"\nThe batch experiment: one chat prompt, greedy (T = 0), {args.experiment_tokens} tokens, alone and "
+              "inside batches of other chat prompts")
+        experiment = batch_experiment.run(lambda dtype: model_from_source(args.model, dtype), torch.bfloat16,
+                                          max_new_tokens=args.experiment_tokens)
+        print("\n".join(batch_experiment.summary_lines(experiment)))
+        out["experiment"] = dataclasses.asdict(experiment)
+    _write_outputs(args, out, "lockstep verify")
     return 0 if report.passed else 1
 
 
@@ -343,9 +366,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
 # --- the parser --------------------------------------------------------------------------------
 def _model_arguments(p: argparse.ArgumentParser, default: str | None) -> None:
     if default is None:
-        p.add_argument("model", help="a local Hugging Face checkpoint folder, or 'tiny' for a built-in random model")
+        p.add_argument("model", help="a local Hugging Face checkpoint folder or GGUF file, 'smollm2' "
+                                     "(SmolLM2-135M-Instruct, installed), or 'tiny' (a built-in random model)")
     else:
-        p.add_argument("model", nargs="?", default=default, help="a local checkpoint folder, or 'tiny'")
+        p.add_argument("model", nargs="?", default=default,
+                       help=f"a local checkpoint folder or GGUF file, 'smollm2' (SmolLM2-135M-Instruct, installed) or "
+                            f"'tiny' (random weights); default: {default}")
     p.add_argument("--family", default="llama", choices=FAMILIES, help="family of the tiny model")
 
 
@@ -375,9 +401,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     v = sub.add_parser("verify", help="the train-inference gate: engine logprobs == trainer logprobs, bitwise",
                        formatter_class=formatter)
-    _model_arguments(v, default="tiny")
-    v.add_argument("--dtype", type=dtype_list, default="fp32,bf16", help="comma-separated dtypes")
-    v.add_argument("--max-new-tokens", type=int, default=16, help="tokens generated per prompt")
+    _model_arguments(v, default=DEFAULT_MODEL)
+    v.add_argument("--dtype", type=dtype_list, default=None,
+                   help="comma-separated dtypes (default: fp32,bf16 for tiny; bf16, the serving dtype, for a real model)")
+    v.add_argument("--max-new-tokens", type=int, default=None,
+                   help="tokens generated per prompt in the gate (default: 16 for tiny, 8 for a real model)")
+    v.add_argument("--experiment-tokens", type=int, default=24,
+                   help="tokens of each greedy completion in the batch experiment (real models)")
+    v.add_argument("--no-experiment", action="store_true", help="only the gate, not the batch experiment")
     v.add_argument("--seed", type=int, default=0, help="seed of the prompts, the sampling and the tiny model")
     v.add_argument("--no-eager", action="store_true", help="skip the plain-PyTorch comparison rows")
     v.add_argument("--json", metavar="PATH", help="write the full report as JSON")
@@ -452,7 +483,7 @@ def build_parser() -> argparse.ArgumentParser:
                         description="Serve MODEL over OpenAI's completions and chat completions API. Every "
                                     "answer's logprobs equal the same request sent alone, and lockstep.logprobs "
                                     "on its tokens.")
-    _model_arguments(sv, default=None)
+    _model_arguments(sv, default=DEFAULT_MODEL)
     sv.add_argument("--host", default="127.0.0.1", help="address to listen on (the default is this machine only)")
     sv.add_argument("--port", type=int, default=8000, help="port to listen on")
     sv.add_argument("--dtype", type=serve_dtype, default="bf16", help="compute dtype")

@@ -32,7 +32,7 @@ from collections.abc import Callable, Iterator
 
 if "lockstep.backends.triton" in sys.modules and os.environ.get("TRITON_INTERPRET") == "1":
     raise RuntimeError("lockstep.gpu_audit: this process already imported the Triton backend under the interpreter; "
-                       "run `lockstep gpu-audit` (or python -m lockstep.gpu_audit) in a process of its own")
+                       "run `lockstep gpu-audit` in a process of its own")
 os.environ["TRITON_INTERPRET"] = "0"
 # Say what we mean instead of leaning on Triton's default, which Triton 3.10 flips (see docs/gpu.md).
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
@@ -428,8 +428,3 @@ def run(arch: str = ",".join(DEFAULT_ARCHS), out: str = "gpu-audit", json_path: 
           f"{', '.join(archs)}; {len(atomics)} with atomics on data, {len(spills)} with spills; cubins and SASS in {out}")
     return 0
 
-
-if __name__ == "__main__":
-    from .cli import main
-
-    sys.exit(main(["gpu-audit", *sys.argv[1:]]))

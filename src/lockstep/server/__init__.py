@@ -33,13 +33,13 @@ def weights_from_folder(path: str, model: Transformer) -> dict[str, torch.Tensor
 def build_server(source: str, dtype: torch.dtype = torch.float32, family: str = "llama", seed: int = 0,
                  name: str | None = None, api_key: str | None = None, backend: str = "auto",
                  **engine_kwargs) -> Server:
-    """A Server for `source` ("tiny" or a checkpoint folder) computing on `backend` ("eager" shows
+    """A Server for `source` ("tiny", "smollm2", a checkpoint folder or a GGUF file) computing on `backend` ("eager" shows
     what stock PyTorch would serve); engine_kwargs go to Engine."""
     model = model_from_source(source, dtype, family, seed)
     if model.tokenizer is None:                      # the tiny model reads and writes UTF-8 bytes
         model.tokenizer = ByteTokenizer()
     return Server(model, name or (os.path.basename(os.path.abspath(source)) if source != "tiny" else f"tiny-{family}"),
-                  engine_kwargs, model_dir=None if source == "tiny" else source, api_key=api_key,
+                  engine_kwargs, model_dir=source if os.path.isdir(source) else None, api_key=api_key,
                   load_weights=lambda path: weights_from_folder(path, model), backend=backend)
 
 
