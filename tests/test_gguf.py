@@ -212,3 +212,46 @@ def test_unknown_architecture(tmp_path):
                                          r"files of llama, qwen2, qwen3"):
         load_model(f)
     assert cli.main(["convert", f, str(tmp_path / "out")]) == 2
+
+
+def _with_tokenizer(path, pre):
+    w = gguf_ref.GGUFWriter(str(path), "llama")
+    w.add_block_count(1)
+    w.add_tokenizer_model("gpt2")
+    if pre is not None:
+        w.add_tokenizer_pre(pre)
+    w.add_token_list(["1", "2", "12", "a", "<|end|>"])
+    w.add_token_types([1, 1, 1, 1, 3])
+    w.add_token_merges(["1 2"])
+    w.add_tensor("blk.0.attn_norm.weight", np.ones(8, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return gguf.GGUFFile(str(path))
+
+
+@pytest.mark.parametrize("pre, ids", [("gpt2", [2, 3]), ("smollm", [0, 1, 3]), ("qwen2", [0, 1, 3]),
+                                      ("llama3", [2, 3])])
+def test_the_pre_tokenizer_follows_tokenizer_ggml_pre(tmp_path, pre, ids):
+    """How llama.cpp splits text before BPE: GPT-2's regex keeps "12" together (one merge makes
+    one token), SmolLM and Qwen2 split digits one by one, Llama 3 groups up to three."""
+    from tokenizers import Tokenizer
+
+    files = gguf.tokenizer_files(_with_tokenizer(tmp_path / f"{pre}.gguf", pre))
+    tok = Tokenizer.from_str(files["tokenizer.json"])
+    assert tok.encode("12a", add_special_tokens=False).ids == ids
+    assert tok.encode("a<|end|>", add_special_tokens=False).ids == [3, 4]
+
+
+def test_an_unknown_pre_tokenizer_warns(tmp_path):
+    with pytest.warns(UserWarning, match=r"tokenizer.ggml.pre='mystery' is not one lockstep knows"):
+        gguf.tokenizer_files(_with_tokenizer(tmp_path / "m.gguf", "mystery"))
+
+
+def test_llama31_rope_factors_are_refused_not_dropped(tmp_path):
+    f = _write(tmp_path / "l31.gguf", tensors=(("blk.0.attn_norm.weight", np.ones(8, np.float32), None),
+                                               ("rope_freqs.weight", np.ones(32, np.float32), None)))
+    g = gguf.GGUFFile(f)
+    with pytest.raises(ValueError, match=r"l31.gguf: rope_freqs.weight \(Llama 3.1-style rope scaling factors\)"):
+        gguf.hf_config(g)

@@ -142,12 +142,13 @@ def transformers_greedy(hf, prompts: list[list[int]], max_new_tokens: int, pad: 
     return out
 
 
-def engine_greedy(model: Transformer, prompts: list[list[int]], max_new_tokens: int, decode) -> Completions:
+def engine_greedy(model: Transformer, prompts: list[list[int]], max_new_tokens: int, eos: int | None,
+                  decode) -> Completions:
     """The prompt under test decoded greedily by lockstep's Engine at every placement (default
     scheduler), and in the largest batch under every scheduler setting."""
     out = Completions("lockstep Engine")
     started = time.time()
-    sp = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens)
+    sp = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens, stop_token_ids=[eos] if eos is not None else [])
     # Every placement under the default scheduler, and the other settings in one 8-prompt batch:
     # on 2 CPU cores each run costs seconds, and `make verify` has 10 minutes.
     runs = [(size, position, ENGINE_SETTINGS[0]) for size, position in PLACEMENTS if size in (1, 4, 8)]
@@ -158,7 +159,7 @@ def engine_greedy(model: Transformer, prompts: list[list[int]], max_new_tokens: 
         num_blocks = 2 * ceil_div(max(map(len, batch)) + max_new_tokens, block_size) + 1 if tight else None
         engine = Engine(model, max_num_seqs=max_num_seqs or len(batch), max_num_batched_tokens=budget,
                         block_size=block_size, num_blocks=num_blocks, prefix_caching=prefix)
-        completion = engine.generate(batch, sp)[position].token_ids
+        completion = _until_eos(engine.generate(batch, sp)[position].token_ids, eos)
         out.add(f"batch {size}, position {position}, {name}", completion, decode(completion))
     out.seconds = time.time() - started
     return out
@@ -212,7 +213,7 @@ def run(model_for: callable, dtype: torch.dtype, max_new_tokens: int = 48, misma
     with batch_invariant():
         paths.append(transformers_greedy(hf, prompts, max_new_tokens, pad, eos, tok.decode,
                                          "transformers + batch_invariant()"))
-    paths.append(engine_greedy(model, prompts, max_new_tokens, tok.decode))
+    paths.append(engine_greedy(model, prompts, max_new_tokens, eos, tok.decode))
     for c in paths:
         report.paths.append(c.summary())
         log(f"{report.dtype:9s} {c.path:34s} runs={len(c.runs):<3d} unique completions={c.unique}  ({c.seconds:.0f} s)")

@@ -258,8 +258,20 @@ def hf_config(g: GGUFFile) -> dict:
             raise ValueError(f"{g.path}: metadata {arch}.{name} is missing")
         return value
 
+    if "rope_freqs.weight" in g.tensors:
+        # llama.cpp bakes Llama 3.1's rope scaling into per-frequency factors, and the parameters
+        # that made them are not stored: guessing would rotate every position slightly wrong.
+        raise ValueError(f"{g.path}: rope_freqs.weight (Llama 3.1-style rope scaling factors) is not supported")
     heads = int(key("attention.head_count"))
     hidden = int(key("embedding_length"))
+    head_dim = int(key("attention.key_length", hidden // heads))
+    if int(key("rope.dimension_count", head_dim)) != head_dim:
+        raise ValueError(f"{g.path}: {arch}.rope.dimension_count={key('rope.dimension_count')} rotates part of "
+                         f"each head (head_dim {head_dim}); lockstep rotates whole heads")
+    scaling = key("rope.scaling.type", "none")
+    if scaling not in ("none", "linear"):
+        raise ValueError(f"{g.path}: {arch}.rope.scaling.type={scaling!r} is not supported (expected 'none' or "
+                         "'linear')")
     vocab = len(m["tokenizer.ggml.tokens"]) if "tokenizer.ggml.tokens" in m else int(key("vocab_size"))
     config = {
         "architectures": [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
@@ -271,7 +283,7 @@ def hf_config(g: GGUFFile) -> dict:
         "num_hidden_layers": int(key("block_count")),
         "num_attention_heads": heads,
         "num_key_value_heads": int(key("attention.head_count_kv", heads)),
-        "head_dim": int(key("attention.key_length", hidden // heads)),
+        "head_dim": head_dim,
         "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon")),
         "rope_theta": float(key("rope.freq_base", 10000.0)),
         "max_position_embeddings": int(key("context_length")),
@@ -279,6 +291,8 @@ def hf_config(g: GGUFFile) -> dict:
         "hidden_act": "silu",
         "torch_dtype": "float32",
     }
+    if scaling == "linear":
+        config["rope_scaling"] = {"rope_type": "linear", "factor": float(key("rope.scaling.factor"))}
     for field, meta in (("bos_token_id", "tokenizer.ggml.bos_token_id"),
                         ("eos_token_id", "tokenizer.ggml.eos_token_id"),
                         ("pad_token_id", "tokenizer.ggml.padding_token_id")):
@@ -318,14 +332,42 @@ def hf_tensors(g: GGUFFile, dtype: torch.dtype = torch.float32) -> dict[str, tor
     arch = _architecture(g)
     out = {}
     for name in g.tensors:
-        if name in ("rope_freqs.weight",):              # precomputed rope factors; lockstep computes its own
-            continue
         t = g.tensor(name, torch.float32)
         if arch == "llama" and name.split(".")[-2:-1] in (["attn_q"], ["attn_k"]):
             heads = config["num_attention_heads"] if ".attn_q." in name else config["num_key_value_heads"]
             t = unpermute_rope(t, heads)
         out[hf_name(name)] = t.to(dtype)
     return out
+
+
+# How llama.cpp splits text before byte-level BPE, by tokenizer.ggml.pre, where it is not GPT-2's
+# regex (which the ByteLevel pre-tokenizer applies by itself).
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+PRE_SPLITS = {"llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT, "smaug-bpe": _LLAMA3_SPLIT,
+              "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT}
+PRE_DIGITS = ("smollm", "starcoder", "refact", "codeshell", "command-r", "exaone", "minerva")   # one digit a piece
+PRE_GPT2 = ("gpt-2", "gpt2", "default", None)
+
+
+def _pre_tokenizer(g: GGUFFile, pre: str | None) -> dict:
+    """The tokenizer.json pre_tokenizer for llama.cpp's `tokenizer.ggml.pre`; an unknown one warns
+    and splits with GPT-2's regex."""
+    byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}
+    if pre in PRE_SPLITS:
+        return {"type": "Sequence", "pretokenizers": [
+            {"type": "Split", "pattern": {"Regex": PRE_SPLITS[pre]}, "behavior": "Isolated", "invert": False},
+            {**byte_level, "use_regex": False}]}
+    if pre in PRE_DIGITS:
+        return {"type": "Sequence", "pretokenizers": [{"type": "Digits", "individual_digits": True}, byte_level]}
+    if pre not in PRE_GPT2:
+        import warnings
+
+        warnings.warn(f"{g.path}: tokenizer.ggml.pre={pre!r} is not one lockstep knows; splitting text with GPT-2's "
+                      "regex, which may tokenize some text differently from llama.cpp", stacklevel=3)
+    return byte_level
 
 
 def tokenizer_files(g: GGUFFile) -> dict[str, str]:
@@ -346,9 +388,7 @@ def tokenizer_files(g: GGUFFile) -> dict[str, str]:
         "added_tokens": [{"id": i, "content": tokens[i], "single_word": False, "lstrip": False, "rstrip": False,
                           "normalized": False, "special": types[i] == 3} for i in special],
         "normalizer": None,
-        "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": bool(m.get("tokenizer.ggml.add_space_prefix",
-                                                                                False)),
-                          "trim_offsets": True, "use_regex": True},
+        "pre_tokenizer": _pre_tokenizer(g, m.get("tokenizer.ggml.pre")),
         "post_processor": None,
         "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
         "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
