@@ -4,23 +4,17 @@ head), M = 1, 8, 128 and 512 rows, bf16 and fp32, in one run. Ratios above 1: na
 
 Usage: python benchmarks/bench_native.py"""
 
-import time
-
 import torch
 
 from lockstep.backends.native import build, gemm
 from lockstep.bench import machine
 from lockstep.fixed_order import torch_matmul_rows
 
+from _realistic import best_of
+
 
 def best_ms(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times) * 1e3
+    return best_of(fn, repeats) * 1e3
 
 
 def main() -> None:

@@ -14,7 +14,7 @@ import argparse
 import torch
 
 from lockstep import Engine, SamplingParams
-from lockstep.batch_experiment import chat_prompts, transformers_model
+from lockstep.batch_experiment import chat_prompts, left_padded, transformers_model
 from lockstep.bench import machine
 from lockstep.model import model_from_source
 from lockstep.train import token_logprobs
@@ -43,9 +43,7 @@ def engine_rows(dtype_name: str) -> None:
             outs = e.generate(prompts, SamplingParams(temperature=0, max_new_tokens=NEW))
             assert all(len(o.token_ids) == NEW for o in outs)
 
-        width = max(map(len, prompts))
-        ids = torch.tensor([[eos] * (width - len(p)) + p for p in prompts])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        ids, mask = left_padded(prompts, eos)
 
         def stock():
             with torch.no_grad():
@@ -64,10 +62,7 @@ def train_rows(dtype_name: str) -> None:
     questions = chat_prompts(ours)
     gen = torch.Generator().manual_seed(0)
     seqs = [torch.tensor(q + torch.randint(0, 49152, (NEW,), generator=gen).tolist()) for q in questions]
-    width = max(len(s) for s in seqs)
-    eos = ours.tokenizer.eos_token_id
-    ids = torch.stack([torch.cat([torch.full((width - len(s),), eos), s]) for s in seqs])
-    mask = (torch.arange(width)[None, :] >= (width - torch.tensor([len(s) for s in seqs]))[:, None]).long()
+    ids, mask = left_padded([s.tolist() for s in seqs], ours.tokenizer.eos_token_id)
     tokens = sum(len(s) for s in seqs)
 
     def ours_step():

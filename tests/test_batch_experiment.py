@@ -5,6 +5,7 @@ batch_invariant() and by lockstep's Engine; and stock's sampler-vs-trainer logpr
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -48,7 +49,7 @@ def test_the_experiment_on_the_real_model(smol, monkeypatch):
     (text,) = paths["lockstep Engine"]["completions"]
     assert any(c.isalpha() for c in text)
     (row,) = report.stock_logprob_mismatch
-    assert row["dtype"] == "bfloat16" and row["tokens"] > 0 and row["max_abs_dlogp"] >= 0
+    assert row["dtype"] == "bfloat16" and row["tokens"] > 0 and math.isfinite(row["max_abs_dlogp"])
     assert any("stock transformers: sampler logprobs vs a training forward" in line for line in lines)
 
 

@@ -16,7 +16,8 @@ on this CPU, the report says so, and that mismatch is the measured difference.
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
@@ -115,7 +116,8 @@ def transformers_model(model: Transformer, dtype: torch.dtype):
     return hf
 
 
-def _left_padded(batch: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+def left_padded(batch: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """input_ids and attention_mask [B, longest] for transformers: each row padded on the left with `pad`."""
     width = max(len(p) for p in batch)
     ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
@@ -132,7 +134,7 @@ def transformers_greedy(hf, prompts: list[list[int]], max_new_tokens: int, pad: 
     out = Completions(path)
     started = time.time()
     for size, position in PLACEMENTS:
-        ids, mask = _left_padded(batch_of(prompts, size, position), pad)
+        ids, mask = left_padded(batch_of(prompts, size, position), pad)
         with torch.no_grad():
             generated = hf.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new_tokens,
                                     pad_token_id=pad, eos_token_id=eos)
@@ -173,7 +175,7 @@ def stock_logprob_mismatch(hf, prompts: list[list[int]], max_new_tokens: int, pa
     train - sampler (contract section 4) over the sampled tokens."""
     from .verify import aggregates
 
-    ids, mask = _left_padded(prompts, pad)
+    ids, mask = left_padded(prompts, pad)
     torch.manual_seed(seed)
     with torch.no_grad():
         out = hf.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
@@ -196,7 +198,7 @@ def stock_logprob_mismatch(hf, prompts: list[list[int]], max_new_tokens: int, pa
     return {"tokens": int(d.numel()), "max_abs_dlogp": mx, "approx_kl0": kl, "clipfrac0": cf}
 
 
-def run(model_for: callable, dtype: torch.dtype, max_new_tokens: int = 48, mismatch_dtypes=(torch.bfloat16, torch.float32),
+def run(model_for: Callable[[torch.dtype], Transformer], dtype: torch.dtype, max_new_tokens: int = 48, mismatch_dtypes=(torch.bfloat16, torch.float32),
         log=print) -> ExperimentReport:
     """The whole experiment in `dtype`, and the stock logprob mismatch in each of mismatch_dtypes.
     model_for(dtype) returns the lockstep model (a real checkpoint with a chat template)."""
@@ -240,6 +242,3 @@ def summary_lines(report: ExperimentReport) -> list[str]:
                      "difference is the logprob mismatch above, which lockstep's engine and trainer do not have")
     return lines
 
-
-def as_dict(report: ExperimentReport) -> dict:
-    return asdict(report)

@@ -52,7 +52,7 @@ DEFAULT_ARCHS = ("sm_80", "sm_90a", "sm_100a")
 SHARED_LIMIT = {80: 163 * 1024, 90: 227 * 1024, 100: 227 * 1024}
 # Registers and resident warps per SM (the same on sm_80, sm_90 and sm_100).
 REGISTERS_PER_SM = 65536
-MAX_WARPS_PER_SM = {80: 64, 90: 64, 100: 64}
+MAX_WARPS_PER_SM = 64
 SHARED_PER_SM = {80: 164 * 1024, 90: 228 * 1024, 100: 228 * 1024}
 ATOMIC_OPCODES = {"ATOM", "ATOMS", "ATOMG", "RED", "REDG", "REDAS"}
 # Shared-memory bit operations with which sm_100 code claims and frees tensor memory (paired with
@@ -83,10 +83,6 @@ class Launch:
         """What decides the binary: two launches with one key run one compiled kernel."""
         return repr((self.kernel, sorted(self.signature.items()), sorted(self.constexprs.items()),
                      sorted((k, repr(v)) for k, v in self.attrs.items()), sorted(self.options.items())))
-
-    def group(self) -> str:
-        """The kernel configuration: kernel, argument types and constexprs, not the sizes."""
-        return repr((self.kernel, sorted(self.signature.items()), sorted(self.config().items())))
 
 
 class _AuditDriver:
@@ -128,7 +124,10 @@ def recording(capability: int) -> Iterator[tuple[list[Launch], list[str]]]:
         yield launches, case
     finally:
         knobs.runtime.jit_cache_hook = previous_hook
-        driver.reset_active() if _has_default_driver() else setattr(driver, "_active", None)
+        if _has_default_driver():
+            driver.reset_active()
+        else:                       # no GPU: leave no stand-in behind for a later real lookup
+            driver.set_active(None)
 
 
 def _has_default_driver() -> bool:
@@ -345,7 +344,7 @@ def occupancy(record: dict) -> int:
     regs_per_warp = -(-record["registers"] * 32 // 256) * 256
     by_regs = REGISTERS_PER_SM // (regs_per_warp * warps) if record["registers"] else 10 ** 9
     by_shared = SHARED_PER_SM[capability] // (record["shared_bytes"] + 1024) if record["shared_bytes"] else 10 ** 9
-    blocks = min(by_regs, by_shared, MAX_WARPS_PER_SM[capability] // warps, 32)
+    blocks = min(by_regs, by_shared, MAX_WARPS_PER_SM // warps, 32)
     return blocks * warps
 
 
