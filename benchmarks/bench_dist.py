@@ -49,7 +49,7 @@ def _timed(fn, repeats=3):
 
 def _reduce_worker(rank, world, out, sizes):
     ldist.initialize_model_parallel(1)
-    sync = ldist.Parallel(nn.Module())
+    sync = ldist.ParallelSync(nn.Module())
     rows = []
     for n in sizes:
         row = {"n": n}
@@ -82,7 +82,7 @@ def _step_worker(rank, world, out, layers, which):
     cfg = TrainConfig(steps=100, seq_len=SEQ_LEN, micro_batch_tokens=SEQ_LEN * SEQS_PER_RANK, lr=1e-4)
     model = lockstep_model(torch.float32, layers).train()
     if which == "lockstep":
-        trainer = Trainer(model, PackedDataset(TOKENS, SEQ_LEN, cfg.micro_batch_tokens, 0), cfg, ldist.Parallel(model))
+        trainer = Trainer(model, PackedDataset(TOKENS, SEQ_LEN, cfg.micro_batch_tokens, 0), cfg, ldist.ParallelSync(model))
         step = trainer.step
     else:
         ddp_model = DDP(model)

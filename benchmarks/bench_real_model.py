@@ -17,7 +17,7 @@ from lockstep import Engine, SamplingParams
 from lockstep.batch_experiment import chat_prompts, left_padded, transformers_model
 from lockstep.bench import machine
 from lockstep.model import model_from_source
-from lockstep.train import token_logprobs
+from lockstep.model import packed_logprobs
 
 from _realistic import best_of
 
@@ -66,7 +66,7 @@ def train_rows(dtype_name: str) -> None:
     tokens = sum(len(s) for s in seqs)
 
     def ours_step():
-        lp, _ = token_logprobs(ours, seqs)
+        lp, _ = packed_logprobs(ours, seqs)
         (-lp.sum() / lp.numel()).backward()
         ours.zero_grad(set_to_none=True)
 

@@ -21,7 +21,8 @@ import torch
 import lockstep
 from lockstep import Engine, SamplingParams
 from lockstep.bench import machine
-from lockstep.train import PackedDataset, TrainConfig, Trainer, token_logprobs
+from lockstep.model import packed_logprobs
+from lockstep.train import PackedDataset, TrainConfig, Trainer
 
 from _realistic import LAYERS, best_of, hf_model, lockstep_model
 
@@ -95,7 +96,7 @@ def train_rows(dtype_name: str) -> None:
     ids = torch.tensor(tokens[:8 * (SEQ + 1)]).view(8, SEQ + 1)
 
     def ours_forward_backward():
-        lp, _ = token_logprobs(ours, list(ids.unbind(0)))
+        lp, _ = packed_logprobs(ours, list(ids.unbind(0)))
         (-lp.sum() / lp.numel()).backward()
         ours.zero_grad(set_to_none=True)
 

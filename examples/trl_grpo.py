@@ -60,7 +60,7 @@ def main() -> None:
     for rec in trainer.state.log_history:
         if "lockstep/max_abs_dlogp" in rec:
             print(f"step {rec['step']}: max |dlogp| {rec['lockstep/max_abs_dlogp']:.3g}, "
-                  f"approx KL {rec['lockstep/approx_kl']:.3g}, mean ratio {rec['lockstep/mean_ratio']:.9f}")
+                  f"approx KL {rec['lockstep/approx_kl0']:.3g}, mean ratio {rec['lockstep/mean_ratio']:.9f}")
 
 
 if __name__ == "__main__":

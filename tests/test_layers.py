@@ -17,7 +17,7 @@ PACKAGE = SRC / "lockstep"
 LAYERS = {
     0: ["lockstep.registry", "lockstep.fixed_order", "lockstep.grad_tree", "lockstep.rotary", "lockstep.paged_cache",
         "lockstep.checks", "lockstep.autocast", "lockstep.softcap", "lockstep.chunks",
-        "lockstep.contract"],
+        "lockstep.contract", "lockstep.mismatch"],
     1: ["lockstep.ops", "lockstep.backends"],
     2: ["lockstep.harness", "lockstep.model", "lockstep.sampling"],
     3: ["lockstep.engine", "lockstep.train", "lockstep.dist", "lockstep.mode", "lockstep.hf"],
@@ -54,7 +54,13 @@ def imports(name: str) -> list[tuple[str, list[str], int]]:
     tree = ast.parse(MODULES[name].read_text())
     package = name if is_package(name) else name.rpartition(".")[0]
     out = []
+    # Imports under `if TYPE_CHECKING:` are for annotations only: no dependency at run time.
+    typing_only = {id(n) for block in ast.walk(tree) if isinstance(block, ast.If)
+                   and isinstance(block.test, ast.Name) and block.test.id == "TYPE_CHECKING"
+                   for stmt in block.body for n in ast.walk(stmt)}
     for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
         if isinstance(node, ast.Import):
             out += [(a.name, [], node.lineno) for a in node.names if a.name.startswith("lockstep")]
         elif isinstance(node, ast.ImportFrom):

@@ -89,7 +89,7 @@ def _layout_worker(rank, world, out):
     results, paths = {}, set()
 
     def parallel(model):
-        sync = ldist.Parallel(model)
+        sync = ldist.ParallelSync(model)
         paths.add(sync.completes_by_pairs(gbt // SEQ_LEN if gbt else 8))    # 8 sequences a step, or 7
         return sync
 
@@ -158,7 +158,7 @@ def _family_worker(rank, world, out):
     for family in NEW_FAMILIES:
         for name, tp, mb, accum in FAMILY_LAYOUTS:
             gbt = 7 * SEQ_LEN if name.endswith("uneven") else 0
-            results[f"{family}/{name}"] = _train("bf16-master", mb, accum, gbt, tp, ldist.Parallel, family=family)
+            results[f"{family}/{name}"] = _train("bf16-master", mb, accum, gbt, tp, ldist.ParallelSync, family=family)
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(results, f)
 

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from lockstep import contract, train
-from lockstep.model import ModelConfig, Transformer
-from lockstep.train import AdamW, AdamWConfig, PackedDataset, TrainConfig, Trainer, policy_loss
+from lockstep.model import ModelConfig, Transformer, packed_logprobs
+from lockstep.train import AdamW, AdamWConfig, PackedDataset, PolicyLoss, TrainConfig, Trainer
 
 
 def _tokens(n=6000, seed=0):
@@ -29,7 +29,7 @@ def test_replay_is_bitwise():
     a, b = _trainer(), _trainer()
     ra, rb = _run(a, 6), _run(b, 6)
     assert [(r["loss"], r["grad_norm"]) for r in ra] == [(r["loss"], r["grad_norm"]) for r in rb]
-    assert a.params_hash() == b.params_hash()
+    assert a.params_digest() == b.params_digest()
     assert a.opt.step_count == 6, "one optimizer step per accumulation window"
 
 
@@ -44,7 +44,7 @@ def test_resume_continues_bitwise(tmp_path, dtype, master):
     assert resumed.resume(str(tmp_path)) == 5
     losses_resumed = [r["loss"] for r in _run(resumed, 3)]
     assert losses_resumed == losses_full[5:]
-    assert resumed.params_hash() == full.params_hash()
+    assert resumed.params_digest() == full.params_digest()
 
 
 def test_padding_changes_no_bit_of_the_update():
@@ -58,7 +58,7 @@ def test_padding_changes_no_bit_of_the_update():
     ra = a.step(window)
     rb = b.step(padded, masks)
     assert ra["loss"] == rb["loss"] and ra["grad_norm"] == rb["grad_norm"]
-    assert a.params_hash() == b.params_hash()
+    assert a.params_digest() == b.params_digest()
 
 
 def test_window_gradients_do_not_depend_on_the_micro_batches():
@@ -156,15 +156,23 @@ def test_adamw_matches_torch_adamw():
     torch.testing.assert_close(p1, p2, atol=1e-6, rtol=1e-5)
 
 
-def test_policy_loss_clips():
-    lp = torch.tensor([0.0, 0.5, -0.5], requires_grad=True)
-    old = torch.zeros(3)
-    adv = torch.tensor([1.0, 1.0, -1.0])
-    loss = policy_loss(lp, old, adv, torch.ones(3, dtype=torch.bool), clip=0.2)
-    want = -(1.0 + 1.2 - 0.8) / 3          # token 1 clipped at 1.2, token 2 at 0.8 (negative advantage)
-    assert math.isclose(float(loss), want, rel_tol=1e-6)
-    loss.backward()
-    assert lp.grad[1] == 0 and lp.grad[2] == 0 and lp.grad[0] != 0
+def test_policy_loss_clips_and_its_slope_is_autograds():
+    lp = torch.tensor([0.0, 0.5, -0.5, 0.1, -0.1])
+    old = torch.zeros(5)
+    adv = [1.0, 1.0, -1.0, -1.0, 2.0]
+    loss = PolicyLoss([old[:2], old[2:]], [1.0, -1.0])  # advantages per sequence: 2 + 3 tokens
+    value, slope = PolicyLoss([old[i:i + 1] for i in range(5)], adv).terms(lp, 0, 5)
+    # Tokens 1 (r = e^0.5 > 1.2, A > 0) and 2 (r = e^-0.5 < 0.8, A < 0) are clipped: flat.
+    assert value[1] == -1.2 * 1.0 and value[2] == -(0.8 * -1.0)
+    assert slope[1] == 0 and slope[2] == 0 and slope[0] == -1.0
+    leaf = lp.clone().requires_grad_(True)
+    a = torch.tensor(adv)
+    r = torch.exp(leaf - old)
+    torch.minimum(r * a, torch.clamp(r, 0.8, 1.2) * a).neg().sum().backward()
+    assert torch.allclose(slope, leaf.grad, rtol=1e-6, atol=0)
+    with pytest.raises(ValueError, match="advantages: expected one per sequence"):
+        PolicyLoss([old[:2], old[2:]], [1.0])
+    assert loss.mean == "token"
 
 
 def test_lr_schedule():
@@ -399,7 +407,7 @@ def test_replay_and_resume_are_bitwise_for_moe_and_gemma(family, tmp_path):
     assert resumed.resume(str(tmp_path)) == 2
     rb += _run(resumed, 2)
     assert [(r["loss"], r["grad_norm"]) for r in ra] == [(r["loss"], r["grad_norm"]) for r in rb]
-    assert a.params_hash() == resumed.params_hash()
+    assert a.params_digest() == resumed.params_digest()
 
 
 @pytest.mark.parametrize("family", NEW_FAMILIES)
@@ -435,6 +443,6 @@ def test_router_aux_loss_enters_the_objective_per_sequence_and_keeps_layout_inva
     with torch.no_grad():
         for s in window:
             with record_router_logits() as logits:
-                train.token_logprobs(model, [s])
+                packed_logprobs(model, [s])
             aux.append(float(load_balancing_loss(logits, 8, 2)))
     assert abs(la[0] - (loff[0] + 0.5 * sum(aux) / len(aux))) <= contract.chain_tolerance(torch.float32)

@@ -42,13 +42,6 @@ def test_verify_fails_when_engine_logprobs_drift(monkeypatch):
     assert report.rows[0]["max_abs_dlogp"] > 0
 
 
-def test_aggregates():
-    d = torch.tensor([0.0, 0.5, -0.3], dtype=torch.float64)
-    mx, kl, cf = verify.aggregates(d, (0.8, 1.2))
-    assert mx == 0.5 and cf == pytest.approx(2 / 3)
-    assert kl == pytest.approx(float((torch.exp(d) - 1 - d).mean()))
-
-
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", "gemma3_text"])
 def test_verify_cli_on_a_transformers_checkpoint(family, tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(verify, "SETTINGS", FEW)

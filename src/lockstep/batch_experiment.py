@@ -24,6 +24,7 @@ import torch
 from . import contract
 from .engine import Engine
 from .fixed_order import ceil_div
+from .mismatch import mismatch
 from .model import Transformer
 from .sampling import SamplingParams
 
@@ -171,10 +172,8 @@ def stock_logprob_mismatch(hf, prompts: list[list[int]], max_new_tokens: int, pa
                            seed: int = 0) -> dict:
     """Stock transformers as an RL framework uses it: sample completions of every prompt in one batch
     (temperature 1), keep the sampler's logprobs of the sampled tokens, and recompute them with a
-    training forward over prompt + completion. Returns max_abs_dlogp, approx_kl0 and clipfrac0 of
-    train - sampler (contract section 4) over the sampled tokens."""
-    from .verify import aggregates
-
+    training forward over prompt + completion. Returns lockstep.mismatch's metrics
+    (contract section 4) over the sampled tokens."""
     ids, mask = left_padded(prompts, pad)
     torch.manual_seed(seed)
     with torch.no_grad():
@@ -192,10 +191,7 @@ def stock_logprob_mismatch(hf, prompts: list[list[int]], max_new_tokens: int, pa
     if eos is not None:                 # tokens up to and including each completion's first eos
         after = (new == eos).int().cumsum(1) - (new == eos).int()
         keep = after == 0
-    d = (train_lp - sampler_lp).double()[keep]
-    clip = tuple(contract.load()["chain"]["clip_range"])
-    mx, kl, cf = aggregates(d, clip)
-    return {"tokens": int(d.numel()), "max_abs_dlogp": mx, "approx_kl0": kl, "clipfrac0": cf}
+    return mismatch(train_lp[keep], sampler_lp[keep])
 
 
 def run(model_for: Callable[[torch.dtype], Transformer], dtype: torch.dtype, max_new_tokens: int = 48, mismatch_dtypes=(torch.bfloat16, torch.float32),

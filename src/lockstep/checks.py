@@ -81,3 +81,11 @@ def lm_head(hidden: object, weight: object) -> None:
 def temperature(value: object) -> None:
     if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
         raise ValueError(f"temperature: expected a positive finite number, got {value!r}")
+
+
+def int_at_least(name: str, value: object, minimum: int = 1) -> int:
+    """`value` when it is an int (not a bool) >= minimum; a ValueError naming `name` otherwise."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        expected = "a positive int" if minimum == 1 else f"an int >= {minimum}"
+        raise ValueError(f"{name}: expected {expected}, got {value!r}")
+    return value

@@ -319,19 +319,26 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def rl_defaults():
+    from .rl import RLConfig
+
+    return RLConfig()
+
+
 def cmd_rl(args: argparse.Namespace) -> int:
     from . import rl
     from .report import from_run_dir
 
-    cfg = rl.RLConfig(steps=args.steps, prompts_per_step=args.prompts_per_step, group=args.group,
-                      temperature=args.temperature, lr=args.lr, seed=args.seed, backend=args.backend)
-    _prepare_outputs(argparse.Namespace(json=os.path.join(args.out, "log.jsonl")))
-    rl.run(cfg, args.out, server_url=args.server)
+    cfg = rl.RLConfig(model=args.model, dtype=args.dtype, steps=args.steps, prompts_per_step=args.prompts_per_step,
+                      group=args.group, max_new_tokens=args.max_new_tokens, temperature=args.temperature, lr=args.lr,
+                      kl_coef=args.kl_coef, micro_batch_tokens=args.micro_batch_tokens, seed=args.seed,
+                      backend=args.backend)
+    rl.run(cfg, args.out, server_url=args.server, resume=args.resume)
     s = rl.summary(args.out)
     print(f"lockstep rl: {s['steps']} steps; reward {s['reward_first']:.3f} -> {s['reward_last']:.3f}; "
-          f"sampler vs trainer: max |dlogp| {s['max_abs_dlogp']:.3g}, max approx KL {s['max_approx_kl']:.3g}, "
+          f"sampler vs trainer: max |dlogp| {s['max_abs_dlogp']:.3g}, max approx KL {s['max_approx_kl0']:.3g}, "
           f"max |mean ratio - 1| {s['ratio_spread']:.3g}; report {from_run_dir(args.out)}")
-    exact = s["max_abs_dlogp"] == 0 and s["max_approx_kl"] == 0 and s["ratio_spread"] == 0
+    exact = s["max_abs_dlogp"] == 0 and s["max_approx_kl0"] == 0 and s["ratio_spread"] == 0
     return 0 if exact or args.backend == "eager" else 1
 
 
@@ -375,11 +382,7 @@ def _model_arguments(p: argparse.ArgumentParser, default: str | None) -> None:
     p.add_argument("--family", default="llama", choices=FAMILIES, help="family of the tiny model")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    formatter = argparse.ArgumentDefaultsHelpFormatter
-    p = _Parser(prog="lockstep", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
-
+def _add_check(sub, formatter) -> None:
     c = sub.add_parser("check", help="accuracy against float64 and bitwise invariance sweeps for each op",
                        formatter_class=formatter)
     c.add_argument("ops", nargs="*", type=check_name, help="ops to check (default: every op the backend implements)")
@@ -399,6 +402,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--mode", action="store_true", help="print (and verify) the batch-invariant mode's coverage table")
     c.set_defaults(func=cmd_check)
 
+
+def _add_verify(sub, formatter) -> None:
     v = sub.add_parser("verify", help="the train-inference gate: engine logprobs == trainer logprobs, bitwise",
                        formatter_class=formatter)
     _model_arguments(v, default=DEFAULT_MODEL)
@@ -415,6 +420,8 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--html", metavar="PATH", help="write a self-contained HTML report")
     v.set_defaults(func=cmd_verify)
 
+
+def _add_train(sub, formatter) -> None:
     t = sub.add_parser("train", help="train a model on a text file or folder, deterministically", formatter_class=formatter,
                        description="Train with exact accumulation windows, AdamW, clipping and atomic checkpoints. "
                                    "Two runs with the same arguments give the same bits; --resume continues "
@@ -449,6 +456,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--overwrite", action="store_true", help="start over in a non-empty OUT, deleting its run")
     t.set_defaults(func=cmd_train)
 
+
+def _add_parity(sub, formatter) -> None:
     p_ = sub.add_parser("parity", help="find the first op where two runs diverge, or compare training trajectories "
                                        "(exit status 1 when they diverge)",
                         formatter_class=formatter,
@@ -467,11 +476,15 @@ def build_parser() -> argparse.ArgumentParser:
     p_.add_argument("--html", metavar="PATH", help="write a self-contained HTML report")
     p_.set_defaults(func=cmd_parity)
 
+
+def _add_report(sub, formatter) -> None:
     r = sub.add_parser("report", help="write one HTML report from the JSON files of a run folder")
     r.add_argument("run_dir", help="folder with check.json, verify.json, parity.json and/or trajectory.json")
     r.add_argument("--out", help="output path (default RUN_DIR/report.html)")
     r.set_defaults(func=cmd_report)
 
+
+def _add_check_model(sub, formatter) -> None:
     m = sub.add_parser("check-model", help="model-level invariance and the float64 chain on a checkpoint",
                        formatter_class=formatter)
     _model_arguments(m, default=None)
@@ -479,6 +492,8 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--seed", type=int, default=0, help="seed of the prompts and of the tiny model")
     m.set_defaults(func=cmd_check_model)
 
+
+def _add_serve(sub, formatter) -> None:
     sv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server with weight updates", formatter_class=formatter,
                         description="Serve MODEL over OpenAI's completions and chat completions API. Every "
                                     "answer's logprobs equal the same request sent alone, and lockstep.logprobs "
@@ -499,25 +514,40 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     sv.set_defaults(func=cmd_serve)
 
-    g = sub.add_parser("rl", help="GRPO on a small verifiable task, rollouts through lockstep serve over HTTP",
+
+def _add_rl(sub, formatter) -> None:
+    g = sub.add_parser("rl", help="GRPO on the real model: rollouts from lockstep serve, updates through the Trainer",
                        formatter_class=formatter,
-                       description="GRPO on digit addition: rollouts from a `lockstep serve` (started for the run "
-                                   "unless --server), one policy-gradient step per batch, new weights pushed to the "
-                                   "server after every step. Logs the reward and the sampler-trainer mismatch "
-                                   "(exactly 0 with lockstep) and writes OUT/report.html. Exits 1 if lockstep's "
-                                   "mismatch is not exactly 0.")
-    g.add_argument("--steps", type=int, default=40, help="policy-gradient steps")
-    g.add_argument("--prompts-per-step", type=int, default=8, help="prompts sampled per step")
-    g.add_argument("--group", type=int, default=8, help="completions per prompt (GRPO's group)")
-    g.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
-    g.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")
-    g.add_argument("--seed", type=int, default=0, help="seed of the model and the prompts")
+                       description="GRPO on generated arithmetic word problems (exact-match reward) with "
+                                   "SmolLM2-135M-Instruct by default: rollouts from a `lockstep serve` (started for "
+                                   "the run unless --server) over SGLang's /generate, the Trainer's step on the "
+                                   "policy loss, new weights pushed with a new version after every step. Logs the "
+                                   "reward and the sampler-trainer mismatch (exactly 0 with lockstep), writes "
+                                   "OUT/rollouts.jsonl and OUT/report.html. Exits 1 if lockstep's mismatch is not "
+                                   "exactly 0.")
+    defaults = rl_defaults()
+    g.add_argument("--model", default=defaults.model, help="model to train and serve (a folder, a .gguf, 'smollm2' "
+                                                           "or 'tiny')")
+    g.add_argument("--dtype", choices=["bf16", "fp32"], default=defaults.dtype, help="compute dtype of trainer and server")
+    g.add_argument("--steps", type=int, default=defaults.steps, help="GRPO steps")
+    g.add_argument("--prompts-per-step", type=int, default=defaults.prompts_per_step, help="problems per step")
+    g.add_argument("--group", type=int, default=defaults.group, help="completions per problem (GRPO's group)")
+    g.add_argument("--max-new-tokens", type=int, default=defaults.max_new_tokens, help="tokens per completion, at most")
+    g.add_argument("--temperature", type=float, default=defaults.temperature, help="sampling temperature")
+    g.add_argument("--lr", type=float, default=defaults.lr, help="AdamW learning rate (constant)")
+    g.add_argument("--kl-coef", type=float, default=defaults.kl_coef, help="KL penalty to the initial model (0: none)")
+    g.add_argument("--micro-batch-tokens", type=int, default=defaults.micro_batch_tokens,
+                   help="tokens per micro-batch (the layout: the run's bits do not depend on it)")
+    g.add_argument("--seed", type=int, default=defaults.seed, help="seed of the problems and the sampling")
     g.add_argument("--backend", type=backend_name, default="auto",
                    help="op backend of trainer and server (eager: stock PyTorch, which shows the mismatch)")
     g.add_argument("--server", metavar="URL", help="use a running lockstep serve (it must hold the initial weights)")
-    g.add_argument("--out", required=True, help="run folder: log.jsonl, report.html, the initial and final model")
+    g.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
+    g.add_argument("--out", required=True, help="run folder: log.jsonl, rollouts.jsonl, checkpoints, report.html")
     g.set_defaults(func=cmd_rl)
 
+
+def _add_convert(sub, formatter) -> None:
     cv = sub.add_parser("convert", help="write a GGUF file's model as a Hugging Face folder (safetensors, "
                                         "tokenizer, chat template) that lockstep and transformers load",
                         formatter_class=formatter)
@@ -525,6 +555,8 @@ def build_parser() -> argparse.ArgumentParser:
     cv.add_argument("out", help="the folder to write")
     cv.set_defaults(func=cmd_convert)
 
+
+def _add_gpu_audit(sub, formatter) -> None:
     a = sub.add_parser("gpu-audit", help="compile every Triton kernel to NVIDIA machine code (no GPU needed) and "
                                          "report registers, spills, shared memory, atomics and MMA instructions",
                        formatter_class=formatter)
@@ -535,6 +567,8 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--quiet", action="store_true", help="only the summary line")
     a.set_defaults(func=cmd_gpu_audit)
 
+
+def _add_bench(sub, formatter) -> None:
     b = sub.add_parser("bench", help="time ops against eager PyTorch and print ratios", formatter_class=formatter)
     b.add_argument("ops", nargs="*", help="ops to time (default: all)")
     b.add_argument("--quick", action="store_true", help="fewer shapes and repeats")
@@ -542,6 +576,19 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--backend", type=backend_name, default=None,
                    help="backend to time (default: the CPU's, native where it builds, else portable)")
     b.set_defaults(func=cmd_bench)
+
+
+# One function per command, in the order `lockstep --help` lists them.
+COMMANDS = (_add_check, _add_verify, _add_train, _add_parity, _add_report, _add_check_model, _add_serve, _add_rl,
+            _add_convert, _add_gpu_audit, _add_bench)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    formatter = argparse.ArgumentDefaultsHelpFormatter
+    p = _Parser(prog="lockstep", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    for add in COMMANDS:
+        add(sub, formatter)
     return p
 
 

@@ -541,15 +541,11 @@ def _no_autocast() -> Iterator[None]:
         yield
 
 
-REGISTERED: list[str] = []
-
-
 def _register(strict: bool) -> None:
     import warnings
 
     keys = ["CPU"] + (["CUDA"] if torch.cuda.is_available() else [])
     lib = torch.library.Library("aten", "IMPL")
-    REGISTERED.clear()
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Warning only once for all operators")
         _register_into(lib, keys, strict)
@@ -564,7 +560,6 @@ def _register_into(lib, keys: list[str], strict: bool) -> None:
             except (RuntimeError, AttributeError):
                 continue              # not in this torch build, or composite (it decomposes into covered ops)
             lib.impl(name, _make(name, fn, original), key, with_keyset=True)
-            REGISTERED.append(f"aten::{name} ({key})")
         if strict:
             for full in UNSUPPORTED:
                 name = full.removeprefix("aten::")

@@ -256,7 +256,7 @@ def _training_section(t: dict) -> str:
     charts = []
     if any("reward" in r for r in steps):
         charts.append(line_chart({"mean reward": series("reward")}, "reward"))
-        charts.append(line_chart({"max |dlogp|": series("max_abs_dlogp"), "approx KL": series("approx_kl")},
+        charts.append(line_chart({"max |dlogp|": series("max_abs_dlogp"), "approx KL": series("approx_kl0")},
                                  "sampler vs trainer (log10; 0 = the same bits)", log=True))
         charts.append(line_chart({"mean ratio - 1": [(s_, abs(v - 1)) for s_, v in series("mean_ratio")]},
                                  "|mean importance ratio - 1| (log10)", log=True))

@@ -25,6 +25,7 @@ import torch
 from . import contract
 from .engine import Engine, RequestOutput
 from .fixed_order import ceil_div
+from .mismatch import mismatch
 from .model import Transformer, logprobs, pack
 from .registry import use_backend
 from .sampling import SamplingParams
@@ -70,13 +71,6 @@ class Aggregates:
             and self.token_agreement == 1.0
 
 
-def aggregates(d: torch.Tensor, clip: tuple[float, float]) -> tuple[float, float, float]:
-    """max |d|, mean(e^d - 1 - d), share of e^d outside [lo, hi], for d = lp_train - lp_engine (float64)."""
-    ratio = torch.exp(d)
-    return (float(d.abs().max()), float((ratio - 1 - d).mean()),
-            float(((ratio < clip[0]) | (ratio > clip[1])).double().mean()))
-
-
 def _generate(model: Transformer, prompts: list[list[int]], sp: SamplingParams, s: Setting,
               max_new_tokens: int) -> tuple[list[RequestOutput], list[int]]:
     """The completions of one setting, and the prompt of each: first every prompt's first completion in
@@ -114,7 +108,7 @@ def _compare(model: Transformer, prompts: list[list[int]], runs: list[tuple[list
              temperature: float, clip: tuple[float, float], alone_too: bool) -> Aggregates:
     """runs: (completions, the prompt of each) per setting; the first len(prompts) completions of a run
     are the prompts' first ones, compared across settings."""
-    diffs, agree, total = [], 0, 0
+    trained, sampled, agree, total = [], [], 0, 0
     base = runs[0][0][:len(prompts)]
     for outs, owners in runs:
         seqs = [prompts[i] + o.token_ids for i, o in zip(owners, outs)]
@@ -126,13 +120,13 @@ def _compare(model: Transformer, prompts: list[list[int]], runs: list[tuple[list
         for view in views:
             for lp, o in zip(view, outs):
                 n = len(o.token_ids)
-                diffs.append(lp[-n:].double() - torch.tensor(o.logprobs, dtype=torch.float64))
+                trained.append(lp[-n:])
+                sampled.append(torch.tensor(o.logprobs, dtype=torch.float32))
         for o, b in zip(outs[:len(prompts)], base):
             total += 1
             agree += o.token_ids == b.token_ids
-    d = torch.cat(diffs)
-    mx, kl, cf = aggregates(d, clip)
-    return Aggregates(mx, kl, cf, int(d.numel()), agree / total, len(runs))
+    m = mismatch(torch.cat(trained), torch.cat(sampled), clip)
+    return Aggregates(m["max_abs_dlogp"], m["approx_kl0"], m["clipfrac0"], m["tokens"], agree / total, len(runs))
 
 
 def embedding_grad(model: Transformer, batch: list[list[int]], which: int) -> torch.Tensor:

@@ -21,8 +21,8 @@ sampling logprobs, and equal the trainer's bit for bit.
 
 Both (and `measure(trainer)`, which changes nothing and only measures) log, per step, into TRL's
 metrics: `lockstep/max_abs_dlogp` (max |training - sampling logprob| over the step's tokens),
-`lockstep/approx_kl` (mean of e^d - 1 - d, an estimate of KL(sampler || trainer)), `lockstep/mean_ratio`
-(mean e^d, the importance ratio) and `lockstep/compared_tokens`.
+`lockstep/approx_kl0` (mean of e^d - 1 - d, an estimate of KL(sampler || trainer)), `lockstep/clipfrac0`, `lockstep/mean_ratio`
+(mean e^d, the importance ratio) and `lockstep/tokens` (lockstep.mismatch).
 """
 
 from __future__ import annotations
@@ -36,8 +36,9 @@ import torch
 from torch import Tensor
 
 from .. import ops
+from ..mismatch import FIELDS, mismatch
 
-METRICS = ("lockstep/max_abs_dlogp", "lockstep/approx_kl", "lockstep/mean_ratio", "lockstep/compared_tokens")
+METRICS = tuple(f"lockstep/{name}" for name in FIELDS)
 
 
 class _Comparison:
@@ -52,7 +53,7 @@ class _Comparison:
 
     def compare(self, input_ids: Tensor, attention_mask: Tensor | None, labels: Tensor, log_probs: Tensor) -> None:
         """Rows of a fused-head forward: log_probs [B, T - 1] of labels[:, 1:]."""
-        diffs = []
+        trained_parts, sampled_parts = [], []
         mask = labels[:, 1:] != -100
         for b in range(input_ids.shape[0]):
             keep = attention_mask[b].bool() if attention_mask is not None else torch.ones_like(input_ids[b], dtype=torch.bool)
@@ -63,16 +64,14 @@ class _Comparison:
             trained = log_probs[b][mask[b]].detach().double().cpu()
             if trained.numel() != len(sampled):
                 continue
-            diffs.append(trained - torch.tensor(sampled, dtype=torch.float64))
-        if not diffs:
+            trained_parts.append(trained)
+            sampled_parts.append(torch.tensor(sampled, dtype=torch.float64))
+        if not trained_parts:
             return
-        d = torch.cat(diffs)
         mode = "train" if self.trainer.model.training else "eval"
         metrics = self.trainer._metrics[mode]
-        metrics["lockstep/max_abs_dlogp"].append(float(d.abs().max()))
-        metrics["lockstep/approx_kl"].append(float((torch.exp(d) - 1 - d).mean()))
-        metrics["lockstep/mean_ratio"].append(float(torch.exp(d).mean()))
-        metrics["lockstep/compared_tokens"].append(float(d.numel()))
+        for name, value in mismatch(torch.cat(trained_parts), torch.cat(sampled_parts)).items():
+            metrics[f"lockstep/{name}"].append(float(value))
 
 
 def _fused_output(log_probs: Tensor, entropy: Tensor, mask: Tensor, num_items_in_batch):

@@ -6,6 +6,7 @@ untrusted input.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 
@@ -75,3 +76,13 @@ def write_folder(path: str, tensors: dict[str, torch.Tensor], hf_config: dict) -
     os.replace(tmp, os.path.join(path, "model.safetensors"))
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(hf_config, f, indent=2)
+
+
+def params_digest(named: list[tuple[str, torch.Tensor]], extra: str = "") -> str:
+    """sha256 (hex) of `extra` and every tensor's name and bits, in name order: equal exactly when
+    two models (or two ranks' shards) hold the same bits under the same names."""
+    h = hashlib.sha256(extra.encode())
+    for name, p in sorted(named, key=lambda kv: kv[0]):
+        h.update(name.encode())
+        h.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()

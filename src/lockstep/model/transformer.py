@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from .. import checks, ops
+from .. import checks, grad_tree, ops
 from ..fixed_order import TP_SPLIT, accumulate_dtype
 from ..paged_cache import CacheStep
 from ..softcap import softcap
@@ -328,19 +328,30 @@ def pack(sequences: list, device: str | torch.device = "cpu") -> tuple[Tensor, T
     return torch.cat(ids), torch.tensor(cu, dtype=torch.int64, device=device)
 
 
+def packed_logprobs(model: Transformer, sequences: list, temperature: float = 1.0,
+                    first_unit: int = 0) -> tuple[Tensor, Tensor]:
+    """The logprob of every token after the first of each sequence, from one packed forward and
+    `selected_logprobs` (never the full logits): float32 [sum(len_i - 1)], sequence by sequence, and
+    the target ids int64 [sum(len_i - 1)]. Differentiable. temperature scales the logits as the
+    engine's sampler did.
+
+    Inside a unit tree (lockstep.grad_tree), sequence i is unit first_unit + i, so the backward
+    pass keeps each sequence's weight gradients apart; outside one, first_unit does nothing."""
+    ids, cu = pack(sequences, model.device)
+    with grad_tree.unit_rows(cu, first_unit):
+        hidden = model(ids, cu)
+    keep = torch.ones(ids.shape[0], dtype=torch.bool, device=ids.device)
+    keep[cu[1:] - 1] = False                     # the last token of a sequence predicts nothing
+    rows = torch.nonzero(keep)[:, 0]
+    targets = ids[rows + 1]
+    kept = cu - torch.arange(cu.numel(), device=cu.device)       # sequence i keeps len_i - 1 rows
+    with grad_tree.unit_rows(kept, first_unit):
+        return model.selected_logprobs(hidden[rows], targets, temperature=temperature), targets
+
+
 def logprobs(model: Transformer, sequences: list, temperature: float = 1.0) -> list[Tensor]:
     """Per-token logprobs of each sequence: entry t-1 is log p(token t | tokens < t), float32.
 
-    Runs one packed forward and `selected_logprobs` (never the full logits); differentiable.
-    temperature scales the logits as the engine's sampler did. Returns a list of [len - 1]
-    tensors, one per sequence."""
-    ids, cu = pack(sequences, model.device)
-    hidden = model(ids, cu)
-    starts, ends = cu[:-1], cu[1:]
-    keep = torch.ones(ids.shape[0], dtype=torch.bool, device=ids.device)
-    keep[ends - 1] = False                       # the last token of a sequence predicts nothing
-    rows = torch.nonzero(keep)[:, 0]
-    targets = ids[rows + 1]
-    lp = model.selected_logprobs(hidden[rows], targets, temperature=temperature)
-    sizes = (ends - starts - 1).tolist()
-    return list(torch.split(lp, sizes))
+    `packed_logprobs`, split: a list of [len - 1] tensors, one per sequence; differentiable."""
+    lp, _ = packed_logprobs(model, sequences, temperature)
+    return list(torch.split(lp, [len(s) - 1 for s in sequences]))

@@ -1,0 +1,115 @@
+"""lockstep.parity.compare: the first op at which two recordings stop holding the same bits, forward
+then backward, with its max abs and ULP difference and the ops it contaminated."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+import torch
+from torch import Tensor
+
+from .recorder import Recorder, RowView
+
+
+
+def ulp_distance(a: Tensor, b: Tensor) -> int:
+    """Largest distance in units in the last place between corresponding floats (NaN vs number: huge)."""
+    if a.numel() == 0:
+        return 0
+    int_type = {torch.float32: torch.int32, torch.float64: torch.int64, torch.bfloat16: torch.int16,
+                torch.float16: torch.int16}[a.dtype]
+    ia, ib = a.contiguous().view(int_type).to(torch.int64), b.contiguous().view(int_type).to(torch.int64)
+    sign = {torch.int16: 1 << 15, torch.int32: 1 << 31, torch.int64: 1 << 63}[int_type]
+    oa = torch.where(ia < 0, -(ia + sign), ia) if int_type != torch.int64 else torch.where(ia < 0, -(ia & ((1 << 63) - 1)), ia)
+    ob = torch.where(ib < 0, -(ib + sign), ib) if int_type != torch.int64 else torch.where(ib < 0, -(ib & ((1 << 63) - 1)), ib)
+    return int((oa - ob).abs().max())
+
+
+@dataclass
+class Divergence:
+    phase: str
+    index: int
+    module: str
+    op: str
+    slot: str
+    max_abs_diff: float
+    max_ulp_diff: int
+    differing: int
+    elements: int
+    contaminated: list[str] = field(default_factory=list)
+    contaminated_count: int = 0
+
+
+@dataclass
+class Comparison:
+    compared: dict[str, int]
+    first: dict[str, Divergence | None]
+    per_op: list[dict]                    # every compared record: phase, module, op, slot, max_abs_diff
+
+    @property
+    def identical(self) -> bool:
+        return all(v is None for v in self.first.values()) and sum(self.compared.values()) > 0
+
+    def to_dict(self) -> dict:
+        return {"identical": self.identical, "compared": self.compared,
+                "first": {k: (asdict(v) if v else None) for k, v in self.first.items()}, "per_op": self.per_op}
+
+
+def _diff(a: Tensor, b: Tensor) -> tuple[bool, float, int, int]:
+    same_nan = a.isnan() & b.isnan()
+    neq = ~((a == b) | same_nan)
+    d = (a.double() - b.double()).abs()
+    d = torch.where(same_nan, torch.zeros_like(d), torch.nan_to_num(d, nan=math.inf))
+    differing = int(neq.sum())
+    return differing == 0, float(d.max()) if d.numel() else 0.0, (ulp_distance(a, b) if differing else 0), differing
+
+
+def compare(a: Recorder, b: Recorder, view_a: RowView | None = None, view_b: RowView | None = None,
+            contamination_limit: int = 8) -> Comparison:
+    """First op whose bits differ, forward then backward; needs recordings with kept tensors."""
+    first: dict[str, Divergence | None] = {}
+    compared: dict[str, int] = {}
+    per_op: list[dict] = []
+    for phase in ("forward", "backward"):
+        ra, rb = getattr(a, phase), getattr(b, phase)
+        div, count = None, 0
+        for x, y in zip(ra, rb):
+            if (x.op, x.slot) != (y.op, y.slot) or x.tensor is None or y.tensor is None:
+                continue
+            ta = view_a.select(x.tensor) if view_a else x.tensor
+            tb = view_b.select(y.tensor) if view_b else y.tensor
+            if ta is None or tb is None or ta.shape != tb.shape or ta.dtype != tb.dtype:
+                continue
+            same, mx, ulps, n_diff = _diff(ta, tb)
+            count += 1
+            per_op.append({"phase": phase, "module": x.module, "op": x.op, "slot": x.slot, "max_abs_diff": mx})
+            if same:
+                continue
+            if div is None:
+                div = Divergence(phase, x.index, x.module, x.op, x.slot, mx, ulps, n_diff, ta.numel())
+            else:
+                div.contaminated_count += 1
+                if len(div.contaminated) < contamination_limit:
+                    div.contaminated.append(x.name)
+        first[phase], compared[phase] = div, count
+    return Comparison(compared, first, per_op)
+
+
+def format_comparison(c: Comparison, label_a: str, label_b: str) -> str:
+    lines = [f"parity: {label_a}  vs  {label_b}"]
+    for phase in ("forward", "backward"):
+        d = c.first[phase]
+        if c.compared[phase] == 0:
+            lines.append(f"  {phase:8s}: not compared (no op records on both sides; a KV-cache layout has no backward)")
+        elif d is None:
+            lines.append(f"  {phase:8s}: identical ({c.compared[phase]} op records compared)")
+        else:
+            lines.append(f"  {phase:8s}: first divergence at #{d.index} {d.module or '<top>'} {d.op} [{d.slot}]: "
+                         f"max abs diff {d.max_abs_diff:.3e}, max ulp diff {d.max_ulp_diff}, "
+                         f"{d.differing}/{d.elements} elements differ")
+            if d.contaminated_count:
+                more = d.contaminated_count - len(d.contaminated)
+                lines.append(f"            then {d.contaminated_count} later records differ: "
+                             + ", ".join(d.contaminated) + (f", ... (+{more})" if more > 0 else ""))
+    return "\n".join(lines)

@@ -1,0 +1,236 @@
+"""lockstep.rl: GRPO with rollouts from `lockstep serve` and updates through lockstep's Trainer.
+
+Each step:
+1. the step's problems (lockstep.rl.task; drawn from the seed and the step alone, so a resumed run
+   draws the same ones), as chat prompts;
+2. rollouts from a `lockstep serve` over HTTP (lockstep.rl.rollout): n completions per prompt,
+   seeded sampling, with the sampler's logprobs and the weight version that sampled;
+3. rewards and advantages normalized within each prompt's group;
+4. the Trainer's step (lockstep.train.Trainer.step) on the policy loss (lockstep.train.PolicyLoss):
+   the same accumulation windows, clipping, AdamW, checkpoints and layout invariance as supervised
+   training;
+5. the new weights pushed to the server with the next weight version, which the next rollouts
+   must carry.
+
+Every step's record has the reward and lockstep.mismatch's metrics between the sampler's logprobs
+and the ones the trainer computed: with lockstep they are the same bits, so max |dlogp| 0, approx
+KL 0 and a mean ratio of exactly 1. On the eager backend (stock PyTorch in server and trainer) they
+are not.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import shutil
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from .. import checks
+from ..mismatch import mismatch
+from ..model import Transformer, load_tokenizer, logprobs, model_from_source
+from ..registry import use_backend
+from ..train import PolicyLoss, TrainConfig, Trainer, read_log, truncate_log
+from .rollout import RolloutClient, Rollout
+from .task import ArithmeticTask, Problem
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+@dataclass
+class RLConfig:
+    model: str = "smollm2"          # what `lockstep serve` and load_model take; "tiny" for tests
+    dtype: str = "bf16"
+    steps: int = 30
+    prompts_per_step: int = 8
+    group: int = 8                  # completions per prompt (GRPO's group)
+    max_new_tokens: int = 24
+    temperature: float = 1.0
+    lr: float = 2e-5
+    clip: float = 0.2
+    kl_coef: float = 0.0            # > 0: a KL penalty to the frozen initial model
+    loss_mean: str = "token"        # "token" or "sequence"
+    micro_batch_tokens: int = 4096  # the layout: changes no bit of the run
+    save_every: int = 1
+    seed: int = 0
+    backend: str = "auto"           # of the trainer and the server; "eager" shows the mismatch
+
+    def validate(self) -> None:
+        for name in ("steps", "prompts_per_step", "max_new_tokens", "micro_batch_tokens"):
+            checks.int_at_least(name, getattr(self, name))
+        checks.int_at_least("save_every", self.save_every, 0)
+        if checks.int_at_least("group", self.group) < 2:
+            raise ValueError(f"group: expected at least 2 completions per prompt (GRPO compares them), got {self.group}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype: expected one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature) and self.temperature > 0):
+            raise ValueError(f"temperature: expected a positive number, got {self.temperature!r}")
+        if not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0):
+            raise ValueError(f"lr: expected a positive number, got {self.lr!r}")
+
+    def train_config(self) -> TrainConfig:
+        """The Trainer's settings: constant learning rate, global-norm clipping at 1, fp32 master
+        weights when the model computes in bf16."""
+        return TrainConfig(steps=self.steps, seq_len=2, micro_batch_tokens=self.micro_batch_tokens, lr=self.lr,
+                           warmup=0, min_lr_ratio=1.0, betas=(0.9, 0.99), grad_clip=1.0, seed=self.seed,
+                           master_weights=self.dtype != "fp32", save_every=self.save_every)
+
+
+def group_advantages(rewards: list[float], group: int) -> list[float]:
+    """(r - mean) / (std + 1e-6) within each group of `group` consecutive rewards (float64)."""
+    r = torch.tensor(rewards, dtype=torch.float64).view(-1, group)
+    return ((r - r.mean(1, keepdim=True)) / (r.std(1, unbiased=False, keepdim=True) + 1e-6)).view(-1).tolist()
+
+
+def prompt_ids(tokenizer, problem: Problem) -> list[int]:
+    """A problem as the model's chat prompt (its chat template), or as plain text for a model without one."""
+    from ..server.chat import ChatTemplate
+
+    template = ChatTemplate.for_tokenizer(tokenizer)
+    if template is None:
+        return tokenizer.encode(f"Q: {problem.question}\nA:")
+    return tokenizer.encode(template.render(problem.messages))
+
+
+def rollout_window(prompts: list[list[int]], rollouts: list[Rollout], advantages: list[float], cfg: RLConfig
+                   ) -> tuple[list[torch.Tensor], list[torch.Tensor], PolicyLoss]:
+    """The Trainer's window for a step's rollouts: prompt + completion per rollout, the completion's
+    targets trained, and the policy loss over them with the sampler's logprobs."""
+    sequences, masks, sampled = [], [], []
+    for r in rollouts:
+        prompt = prompts[r.prompt_index]
+        seq = torch.tensor(prompt + r.token_ids, dtype=torch.int64)
+        mask = torch.zeros(seq.numel() - 1, dtype=torch.bool)
+        mask[len(prompt) - 1:] = True
+        old = torch.zeros(seq.numel() - 1, dtype=torch.float32)
+        old[len(prompt) - 1:] = torch.tensor(r.logprobs, dtype=torch.float32)
+        sequences.append(seq)
+        masks.append(mask)
+        sampled.append(old)
+    loss = PolicyLoss(sampled, advantages, clip=cfg.clip, mean=cfg.loss_mean, temperature=cfg.temperature)
+    return sequences, masks, loss
+
+
+def run(cfg: RLConfig, out: str, task: ArithmeticTask | None = None, server_url: str | None = None,
+        resume: bool = False, progress: bool = True) -> list[dict]:
+    """GRPO for cfg.steps steps with rollouts from a `lockstep serve` (started here unless server_url
+    is given). Writes out/log.jsonl (one record a step), out/rollouts.jsonl (every problem, completion
+    and reward), checkpoints in out/checkpoints and the served weights in out/weights. `resume`
+    continues the run in `out` from its last checkpoint, bitwise as if it had not stopped."""
+    cfg.validate()
+    task = task or ArithmeticTask()
+    dtype = DTYPES[cfg.dtype]
+    ckpt_dir = os.path.join(out, "checkpoints")
+    if resume and not os.path.exists(os.path.join(ckpt_dir, "latest")):
+        raise FileNotFoundError(f"resume: no checkpoint in {ckpt_dir}; start the run without --resume")
+    if not resume and os.path.isdir(out) and os.listdir(out):
+        raise ValueError(f"out: {out} is not empty; pass --resume to continue the run in it, or choose another folder")
+    os.makedirs(out, exist_ok=True)
+    model = model_from_source(cfg.model, dtype, "llama", cfg.seed, vocab_size=320)
+    if model.tokenizer is None:                      # the tiny model: the built-in byte tokenizer
+        model.tokenizer = load_tokenizer(None)
+    trainer = Trainer(model, None, cfg.train_config(), layout_invariant=cfg.backend not in ("eager", "reference"))
+    reference = None
+    if cfg.kl_coef:                                  # the frozen initial model
+        reference = model_from_source(cfg.model, dtype, "llama", cfg.seed, vocab_size=320).requires_grad_(False)
+    if resume:
+        trainer.resume(ckpt_dir)
+        before = dict(trainer.resumed_extra.get("config", {}), steps=cfg.steps)
+        changed = sorted(k for k, v in asdict(cfg).items() if k in before and before[k] != v)
+        if changed:
+            raise ValueError(f"resume: the run in {out} was started with other settings ({', '.join(changed)}); "
+                             "a resumed run keeps them (only --steps may change)")
+    weights = push_folder(out, trainer)
+    log_path = os.path.join(out, "log.jsonl")
+    dropped = truncate_log(log_path, trainer.step_idx) if resume else 0
+    truncate_log(os.path.join(out, "rollouts.jsonl"), trainer.step_idx) if resume else None
+    client = RolloutClient(server_url, model=weights, dtype=cfg.dtype, backend=cfg.backend,
+                           max_num_seqs=cfg.prompts_per_step * cfg.group)
+    records: list[dict] = []
+    try:
+        version = client.update_weights(weights)
+        with open(log_path, "a") as log, open(os.path.join(out, "rollouts.jsonl"), "a") as data, \
+                use_backend(cfg.backend):
+            log.write(json.dumps({"event": "resume" if resume else "start", "step": trainer.step_idx,
+                                  "config": asdict(cfg), "server": client.url, "dropped_log_records": dropped}) + "\n")
+            while trainer.step_idx < cfg.steps:
+                rec, rows = rl_step(trainer, client, task, cfg, model.tokenizer, version, reference)
+                weights = push_folder(out, trainer)
+                version = rec["weight_version"] = client.update_weights(weights)
+                if cfg.save_every and trainer.step_idx % cfg.save_every == 0 or trainer.step_idx == cfg.steps:
+                    trainer.save(ckpt_dir, extra={"config": asdict(cfg)})
+                data.writelines(json.dumps(r) + "\n" for r in rows)
+                data.flush()
+                log.write(json.dumps(rec) + "\n")
+                log.flush()
+                records.append(rec)
+                if progress:
+                    print(f"step {rec['step']:3d}  reward {rec['reward']:.3f}  max|dlogp| {rec['max_abs_dlogp']:.3g}  "
+                          f"approx KL {rec['approx_kl0']:.3g}  mean ratio {rec['mean_ratio']:.9f}  "
+                          f"({rec['seconds']:.0f} s)", file=sys.stderr)
+    finally:
+        client.close()
+    return records
+
+
+def rl_step(trainer: Trainer, client: RolloutClient, task: ArithmeticTask, cfg: RLConfig, tokenizer, version: str,
+            reference: Transformer | None = None) -> tuple[dict, list[dict]]:
+    """One GRPO step (rollouts, rewards, the Trainer's update); returns its log record and the
+    rollouts' records. `version`: the weight version the server must sample with (the trainer's
+    current weights); `reference`: the frozen model of the KL penalty (cfg.kl_coef > 0)."""
+    started = time.time()
+    step = trainer.step_idx + 1
+    problems = task.problems(cfg.prompts_per_step, random.Random(cfg.seed * 1_000_003 + step))
+    prompts = [prompt_ids(tokenizer, p) for p in problems]
+    rollouts = client.generate(prompts, cfg.group, cfg.max_new_tokens, cfg.temperature, seed=cfg.seed * 1_000_003 + step)
+    stale = {r.weight_version for r in rollouts} - {version}
+    if stale:
+        raise RuntimeError(f"rollout: sampled with weight version {sorted(stale)}, the trainer's weights are "
+                           f"version {version}")
+    rewards = [task.reward(problems[r.prompt_index], r.text) for r in rollouts]
+    advantages = group_advantages(rewards, cfg.group)
+    sequences, masks, loss = rollout_window(prompts, rollouts, advantages, cfg)
+    if reference is not None:
+        with torch.no_grad():
+            loss.ref_logprobs = logprobs(reference, sequences, cfg.temperature)
+        loss.kl_coef = cfg.kl_coef
+    if not any(bool(m.any()) for m in masks):
+        raise RuntimeError("rollout: every completion is empty; nothing to train")
+    rec = trainer.step(sequences, masks, loss)
+    trained = torch.cat([loss.trainer_logprobs[i][m] for i, m in enumerate(masks)])
+    sampled = torch.cat([s[m] for s, m in zip(loss.sampler_logprobs, masks)])
+    rec.update({"reward": sum(rewards) / len(rewards), **mismatch(trained, sampled),
+                "sampled_with_version": version, "seconds": round(time.time() - started, 3)})
+    rows = [{"step": step, **task.to_record(problems[r.prompt_index], r.text, reward), "tokens": len(r.token_ids),
+             "finish_reason": r.finish_reason} for r, reward in zip(rollouts, rewards)]
+    return rec, rows
+
+
+def push_folder(out: str, trainer: Trainer) -> str:
+    """The trainer's current weights as a model folder (out/weights/step-N) for the server to load;
+    the folder of the step before is removed."""
+    root = os.path.join(out, "weights")
+    path = os.path.join(root, f"step-{trainer.step_idx:06d}")
+    trainer.model.save(path)
+    for name in os.listdir(root):
+        if name != os.path.basename(path):
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+    return path
+
+
+def summary(out: str) -> dict:
+    """The run's first and last rewards (the mean of the first and last quarter of its steps) and its
+    worst mismatch (from out/log.jsonl)."""
+    steps, _ = read_log(out)
+    if not steps:
+        raise ValueError(f"summary: {out}/log.jsonl holds no step")
+    k = max(1, len(steps) // 4)
+    return {"steps": len(steps), "reward_first": sum(r["reward"] for r in steps[:k]) / k,
+            "reward_last": sum(r["reward"] for r in steps[-k:]) / k,
+            "max_abs_dlogp": max(r["max_abs_dlogp"] for r in steps), "max_approx_kl0": max(r["approx_kl0"] for r in steps),
+            "ratio_spread": max(abs(r["mean_ratio"] - 1) for r in steps)}
