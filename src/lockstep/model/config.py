@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .. import checks
 from ..rotary import LinearRopeScaling, RopeScaling, rope_scaling_from_hf, rope_scaling_to_hf
 
 # Hugging Face model_type -> the fields that make the family what it is.
@@ -76,9 +77,7 @@ class ModelConfig:
             raise ValueError(f"family: unknown architecture {self.family!r}; supported: {sorted(FAMILIES)}")
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
                      "num_kv_heads", "head_dim", "max_position_embeddings"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name}: expected a positive int, got {value!r}")
+            checks.int_at_least(name, getattr(self, name))
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_kv_heads: expected a divisor of num_heads={self.num_heads}, got {self.num_kv_heads}")
         if self.head_dim % 2:
