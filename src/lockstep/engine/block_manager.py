@@ -14,6 +14,9 @@ A block is named once its keys and values are computed. Until then its name is "
 the sequence computing it: a sequence whose prefix needs an in-flight block waits (`must_wait`),
 and joins one step later with the block cached. So the n completions of a prompt compute the prompt
 once.
+
+Every change to a block's state (taken, shared by name, named when full, released, forgotten) is a
+method here, and the Scheduler is the one caller of them all; everyone else only reads the counts.
 """
 
 from __future__ import annotations
@@ -85,7 +88,9 @@ class BlockManager:
         """Give a sequence with no blocks the cached blocks of its longest named prefix, and claim the
         names of the rest of its prefix as in flight. Returns the number of tokens whose keys and
         values it now has."""
-        assert not seq.blocks
+        if seq.blocks:
+            raise ValueError(f"reuse_prefix: the sequence already holds blocks {seq.blocks[:8]}; only a sequence "
+                             "with none (new, or preempted) takes a cached prefix")
         if not self.prefix_caching:
             return 0
         names = self.prefix_names(seq)

@@ -2,10 +2,10 @@
 
 Continuous batching over a paged KV cache: sequences join and finish between steps; each step packs
 decode tokens and prefill chunks (under a token budget) into one `forward_cached` call
-(Scheduler), over blocks that full prompt prefixes share (BlockManager), through one input builder
-(ModelRunner and lockstep.paged_cache.build_step). Because every op is batch-invariant and
-attention is split-invariant, none of this changes a bit of any request's tokens or logprobs, which
-is what `lockstep verify` checks.
+(Scheduler), over blocks that full prompt prefixes share (BlockManager, which only the Scheduler
+changes), through one input builder (ModelRunner and lockstep.paged_cache.build_step). Because
+every op is batch-invariant and attention is split-invariant, none of this changes a bit of any
+request's tokens or logprobs, which is what `lockstep verify` checks.
 """
 
 from __future__ import annotations
@@ -50,14 +50,19 @@ class Engine:
         if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 1:
             raise ValueError(f"num_blocks: expected a positive int, got {num_blocks!r}")
         self.block_size = block_size
-        self.blocks = BlockManager(num_blocks, block_size, prefix_caching)
-        self.scheduler = Scheduler(self.blocks, max_num_seqs, max_num_batched_tokens)
+        self.scheduler = Scheduler(BlockManager(num_blocks, block_size, prefix_caching), max_num_seqs,
+                                   max_num_batched_tokens)
         self.runner = ModelRunner(model, num_blocks, block_size)
         self.on_token = on_token
         # Finished since the last `step()` returned; the engine keeps no output after handing it out.
         self._done: list[RequestOutput] = []
         self._next_id = 0
         self._steps = self._tokens = 0
+
+    @property
+    def blocks(self) -> BlockManager:
+        """The KV cache's blocks, to read (num_blocks, num_free, hits): the scheduler alone changes them."""
+        return self.scheduler.blocks
 
     @property
     def stats(self) -> dict[str, int]:
@@ -67,24 +72,16 @@ class Engine:
 
     # --- requests -----------------------------------------------------------------------------
     def add_request(self, prompt: Seq[int] | str, sampling: SamplingParams | None = None) -> int:
-        """Queue a request (n completions); returns its id. A bad request finishes at once, every one
-        of its completions with finish_reason "error"."""
+        """Queue a request (n completions); returns its id. A bad request (lockstep.engine.requests:
+        the check `lockstep serve` runs too) finishes at once, every one of its completions with
+        finish_reason "error" and the check's message."""
+        from .requests import validate_request
+
         sampling = sampling or SamplingParams()
         rid = self._next_id
         self._next_id += 1
         try:
-            if not isinstance(sampling, SamplingParams):
-                raise TypeError(f"sampling: expected a SamplingParams, got {type(sampling).__name__}")
-            ids = self.encode(prompt)
-            sampling.validate(self.model.config.vocab_size)
-            if len(ids) + sampling.max_new_tokens > self.max_len:
-                raise ValueError(f"prompt: {len(ids)} tokens + max_new_tokens {sampling.max_new_tokens} exceed the "
-                                 f"model's context of {self.max_len}")
-            need = ceil_div(len(ids) + sampling.max_new_tokens, self.block_size)
-            if need > self.blocks.num_blocks:
-                raise ValueError(f"prompt: needs {need} KV blocks, the cache has {self.blocks.num_blocks}")
-            if sampling.stop and self.model.tokenizer is None:
-                raise ValueError("stop: stop strings need a model with a tokenizer; use stop_token_ids")
+            ids = validate_request(self, prompt, sampling)
         except (TypeError, ValueError) as e:
             n = sampling.n if _valid_n(getattr(sampling, "n", 1)) else 1
             self._done.extend(RequestOutput(rid, [], finish_reason="error", error=str(e), index=i) for i in range(n))
@@ -94,22 +91,11 @@ class Engine:
         return rid
 
     def encode(self, prompt: Seq[int] | str) -> list[int]:
-        """A prompt as token ids (a string through the model's tokenizer), checked against the vocabulary."""
-        if isinstance(prompt, str):
-            if self.model.tokenizer is None:
-                raise TypeError("prompt: a string needs a model with a tokenizer; pass token ids")
-            ids = self.model.tokenizer.encode(prompt)
-        else:
-            if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-                raise TypeError("prompt: expected token ids (ints) or a string")
-            ids = [int(t) for t in prompt]
-        if not ids:
-            raise ValueError("prompt: expected at least one token, got an empty prompt")
-        vocab = self.model.config.vocab_size
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt: token ids must be in [0, {vocab}), got {bad[:5]}")
-        return ids
+        """A prompt as token ids (a string through the model's tokenizer), checked against the vocabulary;
+        an InvalidRequest (a ValueError, "prompt: ...") otherwise."""
+        from .requests import encode_prompt
+
+        return encode_prompt(prompt, self.model.tokenizer, self.model.config.vocab_size)
 
     def abort(self, request_id: int) -> None:
         """Stop a request now (a client that went away): its blocks are freed, its outputs dropped."""
@@ -128,9 +114,7 @@ class Engine:
             return self._take_done()
         for seq, draw in self.runner.run(plan):
             self._accept(seq, draw)
-        for seq, _ in plan:
-            if seq.blocks:
-                self.blocks.name_full_blocks(seq)
+        self.scheduler.postprocess(plan)
         self._steps += 1
         return self._take_done()
 
@@ -175,7 +159,6 @@ class Engine:
         seq.out.finish_reason, seq.out.error = reason, error
         if self.model.tokenizer is not None and seq.out.text is None:
             seq.out.text = self.model.tokenizer.decode(seq.out.token_ids)
-        self.blocks.name_full_blocks(seq)
         self.scheduler.finish(seq)
         self._done.append(seq.out)
 
@@ -199,7 +182,7 @@ class Engine:
         with torch.no_grad():
             for name, p in own.items():
                 p.copy_(tensors[name].to(dtype=p.dtype, device=p.device))
-        self.blocks.forget_prefixes()
+        self.scheduler.forget_prefixes()
 
     # --- conveniences -------------------------------------------------------------------------
     def stream(self) -> Iterator[RequestOutput]:

@@ -1,4 +1,5 @@
-"""Which sequences run in the next step, and how many of their tokens.
+"""Which sequences run in the next step, and how many of their tokens; and, as the one caller of
+the block manager, every change to the blocks of a sequence.
 
 Sequences are admitted in arrival order while fewer than max_num_seqs run; an admitted sequence
 first takes the cached blocks of its prefix, and one whose prefix another sequence is computing
@@ -8,6 +9,12 @@ max_num_batched_tokens. When the cache has too few free blocks, the most recentl
 is preempted: it lets go of its blocks and waits at the front of the queue, to be recomputed from its
 prompt and the tokens it already has. None of this changes a bit of any sequence (docs/contract.md,
 section 4).
+
+A block's life runs through here alone, as in nano-vllm: `schedule` shares prefix blocks, grows
+sequences and preempts; after the model step, `postprocess` names the blocks the step filled;
+`finish` names a finished sequence's blocks and releases them, `abort` releases them, and
+`forget_prefixes` drops every name when the weights change. The engine reads the block manager's
+statistics and never changes it.
 """
 
 from __future__ import annotations
@@ -57,31 +64,49 @@ class Scheduler:
             if seq not in self.running or used == self.budget:
                 continue
             n = min(seq.remaining, self.budget - used)
+            # The victim is the last running sequence, so it comes after `seq` and is not planned yet.
             while not self.blocks.grow(seq, seq.computed + n):
                 victim = self.running[-1]
                 if victim is seq:
                     break
                 self._preempt(victim)
-                if any(s is victim for s, _ in plan):
-                    used -= next(k for s, k in plan if s is victim)
-                    plan = [(s, k) for s, k in plan if s is not victim]
             else:
                 plan.append((seq, n))
                 used += n
-                continue
             # Alone and still no room: it waits for blocks that others free (add_request admits only
             # requests the whole cache can hold, so someone holds blocks).
         return plan
 
+    def postprocess(self, plan: list[tuple[Sequence, int]]) -> None:
+        """After the model step of `plan` (and `finish` of the sequences it ended): name the blocks
+        the step filled, of every planned sequence that still holds blocks, so later sequences can
+        share them."""
+        for seq, _ in plan:
+            if seq.blocks:
+                self.blocks.name_full_blocks(seq)
+
     def finish(self, seq: Sequence) -> None:
+        """A running sequence is done: its computed blocks keep their names for later prompts, and
+        its hold on them goes."""
+        self.blocks.name_full_blocks(seq)
+        self._drop(seq)
+
+    def _drop(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.blocks.release(seq)
 
     def abort(self, request_id: int) -> list[Sequence]:
-        """Remove every sequence of a request, wherever it is; returns them."""
+        """Remove every sequence of a request, wherever it is, releasing its blocks; returns them."""
         gone = [s for s in self.waiting if s.request_id == request_id]
         self.waiting = deque(s for s in self.waiting if s.request_id != request_id)
         for seq in [s for s in self.running if s.request_id == request_id]:
-            self.finish(seq)
+            self._drop(seq)
             gone.append(seq)
         return gone
+
+    def forget_prefixes(self) -> None:
+        """New weights make every cached key and value stale: no block is shared by name again.
+        Nothing may be running."""
+        if self.has_unfinished():
+            raise RuntimeError("forget_prefixes: sequences are waiting or running; finish or abort them first")
+        self.blocks.forget_prefixes()

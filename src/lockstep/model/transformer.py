@@ -169,14 +169,6 @@ class KVCache:
     k: list[Tensor]
     v: list[Tensor]
 
-    @property
-    def num_blocks(self) -> int:
-        return self.k[0].shape[0]
-
-    @property
-    def block_size(self) -> int:
-        return self.k[0].shape[1]
-
 
 def positions_from_cu_seqlens(cu_seqlens: Tensor) -> Tensor:
     """0, 1, ..., len-1 for each packed sequence."""

@@ -1,9 +1,14 @@
-"""`lockstep serve`: lockstep's Engine behind OpenAI's HTTP API, with weight updates (FastAPI, uvicorn).
+"""`lockstep serve`: lockstep's Engine behind OpenAI's HTTP API and SGLang's native one, with weight
+updates (FastAPI, uvicorn).
 
-    app.py       the endpoints, requests to jobs, answers and server-sent events
-    worker.py    the engine's own thread, and weight updates that never mix two versions
-    protocol.py  the request bodies (unknown fields refused) and OpenAI-shaped answers
-    chat.py      chat messages through the model folder's chat template
+    app.py              the application: the route list, errors, the API key, /health
+    state.py            the Server (app.state.server): requests to jobs, the request check, weight updates
+    openai_api.py       /v1/models, /v1/completions, /v1/chat/completions
+    sglang_api.py       /generate, /update_weights_from_disk, /update_weights, /flush_cache, /get_model_info
+    worker.py           the engine's own thread, and weight updates that never mix two versions
+    protocol.py         OpenAI's request bodies (unknown fields refused) and answers
+    sglang_protocol.py  SGLang's request bodies and answers
+    chat.py             chat messages through the model folder's chat template
 """
 
 from __future__ import annotations
@@ -40,7 +45,7 @@ def build_server(source: str, dtype: torch.dtype = torch.float32, family: str = 
         model.tokenizer = ByteTokenizer()
     return Server(model, name or (os.path.basename(os.path.abspath(source)) if source != "tiny" else f"tiny-{family}"),
                   engine_kwargs, model_dir=source if os.path.isdir(source) else None, api_key=api_key,
-                  load_weights=lambda path: weights_from_folder(path, model), backend=backend)
+                  load_weights=lambda path: weights_from_folder(path, model), backend=backend, model_path=source)
 
 
 def serve(server: Server, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:
