@@ -2,15 +2,23 @@
 
 bf16 linear for M in {1, 16, 128, 512, 2048, 8192} and (N, K) in {(4096, 4096), (14336, 4096),
 (4096, 14336)}, forward and backward; rms_norm; selected_logprobs at a 152k vocabulary; attention
-prefill (2k-8k) and decode over 4k cached keys. Reports time ratios measured in the same run
-(ratio < 1: lockstep faster) and, for linear, throughput relative to cuBLAS."""
+prefill (2k-8k) and decode over 4k cached keys; Engine.generate against transformers' generate at 1,
+8 and 64 requests on a Qwen3-0.6B-shaped model (random weights); the mode's overhead on that model's
+forward. Reports time ratios measured in the same run (ratio < 1: lockstep faster).
 
+`--json PATH` also writes what Triton compiled on this GPU (registers, spills, shared memory, warps
+per kernel and specialization), to set beside `lockstep gpu-audit`'s figures for the same arch."""
+
+import json
 import sys
+import time
 
 import torch
 
 import lockstep
-from lockstep import ops
+from lockstep import Engine, SamplingParams, ops
+
+from _realistic import hf_model, lockstep_model
 
 
 def bench(fn, repeats=20):
@@ -33,6 +41,16 @@ def main():
         return 1
     dev, bf = "cuda", torch.bfloat16
     print(f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    if "--model-only" not in sys.argv:
+        op_rows(dev, bf)
+    model_rows(dev)
+    if "--json" in sys.argv:
+        with open(sys.argv[sys.argv.index("--json") + 1], "w") as f:
+            json.dump(compiled_kernels(), f, indent=1)
+    return 0
+
+
+def op_rows(dev: str, bf: torch.dtype) -> None:
     print("| op | shape | lockstep ms | torch ms | lockstep / torch |\n|---|---|---|---|---|")
     with lockstep.use_backend("triton"):
         for n, k in ((4096, 4096), (14336, 4096), (4096, 14336)):
@@ -77,7 +95,69 @@ def main():
                                                                           kv.transpose(0, 1)[None],
                                                                           kv.transpose(0, 1)[None], enable_gqa=True))
         print(f"| attention decode | 1 query, {ctx} keys | {a:.3f} | {b:.3f} | {a / b:.2f} |", flush=True)
-    return 0
+
+
+def model_rows(dev: str, layers: int = 28, prompt: int = 128, new: int = 64) -> None:
+    """Engine.generate vs transformers' generate (greedy, SDPA, KV cache), and the mode's overhead on
+    one batched forward, on the Qwen3-0.6B shape with all of its 28 layers."""
+    ours = lockstep_model(torch.bfloat16, layers=layers).to(dev)
+    hf = hf_model(ours).to(dev)
+    print("\n| requests | lockstep engine tok/s | transformers generate tok/s | engine / transformers |\n|---|---|---|---|")
+    warm = Engine(ours, max_num_seqs=2, max_num_batched_tokens=4096, block_size=16)
+    warm.generate([[1] * prompt] * 2, SamplingParams(temperature=0, max_new_tokens=4))     # compiles the kernels
+    for n in (1, 8, 64):
+        prompts = torch.randint(0, 151936, (n, prompt), generator=torch.Generator().manual_seed(n))
+        engine = Engine(ours, max_num_seqs=n, max_num_batched_tokens=max(4096, n * prompt), block_size=16)
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        outs = engine.generate(prompts.tolist(), SamplingParams(temperature=0, max_new_tokens=new))
+        torch.cuda.synchronize()
+        t_engine = time.perf_counter() - t
+        assert all(len(o.token_ids) == new for o in outs)
+        ids = prompts.to(dev)
+        with torch.no_grad():
+            hf.generate(ids[:, :8], attention_mask=torch.ones_like(ids[:, :8]), max_new_tokens=2, do_sample=False)
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
+                        do_sample=False)
+            torch.cuda.synchronize()
+        t_hf = time.perf_counter() - t
+        a, b = n * new / t_engine, n * new / t_hf
+        print(f"| {n} | {a:.0f} | {b:.0f} | {a / b:.2f} |", flush=True)
+    ids = torch.randint(0, 151936, (8, 512), device=dev)
+    with torch.no_grad():
+        stock = bench(lambda: hf(ids).logits, 5)
+        with lockstep.batch_invariant():
+            inside = bench(lambda: hf(ids).logits, 5)
+    print(f"\n| the mode | transformers forward, 8 x 512 tokens, {layers} layers | {inside:.2f} ms | "
+          f"{stock:.2f} ms stock | {inside / stock:.2f} |", flush=True)
+
+
+def compiled_kernels() -> list[dict]:
+    """Each Triton kernel of the backend that compiled in this process: its specialization key and
+    the compiler's figures for it."""
+    import importlib
+    import pkgutil
+
+    import triton
+
+    from lockstep.backends import triton as backend
+
+    rows = []
+    for info in pkgutil.iter_modules(backend.__path__):
+        module = importlib.import_module(f"{backend.__name__}.{info.name}")
+        for name, fn in vars(module).items():
+            if not isinstance(fn, triton.runtime.jit.JITFunction):
+                continue
+            for device_cache in fn.device_caches.values():
+                for key, compiled in device_cache[0].items():
+                    md = compiled.metadata
+                    rows.append({"kernel": name, "key": str(key), "registers": compiled.n_regs,
+                                 "spills": compiled.n_spills, "shared_bytes": md.shared,
+                                 "num_warps": md.num_warps, "num_stages": getattr(md, "num_stages", None),
+                                 "target": str(md.target)})
+    return rows
 
 
 if __name__ == "__main__":

@@ -23,12 +23,12 @@ def _hf_model(family, dtype):
 def _proof(model) -> dict[str, bool]:
     """Alone vs right- and left-padded batches (logits), and generate with KV cache vs one forward (logprobs)."""
     gen = torch.Generator().manual_seed(1)
-    seqs = [torch.randint(0, 300, (n,), generator=gen) for n in (11, 23, 5)]
+    seqs = [torch.randint(0, 300, (n,), generator=gen).to(model.device) for n in (11, 23, 5)]
     alone = [model(s[None]).logits[0] for s in seqs]
     width = max(len(s) for s in seqs)
     result = {}
     for side in ("right", "left"):
-        ids = torch.zeros(len(seqs), width, dtype=torch.long)
+        ids = torch.zeros(len(seqs), width, dtype=torch.long, device=model.device)
         mask = torch.zeros_like(ids)
         for i, s in enumerate(seqs):
             cols = slice(0, len(s)) if side == "right" else slice(width - len(s), width)

@@ -187,3 +187,48 @@ def test_bad_arch_is_a_clear_error():
                           text=True, env=_env(), timeout=120)
     assert done.returncode == 2
     assert "--arch: expected a comma-separated list of sm_80, sm_90a, sm_100a, got 'sm_75'" in done.stderr
+
+
+DOT_FORM = textwrap.dedent('''
+    import json
+    import os
+    import re
+
+    os.environ["TRITON_INTERPRET"] = "0"            # compile for the GPU target, as the audit does
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from lockstep.backends.triton import gemm
+
+    def dot_accumulates_in_place(dtype):
+        """Whether the K loop's dot accumulates into the running tile rather than from a zero
+        constant (TTGIR)."""
+        kernel = gemm.gemm_kernel
+        ptr = "*fp32" if dtype == "fp32" else "*bf16"
+        sig = {name: (ptr if name.endswith("_ptr") else "i32") for name in kernel.arg_names}
+        const = dict(HAS_BIAS=False, ACCUMULATE=False, PRECISION="ieee" if dtype == "fp32" else "tf32",
+                     A_UNIT="cols", B_UNIT="rows", BLOCK_M=64, BLOCK_N=64, BLOCK_K=16 if dtype == "fp32" else 64)
+        sig.update({k: "constexpr" for k in const})
+        src = ASTSource(fn=kernel, signature=sig,
+                        constexprs={(kernel.arg_names.index(k),): v for k, v in const.items()})
+        ttgir = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ttgir"]
+        zeros = set(re.findall(r"(%[\\w.]+) = arith.constant dense<0.000000e\\+00>", ttgir))
+        accs = re.findall(r"= (?:tt|ttng)\\.(?:dot|warp_group_dot) %[\\w.]+, %[\\w.]+, (%[\\w.]+)", ttgir)
+        assert accs, ttgir[-2000:]
+        return any(acc not in zeros for acc in accs)
+
+    print(json.dumps({d: dot_accumulates_in_place(d) for d in ("fp32", "bf16")}))
+''')
+
+
+def test_the_fp32_gemm_adds_each_partial_product(tmp_path):
+    """ADR 0013: the fp32 dot starts each K step from zero and is then added to the tile (Triton's
+    combine pass would otherwise fold the add into one FMA chain over all of K); the bf16 dot
+    accumulates in place, which shows that the check tells the two forms apart."""
+    script = tmp_path / "dot_form.py"
+    script.write_text(DOT_FORM)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=_env(), timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout.splitlines()[-1]) == {"fp32": False, "bf16": True}

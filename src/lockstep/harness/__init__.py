@@ -41,8 +41,8 @@ def check(name: str, dtype: torch.dtype, backend: str | None = None, grad: bool 
 
     large: also the LLM-width sweep, for the ops whose spec has one."""
     if name == "attention":
-        return check_attention(dtype, backend=backend, grad=grad, seed=seed)
+        return check_attention(dtype, backend=backend, grad=grad, seed=seed, device=device)
     report = check_op(name, dtype, backend=backend, grad=grad, seed=seed, device=device)
     if large and SPECS[name].large:
-        report.sweeps.append(check_large(name, dtype, backend=backend, seed=seed))
+        report.sweeps.append(check_large(name, dtype, backend=backend, seed=seed, device=device))
     return report

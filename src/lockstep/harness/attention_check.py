@@ -60,12 +60,14 @@ def _cu(lengths: list[int]) -> Tensor:
 
 
 class AttnCase:
-    def __init__(self, dtype: torch.dtype, sizes: AttnSizes, seed: int):
-        self.dtype, self.sizes = dtype, sizes
+    """The sequences of a check, drawn on the CPU (the same values on any machine) and moved to `device`."""
+
+    def __init__(self, dtype: torch.dtype, sizes: AttnSizes, seed: int, device: str | torch.device = "cpu"):
+        self.dtype, self.sizes, self.device = dtype, sizes, torch.device(device)
         gen = torch.Generator().manual_seed(seed)
 
         def t(n: int, h: int) -> Tensor:
-            return torch.randn(n, h, sizes.head_dim, generator=gen, dtype=torch.float64).to(dtype)
+            return torch.randn(n, h, sizes.head_dim, generator=gen, dtype=torch.float64).to(dtype).to(self.device)
 
         self.seqs = [Seq(t(n, sizes.q_heads), t(n, sizes.kv_heads), t(n, sizes.kv_heads), t(n, sizes.q_heads))
                      for n in sizes.lens]
@@ -86,7 +88,7 @@ class AttnCase:
         v = torch.cat([s.v for s in seqs])
         do = torch.cat([s.do for s in seqs])
         if pad_rows:
-            junk = torch.full((pad_rows,) + tuple(q.shape[1:]), float("nan"), dtype=q.dtype)
+            junk = torch.full((pad_rows,) + tuple(q.shape[1:]), float("nan"), dtype=q.dtype, device=q.device)
             q = torch.cat([q, junk])
             do = torch.cat([do, torch.zeros_like(junk)])
         if strided:
@@ -154,7 +156,8 @@ def _paged_decode(case: AttnCase, backend: str, first_chunk: int = 5) -> list[Te
     n = len(case.seqs)
     blocks_needed = sum(ceil_div(x.q.shape[0], s.block_size) for x in case.seqs)
     num_blocks = blocks_needed + 3
-    k_cache = torch.full((num_blocks, s.block_size, s.kv_heads, s.head_dim), float("nan"), dtype=case.dtype)
+    k_cache = torch.full((num_blocks, s.block_size, s.kv_heads, s.head_dim), float("nan"), dtype=case.dtype,
+                         device=case.device)
     v_cache = torch.full_like(k_cache, float("nan"))
     free = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(7)).tolist()
     blocks: list[list[int]] = [[] for _ in range(n)]
@@ -179,7 +182,7 @@ def _paged_decode(case: AttnCase, backend: str, first_chunk: int = 5) -> list[Te
         step += 1
         if not who:
             continue
-        cache_step, _ = build_step(spans, s.block_size)
+        cache_step, _ = build_step(spans, s.block_size, case.device)
         ops.write_kv(torch.cat(new_k), torch.cat(new_v), k_cache, v_cache, cache_step.slot_mapping)
         with use_backend(backend):
             out = ops.paged_attention(torch.cat(qs), k_cache, v_cache, cache_step.block_table, cache_step.seq_lens,
@@ -225,12 +228,12 @@ def _accuracy(case: AttnCase, ref: list[tuple], grad: bool) -> AccuracyResult:
 
 
 def check_attention(dtype: torch.dtype, backend: str | None = None, grad: bool = True, seed: int = 0,
-                    sizes: AttnSizes | None = None, with_accuracy: bool = True) -> OpReport:
+                    sizes: AttnSizes | None = None, with_accuracy: bool = True, device: str = "cpu") -> OpReport:
     """Every attention sweep (and optionally the accuracy check) for one dtype, on `backend`
-    (default: the CPU's, `default_backend`)."""
-    backend = backend or default_backend()
+    (default: the one lockstep runs on `device`, `default_backend`), with inputs on `device`."""
+    backend = backend or default_backend(device)
     sizes = sizes or AttnSizes()
-    case = AttnCase(dtype, sizes, seed)
+    case = AttnCase(dtype, sizes, seed, device)
     n = len(case.seqs)
     order = list(range(n))
     sweeps = []

@@ -161,18 +161,16 @@ def _strided(t: Tensor) -> Tensor:
     """The same values in a non-contiguous layout (every other element of a wider buffer)."""
     if t.dim() == 0:
         return t
-    wide = torch.zeros(t.shape[:-1] + (2 * t.shape[-1],), dtype=t.dtype)
+    wide = torch.zeros(t.shape[:-1] + (2 * t.shape[-1],), dtype=t.dtype, device=t.device)
     wide[..., ::2] = t
     return wide[..., ::2]
 
 
 def run(pool: Pool, backend: str, layout: list[int], kind: str = GARBAGE_PAD, strided: bool = False) -> Run:
     rows, dy = pool.build(layout, kind)
-    if strided:
+    rows, dy = {k: v.to(pool.device) for k, v in rows.items()}, dy.to(pool.device)
+    if strided:                         # after the move: a copy to another device comes back contiguous
         rows = {k: _strided(v) for k, v in rows.items()}
-    if pool.device.type != "cpu":
-        rows = {k: v.to(pool.device) for k, v in rows.items()}
-        dy = dy.to(pool.device)
     params = {k: v.to(pool.device).clone().requires_grad_(pool.grad) for k, v in pool.params.items()}
     for v in rows.values():
         if v.is_floating_point() and pool.grad:
@@ -328,11 +326,12 @@ def check_op(name: str, dtype: torch.dtype, backend: str | None = None, grad: bo
     return OpReport(name, backend, contract.dtype_name(dtype), acc, sweeps)
 
 
-def check_large(name: str, dtype: torch.dtype, backend: str | None = None, seed: int = 0) -> SweepResult:
+def check_large(name: str, dtype: torch.dtype, backend: str | None = None, seed: int = 0,
+                device: str = "cpu") -> SweepResult:
     """Each row alone vs all rows together at LLM-scale width (65,536 columns, 152k vocabulary)."""
-    backend = backend or default_backend()
+    backend = backend or default_backend(device)
     spec = get(name)
-    pool = Pool(spec, dtype, LARGE, seed, grad=spec.differentiable)
+    pool = Pool(spec, dtype, LARGE, seed, grad=spec.differentiable, device=device)
     n = LARGE.pool
     with num_threads(2):
         ref = run(pool, backend, list(range(n)))

@@ -122,7 +122,7 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Te
         if n < cq[b + 1] - cq[b]:
             raise ValueError(f"seq_lens: sequence {b} has {cq[b + 1] - cq[b]} queries but seq_lens {n} "
                              "(expected len_q <= len_k)")
-    need = (seq_lens.to(torch.int64) + block_size - 1) // block_size                    # [B]
+    need = (seq_lens.to(device=block_table.device, dtype=torch.int64) + block_size - 1) // block_size   # [B]
     if nseq and int(need.max()) > block_table.shape[1]:
         b = int(torch.argmax(need))
         raise ValueError(f"block_table: sequence {b} needs {int(need[b])} blocks for {lens[b]} keys, the table has "

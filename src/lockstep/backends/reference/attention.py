@@ -24,9 +24,9 @@ def attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_
         ks = k[ck[b]:ck[b + 1]].repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, L, D]
         vs = v[ck[b]:ck[b + 1]].repeat_interleave(group, dim=1).transpose(0, 1)
         n, length = qs.shape[1], ks.shape[1]
-        pos = torch.arange(length - n, length)[:, None]
-        key = torch.arange(length)[None, :]
-        allowed = torch.ones(n, length, dtype=torch.bool)
+        pos = torch.arange(length - n, length, device=q.device)[:, None]
+        key = torch.arange(length, device=q.device)[None, :]
+        allowed = torch.ones(n, length, dtype=torch.bool, device=q.device)
         if causal:
             allowed &= key <= pos
         if window is not None:

@@ -102,11 +102,20 @@ def dot(a, b, PRECISION: tl.constexpr):
 
 @triton.jit
 def dot_acc(a, b, acc, PRECISION: tl.constexpr):
-    """acc + a @ b. On a GPU the MMA accumulates into acc (one rounding per product step, in the
-    order the instruction defines, the same for every output element); under the interpreter the
-    tile product is summed by `fixed_order_dot` and then added."""
+    """acc + a @ b, the same order for every output element.
+
+    16-bit operands: the MMA accumulates into acc. fp32 ("ieee", FMA on a GPU): the tile's product
+    starts from zero and is then added, so a K-long reduction is a sum of BLOCK_K-long partial sums;
+    accumulating into acc would chain all K products in one running sum, whose error grows with K
+    (measured on an H200: 2.3x cuBLAS's error on a 1,100-long reduction, docs/gpu.md). Under the
+    interpreter the tile product is summed by `fixed_order_dot` and then added."""
     if PRECISION == "fixed":
         return acc + fixed_order_dot(a, b)
+    elif PRECISION == "ieee":
+        # Triton's combine pass folds `acc + dot(a, b)` back into `dot(a, b, acc)`, except for a dot
+        # whose max_num_imprecise_acc is not 0. That field only means something for fp8 MMA; on
+        # an fp32 FMA dot it only keeps the two sums apart (docs/adr/0013).
+        return acc + tl.dot(a, b, input_precision=PRECISION, max_num_imprecise_acc=1)
     else:
         return tl.dot(a, b, acc, input_precision=PRECISION)
 
