@@ -54,7 +54,7 @@ def test_the_mode_makes_a_transformers_model_invariant_on_cuda(family):
     """Alone vs right- and left-padded batches, and generate with its KV cache vs one forward, on
     CUDA dispatch keys. Stock cuBLAS may or may not differ at this size, so only lockstep's side is
     asserted."""
-    from test_batch_invariant import _hf_model, _proof
+    from test_mode import _hf_model, _proof
 
     model = _hf_model(family, torch.bfloat16).to("cuda")
     with torch.no_grad(), lockstep.batch_invariant():

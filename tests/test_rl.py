@@ -2,6 +2,7 @@
 completion lengths), the sampler's logprobs equal to the trainer's, and the task's rewards.
 The loop over a real `lockstep serve` is in tests/test_rl_loop.py."""
 
+import dataclasses
 import json
 import random
 
@@ -10,10 +11,10 @@ import torch
 
 from lockstep import dist as ldist
 from lockstep.engine import Engine
-from lockstep.model import ModelConfig, Transformer, logprobs
+from lockstep.model import ModelConfig, Transformer
 from lockstep.rl import RLConfig, group_advantages, rollout_window
 from lockstep.rl.rollout import Rollout
-from lockstep.rl.task import ArithmeticTask, Problem, evaluate, parse_answer
+from lockstep.rl.task import ArithmeticTask, Problem, check_problem, evaluate, parse_answer
 from lockstep.sampling import SamplingParams
 from lockstep.train import PolicyLoss, TrainConfig, Trainer
 
@@ -128,6 +129,20 @@ def test_task_answers_and_rewards():
         task.problems(0, random.Random(0))
     with pytest.raises(ValueError, match="steps: expected 1 or 2"):
         ArithmeticTask(steps=3)
+
+
+def test_every_problem_reads_back_to_its_answer():
+    """check_problem reads a problem's story back without the code that wrote it and recomputes the
+    answer; it names a wrong answer, a story that says another operation, and a number out of range."""
+    task = ArithmeticTask(max_operand=20, steps=2, multiply=True)
+    problems = task.problems(300, random.Random(1))
+    assert all(check_problem(p, task) == [] for p in problems)
+    assert {op for p in problems for op in p.operations} == {"+", "-", "*"}
+    p = problems[0]
+    assert any(e.startswith("answer") for e in check_problem(dataclasses.replace(p, answer=p.answer + 1), task))
+    other = dataclasses.replace(p, operations=["+" if op != "+" else "-" for op in p.operations])
+    assert any(e.startswith("the question says") for e in check_problem(other, task))
+    assert any(e.startswith("operands") for e in check_problem(p, dataclasses.replace(task, max_operand=2)))
 
 
 def parse_all(text: str) -> list[str]:

@@ -331,8 +331,8 @@ def cmd_rl(args: argparse.Namespace) -> int:
 
     cfg = rl.RLConfig(model=args.model, dtype=args.dtype, steps=args.steps, prompts_per_step=args.prompts_per_step,
                       group=args.group, max_new_tokens=args.max_new_tokens, temperature=args.temperature, lr=args.lr,
-                      kl_coef=args.kl_coef, micro_batch_tokens=args.micro_batch_tokens, seed=args.seed,
-                      backend=args.backend)
+                      kl_coef=args.kl_coef, micro_batch_tokens=args.micro_batch_tokens,
+                      max_num_seqs=args.max_num_seqs, seed=args.seed, backend=args.backend)
     rl.run(cfg, args.out, server_url=args.server, resume=args.resume)
     s = rl.summary(args.out)
     print(f"lockstep rl: {s['steps']} steps; reward {s['reward_first']:.3f} -> {s['reward_last']:.3f}; "
@@ -538,6 +538,9 @@ def _add_rl(sub, formatter) -> None:
     g.add_argument("--kl-coef", type=float, default=defaults.kl_coef, help="KL penalty to the initial model (0: none)")
     g.add_argument("--micro-batch-tokens", type=int, default=defaults.micro_batch_tokens,
                    help="tokens per micro-batch (the layout: the run's bits do not depend on it)")
+    g.add_argument("--max-num-seqs", type=int, default=None,
+                   help="completions the server decodes together (default: all of a step's; with lockstep the "
+                        "run's bits do not depend on it)")
     g.add_argument("--seed", type=int, default=defaults.seed, help="seed of the problems and the sampling")
     g.add_argument("--backend", type=backend_name, default="auto",
                    help="op backend of trainer and server (eager: stock PyTorch, which shows the mismatch)")

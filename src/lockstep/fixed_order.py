@@ -36,7 +36,7 @@ from torch import Tensor
 # through the same M-blocked BLAS kernel, whose reduction order over K depends on K alone (ADR
 # 0001); the small tiles keep decode (one row) from paying for a full 128-row tile, and a
 # sequence-sized tail (127 rows) from taking sixteen 8-row calls. Below 4 rows MKL switches to a
-# GEMV path with other bits, so every tile must stay >= 4 (tests/test_primitives.py).
+# GEMV path with other bits, so every tile must stay >= 4 (tests/test_portable.py).
 ROW_TILE = 128
 TAIL_TILES = (64, 32, 16, 8)
 TAIL_TILE = TAIL_TILES[-1]
@@ -55,7 +55,7 @@ SUM_WIDTH = 512
 ROW_BLOCK = 128
 # Columns per GEMM call in fp32 on a CPU (matmul_rows), for speed. A column's bits do not depend on
 # the call's N (tensor parallelism relies on it: a column-parallel shard is a call with fewer
-# columns), so the chunks give the bits of one call (tests/test_primitives.py).
+# columns), so the chunks give the bits of one call (tests/test_portable.py).
 COLUMN_CHUNK = 4096
 # Keys per block of attention's online softmax; blocks are anchored at key 0 (ADR 0002).
 KEY_BLOCK = 64

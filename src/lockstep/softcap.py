@@ -23,7 +23,7 @@ def softcap(logits: Tensor, cap: float) -> tuple[Tensor, Tensor]:
     """(cap * tanh(logits / cap), its derivative 1 - tanh^2), elementwise in logits' dtype.
 
     tanh(z) is evaluated as 1 - 2 / (exp(2z) + 1), from exp (fixed_order.exp: the native kernels' where they are selected) and division,
-    whose bits tests/test_primitives.py checks to be the same in the vector body and the scalar tail of
+    whose bits tests/test_portable.py checks to be the same in the vector body and the scalar tail of
     their loops; torch.tanh's two paths
     are separate implementations with no such promise (as torch's sigmoid and tanh-GELU differ). Large
     |z| saturates to +-1 exactly (exp overflows to inf, or underflows to 0)."""

@@ -16,6 +16,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from .. import checks
+
 DEFAULT_TIMEOUT_S = 120.0
 
 
@@ -53,8 +55,7 @@ def spawn(fn: Callable, nprocs: int, *args, backend: str = "gloo", timeout_s: fl
 
     If a rank raises, the others are terminated and RankFailed is raised here with the traceback of
     the rank that failed first. Collectives time out after `timeout_s`, so no rank waits forever."""
-    if not isinstance(nprocs, int) or nprocs < 1:
-        raise ValueError(f"nprocs: expected a positive int, got {nprocs!r}")
+    checks.int_at_least("nprocs", nprocs)
     with tempfile.TemporaryDirectory(prefix="lockstep-spawn-") as errors:
         try:
             mp.start_processes(_worker, args=(fn, nprocs, free_port(), backend, timeout_s, args, errors),

@@ -18,6 +18,7 @@ from typing import Sequence as Seq
 
 import torch
 
+from .. import checks
 from ..fixed_order import ceil_div
 from ..model import Transformer
 from ..sampling import Draw, SamplingParams
@@ -41,14 +42,12 @@ class Engine:
                  on_token: Callable[[RequestOutput, Draw], None] | None = None):
         for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens),
                             ("block_size", block_size)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name}: expected a positive int, got {value!r}")
+            checks.int_at_least(name, value)
         self.model = model
         self.max_len = model.config.max_position_embeddings
         if num_blocks is None:
             num_blocks = max_num_seqs * ceil_div(min(self.max_len, 4096), block_size)
-        if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 1:
-            raise ValueError(f"num_blocks: expected a positive int, got {num_blocks!r}")
+        checks.int_at_least("num_blocks", num_blocks)
         self.block_size = block_size
         self.scheduler = Scheduler(BlockManager(num_blocks, block_size, prefix_caching), max_num_seqs,
                                    max_num_batched_tokens)

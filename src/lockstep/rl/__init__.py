@@ -10,7 +10,7 @@ Each step:
    the same accumulation windows, clipping, AdamW, checkpoints and layout invariance as supervised
    training;
 5. the new weights pushed to the server with the next weight version, which the next rollouts
-   must carry.
+   must carry (SGLang's weight_version label, "step-N").
 
 Every step's record has the reward and lockstep.mismatch's metrics between the sampler's logprobs
 and the ones the trainer computed: with lockstep they are the same bits, so max |dlogp| 0, approx
@@ -56,6 +56,7 @@ class RLConfig:
     kl_coef: float = 0.0            # > 0: a KL penalty to the frozen initial model
     loss_mean: str = "token"        # "token" or "sequence"
     micro_batch_tokens: int = 4096  # the layout: changes no bit of the run
+    max_num_seqs: int | None = None  # completions the server decodes together (None: all of a step's)
     save_every: int = 1
     seed: int = 0
     backend: str = "auto"           # of the trainer and the server; "eager" shows the mismatch
@@ -64,6 +65,8 @@ class RLConfig:
         for name in ("steps", "prompts_per_step", "max_new_tokens", "micro_batch_tokens"):
             checks.int_at_least(name, getattr(self, name))
         checks.int_at_least("save_every", self.save_every, 0)
+        if self.max_num_seqs is not None:
+            checks.int_at_least("max_num_seqs", self.max_num_seqs)
         if checks.int_at_least("group", self.group) < 2:
             raise ValueError(f"group: expected at least 2 completions per prompt (GRPO compares them), got {self.group}")
         if self.dtype not in DTYPES:
@@ -150,10 +153,10 @@ def run(cfg: RLConfig, out: str, task: ArithmeticTask | None = None, server_url:
     dropped = truncate_log(log_path, trainer.step_idx) if resume else 0
     truncate_log(os.path.join(out, "rollouts.jsonl"), trainer.step_idx) if resume else None
     client = RolloutClient(server_url, model=weights, dtype=cfg.dtype, backend=cfg.backend,
-                           max_num_seqs=cfg.prompts_per_step * cfg.group)
+                           max_num_seqs=cfg.max_num_seqs or cfg.prompts_per_step * cfg.group)
     records: list[dict] = []
     try:
-        version = client.update_weights(weights)
+        version = client.update_weights(weights, f"step-{trainer.step_idx}")
         with open(log_path, "a") as log, open(os.path.join(out, "rollouts.jsonl"), "a") as data, \
                 use_backend(cfg.backend):
             log.write(json.dumps({"event": "resume" if resume else "start", "step": trainer.step_idx,
@@ -161,7 +164,7 @@ def run(cfg: RLConfig, out: str, task: ArithmeticTask | None = None, server_url:
             while trainer.step_idx < cfg.steps:
                 rec, rows = rl_step(trainer, client, task, cfg, model.tokenizer, version, reference)
                 weights = push_folder(out, trainer)
-                version = rec["weight_version"] = client.update_weights(weights)
+                version = rec["weight_version"] = client.update_weights(weights, f"step-{trainer.step_idx}")
                 if cfg.save_every and trainer.step_idx % cfg.save_every == 0 or trainer.step_idx == cfg.steps:
                     trainer.save(ckpt_dir, extra={"config": asdict(cfg)})
                 data.writelines(json.dumps(r) + "\n" for r in rows)

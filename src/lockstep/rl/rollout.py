@@ -1,10 +1,11 @@
-"""lockstep.rl.rollout: a client of `lockstep serve` for rollouts and weight updates.
+"""lockstep.rl.rollout: a client of `lockstep serve` for rollouts and weight updates, over SGLang's
+native API (the one slime, AReaL and verl's SGLang rollout speak).
 
-`generate` posts token ids to POST /v1/completions with `n` completions per prompt, seeded
-sampling, the sampler's logprobs and the completions' token ids (`return_token_ids`);
-`update_weights` posts a safetensors folder to POST /update_weights_from_disk, and every later
-completion carries the server's new `weights_version`. The client starts the server as a
-subprocess on 127.0.0.1 when it is given no url.
+`generate` posts token ids to POST /generate with `n` completions per prompt, seeded sampling
+(`sampling_seed`) and the sampler's logprobs (`return_logprob`); `update_weights` posts a
+safetensors folder to POST /update_weights_from_disk with a `weight_version` label, which every
+later completion carries in its meta_info. The client starts the server as a subprocess on
+127.0.0.1 when it is given no url.
 """
 
 from __future__ import annotations
@@ -71,25 +72,33 @@ class RolloutClient:
     def generate(self, prompts: list[list[int]], n: int, max_new_tokens: int, temperature: float,
                  seed: int) -> list[Rollout]:
         """n completions of every prompt (token ids), prompt by prompt, with the sampler's logprobs."""
-        r = self.http.post("/v1/completions", json={
-            "prompt": prompts, "n": n, "max_tokens": max_new_tokens, "temperature": temperature, "seed": seed,
-            "logprobs": 0, "return_token_ids": True})
+        r = self.http.post("/generate", json={
+            "input_ids": prompts, "return_logprob": True,
+            "sampling_params": {"n": n, "max_new_tokens": max_new_tokens, "temperature": temperature,
+                                "sampling_seed": seed}})
         if r.status_code != 200:
             raise RuntimeError(f"rollout: the server answered {r.status_code}: {r.text[:500]}")
-        answer = r.json()
-        choices = sorted(answer["choices"], key=lambda c: c["index"])
-        if len(choices) != len(prompts) * n:
-            raise RuntimeError(f"rollout: expected {len(prompts) * n} completions, the server sent {len(choices)}")
-        return [Rollout(c["index"] // n, list(c["token_ids"]), [float(x) for x in c["logprobs"]["token_logprobs"]],
-                        c["text"], c["finish_reason"], str(answer["weights_version"])) for c in choices]
+        answers = r.json()
+        if len(answers) != len(prompts) * n:
+            raise RuntimeError(f"rollout: expected {len(prompts) * n} completions, the server sent {len(answers)}")
+        rollouts = []
+        for j, a in enumerate(answers):           # prompt-major: the n completions of prompt 0, then of 1, ...
+            meta = a["meta_info"]
+            triples = meta["output_token_logprobs"]
+            if [t[1] for t in triples] != a["output_ids"]:
+                raise RuntimeError(f"rollout: completion {j}'s logprobs do not follow its output_ids")
+            rollouts.append(Rollout(j // n, list(a["output_ids"]), [float(t[0]) for t in triples], a["text"],
+                                    meta["finish_reason"]["type"], str(meta["weight_version"])))
+        return rollouts
 
-    def update_weights(self, model_path: str) -> str:
-        """Load a safetensors folder into the server; returns the new weight version, which every later
-        completion carries."""
-        r = self.http.post("/update_weights_from_disk", json={"model_path": model_path, "flush_cache": True})
+    def update_weights(self, model_path: str, weight_version: str) -> str:
+        """Load a safetensors folder into the server under the label `weight_version`, which every later
+        completion carries; returns the label the server reports."""
+        r = self.http.post("/update_weights_from_disk", json={"model_path": model_path, "flush_cache": True,
+                                                              "weight_version": weight_version})
         if r.status_code != 200 or not r.json().get("success"):
             raise RuntimeError(f"weight update: the server answered {r.status_code}: {r.text[:500]}")
-        return str(r.json()["weights_version"])
+        return str(r.json()["weight_version"])
 
     def close(self) -> None:
         self.http.close()

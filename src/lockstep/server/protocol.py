@@ -113,24 +113,24 @@ def usage(prompt_lengths: list[int], outputs: list[RequestOutput]) -> dict:
             "prompt_tokens_details": {"cached_tokens": cached}}
 
 
-def completion_logprobs(out: RequestOutput, text_of, start: int = 0) -> dict:
-    """The legacy completions logprobs object for tokens [start:] of a completion."""
-    tokens = [text_of(t) for t in out.token_ids[start:]]
+def completion_logprobs(out: RequestOutput, text_of) -> dict:
+    """The legacy completions logprobs object of a completion's tokens."""
+    tokens = [text_of(t) for t in out.token_ids]
     offsets, at = [], 0
     for t in tokens:
         offsets.append(at)
         at += len(t)
     top = None
     if out.top_logprobs:
-        top = [{text_of(t): lp for t, lp in step} for step in out.top_logprobs[start:]]
-    return {"tokens": tokens, "token_logprobs": list(out.logprobs[start:]), "top_logprobs": top,
+        top = [{text_of(t): lp for t, lp in step} for step in out.top_logprobs]
+    return {"tokens": tokens, "token_logprobs": list(out.logprobs), "top_logprobs": top,
             "text_offset": offsets}
 
 
-def chat_logprobs(out: RequestOutput, text_of, start: int = 0) -> dict:
-    """The chat completions logprobs object for tokens [start:] of a completion."""
+def chat_logprobs(out: RequestOutput, text_of) -> dict:
+    """The chat completions logprobs object of a completion's tokens."""
     content = []
-    for i, (t, lp) in enumerate(zip(out.token_ids[start:], out.logprobs[start:]), start=start):
+    for i, (t, lp) in enumerate(zip(out.token_ids, out.logprobs)):
         s = text_of(t)
         entry = {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8")), "top_logprobs": []}
         if out.top_logprobs:

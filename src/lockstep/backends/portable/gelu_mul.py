@@ -3,7 +3,7 @@
 torch.tanh, like torch.sigmoid, gives other fp32 bits in the scalar tail of its vector loop than in
 the body. gelu_tanh(g) = 0.5 g (1 + tanh(u)) equals g * sigmoid(2u), u = sqrt(2/pi) (g + 0.044715 g^3),
 and the sigmoid is written with exp and a reciprocal, which are path-independent
-(tests/test_primitives.py guards this). The chain runs on cache-sized row chunks, as silu_mul's.
+(tests/test_portable.py guards this). The chain runs on cache-sized row chunks, as silu_mul's.
 """
 
 from __future__ import annotations

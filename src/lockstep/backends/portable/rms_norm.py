@@ -25,13 +25,18 @@ def weight_grad_rows(gxhat: Tensor, use: grad_tree.Use | None) -> Tensor | None:
     return grad_tree.per_unit(use, gxhat.shape[0], partial)
 
 
+def inverse_rms(xf: Tensor, eps: float) -> Tensor:
+    """1 / sqrt(mean of squares + eps) of each row of xf [M, H] (accumulation dtype), the squares
+    summed by `row_sum`. lockstep.mode's RMSNorm uses it too."""
+    return torch.rsqrt(row_sum(xf * xf) / xf.shape[-1] + eps)
+
+
 class _RMSNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, eps: float, offset: float) -> Tensor:
         acc = accumulate_dtype(x.dtype)
         xf = x.to(acc)
-        hidden = x.shape[-1]
-        rstd = torch.rsqrt(row_sum(xf * xf) / hidden + eps)
+        rstd = inverse_rms(xf, eps)
         scale = weight.to(acc) + offset
         y = (xf * rstd[:, None]) * scale
         ctx.save_for_backward(x, weight, rstd)

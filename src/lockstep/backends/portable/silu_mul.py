@@ -2,7 +2,7 @@
 
 torch.sigmoid and torch.nn.functional.silu give different fp32 bits in the vectorised loop and in
 its scalar tail, so an element's result would depend on where it falls in a thread's chunk;
-exp and division do not (tests/test_primitives.py guards this). The chain runs on cache-sized row
+exp and division do not (tests/test_portable.py guards this). The chain runs on cache-sized row
 chunks (lockstep.chunks), which changes no bit.
 """
 

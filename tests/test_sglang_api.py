@@ -16,19 +16,8 @@ import torch
 import lockstep
 from lockstep import Engine, SamplingParams
 from lockstep.model import ModelConfig, Transformer, load_model
-from test_server import _folder, _server, running
-
-
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    return _folder(tmp_path_factory.mktemp("sglang") / "model")
-
-
-@pytest.fixture(scope="module")
-def live(folder):
-    server = _server(folder)
-    with running(server) as url:
-        yield server, url
+# The same served tiny model as test_server.py's (module-scoped: one server for this module).
+from test_server import _server, folder, live, running  # noqa: F401  (fixtures)
 
 
 def _generate(url, body, status=200):

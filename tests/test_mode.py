@@ -1,3 +1,6 @@
+"""lockstep.mode: `batch_invariant()` and `patch()` make stock PyTorch and transformers models
+batch-invariant (aten overrides on the CPU and CUDA dispatch keys), and give the stock kernels back."""
+
 import threading
 
 import pytest
