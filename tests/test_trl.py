@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 PRECISIONS = ["fp32", "bf16-weights", "bf16=True"]
 
 
-def _trainer(precision: str, rollout: bool = False):
+def _trainer(precision: str, rollout: bool = False, chat: bool = False):
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
     from trl_grpo import tiny_model_and_tokenizer      # the example's model: the test runs what users copy
@@ -31,13 +31,17 @@ def _trainer(precision: str, rollout: bool = False):
     if precision == "bf16-weights":
         model = model.to(torch.bfloat16)
     prompts = [" ".join(f"w{(i * 7 + j) % 97}" for j in range(3 + i % 5)) for i in range(16)]  # left padding varies
+    reward = lambda completions, **kw: [float(len(c)) for c in completions]  # noqa: E731
+    if chat:                 # conversational prompts, rendered by the tokenizer's chat template
+        tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}w1"
+        prompts = [[{"role": "user", "content": p}] for p in prompts]
+        reward = lambda completions, **kw: [float(len(c[-1]["content"])) for c in completions]  # noqa: E731
     args = GRPOConfig(output_dir="/tmp/lockstep-trl-test", per_device_train_batch_size=4, num_generations=4,
                       max_completion_length=8, max_steps=3, learning_rate=1e-3, logging_steps=1, report_to=[],
                       use_cpu=True, save_strategy="no", temperature=0.9, bf16=precision == "bf16=True", seed=1,
                       disable_tqdm=True)
     extra = dict(rollout_func=lockstep_trl.rollout_func()) if rollout else {}
-    return GRPOTrainer(model=model, reward_funcs=lambda completions, **kw: [float(len(c)) for c in completions],
-                       args=args, train_dataset=Dataset.from_dict({"prompt": prompts}), processing_class=tokenizer,
+    return GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=Dataset.from_dict({"prompt": prompts}), processing_class=tokenizer,
                        **extra)
 
 
@@ -61,6 +65,13 @@ def test_exact_makes_generate_and_training_agree_bitwise(precision):
 @pytest.mark.parametrize("precision", PRECISIONS)
 def test_lockstep_engine_as_rollout_func_agrees_bitwise(precision):
     for row in _mismatch(_trainer(precision, rollout=True)):
+        assert row["lockstep/max_abs_dlogp"] == 0 and row["lockstep/approx_kl0"] == 0 and row["lockstep/mean_ratio"] == 1
+
+
+def test_the_rollout_func_takes_chat_prompts():
+    """Conversational prompts go through the tokenizer's chat template (a BatchEncoding in
+    transformers 5) to the Engine, and the agreement stays exact."""
+    for row in _mismatch(_trainer("fp32", rollout=True, chat=True)):
         assert row["lockstep/max_abs_dlogp"] == 0 and row["lockstep/approx_kl0"] == 0 and row["lockstep/mean_ratio"] == 1
 
 

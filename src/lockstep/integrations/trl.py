@@ -273,7 +273,9 @@ def rollout_func(max_num_seqs: int = 64, max_num_batched_tokens: int = 1024, blo
         prompt_ids = []
         for p, _ in groups:
             if isinstance(p, list):            # conversational: the chat template, at the backend boundary
-                prompt_ids.append(tok.apply_chat_template(p, add_generation_prompt=True, tokenize=True))
+                ids = tok.apply_chat_template(p, add_generation_prompt=True, tokenize=True)
+                # transformers 5 answers with a BatchEncoding (return_dict defaults to True), 4 with a list.
+                prompt_ids.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
             else:
                 prompt_ids.append(tok(p, add_special_tokens=False)["input_ids"])
         args = trainer.args
