@@ -51,7 +51,7 @@ class RLConfig:
     group: int = 8                  # completions per prompt (GRPO's group)
     max_new_tokens: int = 24
     temperature: float = 1.0
-    lr: float = 5e-5                # the SmolLM2 run of docs/rl.md: reward 0.06 -> 0.7 in 22 steps
+    lr: float = 5e-5                # the SmolLM2 run of docs/rl.md: reward 0.06 -> 0.88 in 30 steps
     clip: float = 0.2
     kl_coef: float = 0.0            # > 0: a KL penalty to the frozen initial model
     loss_mean: str = "token"        # "token" or "sequence"
