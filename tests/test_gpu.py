@@ -10,7 +10,6 @@ import torch
 import lockstep
 from lockstep import verify
 from lockstep.model import ModelConfig, Transformer
-from lockstep.train import PackedDataset, TrainConfig, Trainer
 
 pytestmark = pytest.mark.gpu
 
@@ -29,15 +28,10 @@ def test_verify_gate_is_exact_on_cuda(family, dtype):
     assert all(r["tokens"] > 0 for r in report.rows)
 
 
-def _cuda_trainer(**kw) -> Trainer:
-    cfg = TrainConfig(**{**dict(steps=4, seq_len=32, micro_batch_tokens=96, accum=2, lr=3e-3, warmup=1, seed=0), **kw})
-    model = Transformer.from_config(ModelConfig.tiny("qwen3", vocab_size=300), seed=0).to("cuda")
-    tokens = torch.randint(0, 300, (4000,), generator=torch.Generator().manual_seed(0)).tolist()
-    return Trainer(model, PackedDataset(tokens, cfg.seq_len, cfg.micro_batch_tokens, cfg.seed), cfg)
-
-
 def test_trainer_window_gradients_do_not_depend_on_the_micro_batches_on_cuda():
-    a, b = _cuda_trainer(accum=2), _cuda_trainer(accum=1, micro_batch_tokens=1000)
+    from test_train import _trainer          # test_train.py's trainer, on the GPU
+
+    a, b = _trainer(accum=2, device="cuda"), _trainer(accum=1, micro_batch_tokens=1000, device="cuda")
     window = a.window()
     b.window()
     assert a.accumulate(window) == b.accumulate(window)

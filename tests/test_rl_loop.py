@@ -47,10 +47,10 @@ def test_rl_loop_is_exact_pushes_weights_and_resumes_bitwise(tmp_path, capsys):
 
 
 def test_the_same_loop_on_eager_pytorch_shows_the_mismatch(tmp_path):
-    """The server decodes one completion at a time (M = 1: a GEMV on every BLAS) and the trainer runs
-    the step's sequences packed: stock PyTorch rounds them differently in fp32 on any x86 CPU (bf16
-    only where the BLAS re-blocks by M, as MKL on Intel does; AMD's oneDNN path does not). lockstep
-    gives 0 in the same setting."""
+    """The server decodes one completion at a time (M = 1) and the trainer runs the step's sequences
+    packed: stock fp32 PyTorch rounds the two differently on both CPUs this project has run on (Intel
+    with MKL, AMD EPYC), while stock bf16 differs only on the Intel one. lockstep gives 0 in the same
+    setting."""
     args = [*TINY, "--dtype", "fp32", "--max-num-seqs", "1", "--max-new-tokens", "6", "--steps", "1"]
     assert cli.main(["rl", *args, "--backend", "eager", "--out", str(tmp_path / "eager")]) == 0
     (rec,), _ = train.read_log(str(tmp_path / "eager"))

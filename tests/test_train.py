@@ -14,9 +14,9 @@ def _tokens(n=6000, seed=0):
     return torch.randint(0, 300, (n,), generator=gen).tolist()
 
 
-def _trainer(seed=0, dtype=torch.float32, layout_invariant=True, family="qwen3", **kw):
+def _trainer(seed=0, dtype=torch.float32, layout_invariant=True, family="qwen3", device="cpu", **kw):
     cfg = TrainConfig(**{**dict(steps=12, seq_len=32, micro_batch_tokens=96, accum=2, lr=3e-3, warmup=3, seed=seed), **kw})
-    model = Transformer.from_config(ModelConfig.tiny(family, vocab_size=300), seed=seed, dtype=dtype)
+    model = Transformer.from_config(ModelConfig.tiny(family, vocab_size=300), seed=seed, dtype=dtype).to(device)
     return Trainer(model, PackedDataset(_tokens(), cfg.seq_len, cfg.micro_batch_tokens, cfg.seed), cfg,
                    layout_invariant=layout_invariant)
 
