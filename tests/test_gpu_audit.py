@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -101,12 +102,16 @@ def test_fp32_kernels_use_no_reduced_precision_mma(audit):
 def test_compile_once_across_sizes(audit):
     """One binary per kernel configuration, although the workload ran every size argument at
     several values: rows 1, 7, 16 and 4096; 1, 3 and 8 sequences of many lengths; vocabularies
-    of 3000, 49152 and 151936."""
+    of 3000, 49152 and 151936. Triton specializes pointers and the GEMM's strides (ADR 0014),
+    which follow a model's sizes and layouts; it never specializes a size."""
     _, records, _ = audit
     binaries = collections.defaultdict(list)
     for r in records:
+        specialized = r["divisible_by_16"] + [k for k in r["config"] if not k.isupper()]
+        assert all(r["signature"].get(k, "").startswith("*") or k.startswith("stride") for k in specialized), \
+            (r["kernel"], specialized)
         binaries[(r["kernel"], r["arch"], json.dumps(r["signature"], sort_keys=True),
-                  json.dumps(r["config"], sort_keys=True))].append(r["sass_sha256"])
+                  json.dumps(r["config"], sort_keys=True), tuple(r["divisible_by_16"]))].append(r["sass_sha256"])
     assert all(len(v) == 1 for v in binaries.values()), [k for k, v in binaries.items() if len(v) > 1]
 
     def sizes_seen(kernel, arch, dtype, pattern):
@@ -120,6 +125,21 @@ def test_compile_once_across_sizes(audit):
         assert {"1", "7", "16", "4096"} <= rows
         assert sizes_seen("attn_fwd_kernel", arch, "bf16", "seqs=") == {"1", "3", "8"}
         assert sizes_seen("lse_update_kernel", arch, "fp32", "vocab=") >= {"49152", "151936"}
+
+
+def test_the_gemm_pipelines_its_loads(audit):
+    """ADR 0014: with K unit-strided in both operands (linear's forward, x @ W^T), the GEMM's K
+    loop copies its tiles with 16-byte cp.async (LDGSTS), several stages deep; before the strides
+    were specialized it loaded 2-byte scalars, one stage deep."""
+    out, records, _ = audit
+    for arch in ("sm_80", "sm_90a"):
+        forward = [r for r in records if r["kernel"] == "gemm_kernel" and r["arch"] == arch
+                   and r["config"].get("stride_ak") == 1 and r["config"].get("stride_bk") == 1]
+        assert {_dtype(r) for r in forward} >= {"fp32", "bf16", "fp16"}, arch
+        for r in forward:
+            sass = (out / r["cubin"].replace(".cubin", ".sass")).read_text()
+            assert re.search(r"LDGSTS[.\w]*\.128\b", sass), (arch, r["config"])
+            assert r["num_stages"] >= 3
 
 
 PLANTED = textwrap.dedent("""
@@ -209,7 +229,7 @@ DOT_FORM = textwrap.dedent('''
         ptr = "*fp32" if dtype == "fp32" else "*bf16"
         sig = {name: (ptr if name.endswith("_ptr") else "i32") for name in kernel.arg_names}
         const = dict(HAS_BIAS=False, ACCUMULATE=False, PRECISION="ieee" if dtype == "fp32" else "tf32",
-                     A_UNIT="cols", B_UNIT="rows", BLOCK_M=64, BLOCK_N=64, BLOCK_K=16 if dtype == "fp32" else 64)
+                     EVEN_M=False, EVEN_N=False, BLOCK_M=64, BLOCK_N=64, BLOCK_K=16 if dtype == "fp32" else 64)
         sig.update({k: "constexpr" for k in const})
         src = ASTSource(fn=kernel, signature=sig,
                         constexprs={(kernel.arg_names.index(k),): v for k, v in const.items()})

@@ -79,6 +79,13 @@ class Launch:
         names = list(self.signature)
         return {names[path[0]]: value for path, value in self.constexprs.items()}
 
+    def divisible_by_16(self) -> list[str]:
+        """The arguments that Triton specialized as divisible by 16 (pointers, and the GEMM's
+        strides: ADR 0014). They follow a model's sizes and layouts, never the batch."""
+        names = list(self.signature)
+        return sorted(names[path[0]] for path, attrs in self.attrs.items()
+                      if any(attr[0] == "tt.divisibility" for attr in attrs))
+
     def key(self) -> str:
         """What decides the binary: two launches with one key run one compiled kernel."""
         return repr((self.kernel, sorted(self.signature.items()), sorted(self.constexprs.items()),
@@ -312,6 +319,7 @@ def compile_launch(launch: Launch, arch: str, out_dir: str) -> dict:
         "arch": arch,
         "config": {k: _constexpr_json(v) for k, v in launch.config().items()},
         "signature": {k: v for k, v in launch.signature.items() if v != "constexpr"},
+        "divisible_by_16": launch.divisible_by_16(),
         "registers": usage["REG"],
         "spill_bytes": usage.get("LOCAL", 0),
         "stack_bytes": usage.get("STACK", 0),

@@ -11,49 +11,56 @@ import triton
 import triton.language as tl
 
 from ...fixed_order import accumulate_dtype
-from .common import cast_out, dot_acc, dot_precision, gemm_config
+from .common import GemmConfig, cast_out, dot_acc, dot_precision, gemm_config
 
-SIZE_ARGS = ["M", "N", "K", "stride_am", "stride_ak", "stride_bk", "stride_bn", "stride_cm", "stride_cn"]
-
-
-@triton.jit
-def _offsets(rows, cols, stride_r, stride_c, UNIT: tl.constexpr):
-    """Element offsets of a [rows, cols] tile. UNIT names the axis whose stride is 1 ("rows",
-    "cols" or "none"): a layout, known before launch, that lets the compiler vectorize the loads,
-    where a runtime stride of 1 would have to be specialized on its value."""
-    if UNIT == "cols":
-        return rows[:, None] * stride_r + cols[None, :]
-    elif UNIT == "rows":
-        return rows[:, None] + cols[None, :] * stride_c
-    else:
-        return rows[:, None] * stride_r + cols[None, :] * stride_c
+# M and K are batch sizes in some of linear's three GEMMs (M in the forward and dX, K in dW), so
+# no size is specialized (docs/contract.md, section 6). Strides are: Triton specializes an integer
+# argument on being 1 and on divisibility by 16, which is what lets it issue 16-byte, pipelined
+# (cp.async) loads. A stride depends on the layout and the feature sizes, not on the row count, and
+# the loads it specializes do not change any product or the order of any sum.
+SIZE_ARGS = ["M", "N", "K"]
 
 
-def unit_axis(t: torch.Tensor) -> str:
-    """Which axis of the 2-D tensor t has stride 1 (see `_offsets`)."""
-    if t.stride(1) == 1:
-        return "cols"
-    return "rows" if t.stride(0) == 1 else "none"
+def even(size: int, block: int, unit_stride: bool) -> bool:
+    """Whether the rows (or columns) past `size` need no clamping because size is a whole number of
+    blocks. Asked only of an axis with unit stride, where clamping would stop the loads from being
+    vectors along it: that axis is a feature axis in linear's GEMMs (A's in dW, B's in dX and dW),
+    never a batch axis, so the answer does not change with the number of rows."""
+    return unit_stride and size % block == 0
 
 
 @triton.jit(do_not_specialize=SIZE_ARGS)
 def gemm_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, stride_cm,
                 stride_cn, HAS_BIAS: tl.constexpr, ACCUMULATE: tl.constexpr, PRECISION: tl.constexpr,
-                A_UNIT: tl.constexpr, B_UNIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 BLOCK_K: tl.constexpr):
-    """One program computes the BLOCK_M x BLOCK_N tile (pid_m, pid_n) of C, over all of K."""
+    """One program computes the BLOCK_M x BLOCK_N tile (pid_m, pid_n) of C, over all of K.
+
+    The K steps run in order from k = 0: the whole BLOCK_K steps unmasked (so that Triton pipelines
+    their loads), then at most one masked step for the rest, whose missing products are exact zeros.
+    Rows past M and columns past N load row or column 0 instead of being masked; their outputs are
+    never stored, and no output element reads another row's or column's operands. EVEN_M (EVEN_N)
+    leaves the rows (columns) unclamped when M (N) is a whole number of tiles (see `even`)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm_in = rm if EVEN_M else tl.where(rm < M, rm, 0)
+    rn_in = rn if EVEN_N else tl.where(rn < N, rn, 0)
     rk = tl.arange(0, BLOCK_K)
+    a_rows = a_ptr + rm_in[:, None] * stride_am
+    b_cols = b_ptr + rn_in[None, :] * stride_bn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    k_whole = K - K % BLOCK_K
+    for k0 in range(0, k_whole, BLOCK_K):
         kk = k0 + rk
-        a = tl.load(a_ptr + _offsets(rm, kk, stride_am, stride_ak, A_UNIT),
-                    mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
-        b = tl.load(b_ptr + _offsets(kk, rn, stride_bk, stride_bn, B_UNIT),
-                    mask=(kk[:, None] < K) & (rn[None, :] < N), other=0.0)
+        a = tl.load(a_rows + kk[None, :] * stride_ak)
+        b = tl.load(b_cols + kk[:, None] * stride_bk)
+        acc = dot_acc(a, b, acc, PRECISION)
+    if k_whole < K:
+        kk = k_whole + rk
+        a = tl.load(a_rows + kk[None, :] * stride_ak, mask=kk[None, :] < K, other=0.0)
+        b = tl.load(b_cols + kk[:, None] * stride_bk, mask=kk[:, None] < K, other=0.0)
         acc = dot_acc(a, b, acc, PRECISION)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
@@ -65,17 +72,21 @@ def gemm_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K, stride_am, stride_ak, st
 
 
 def gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
-         accumulate: bool = False, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """a [M, K] @ b [K, N] (+ bias [N]); any strides. With accumulate, adds into `out`."""
+         accumulate: bool = False, out_dtype: torch.dtype | None = None,
+         config: GemmConfig | None = None) -> torch.Tensor:
+    """a [M, K] @ b [K, N] (+ bias [N]); any strides. With accumulate, adds into `out`. `config`
+    replaces the dtype's tile configuration (benchmarks/bench_gemm_tiles.py compares candidates);
+    another BLOCK_K gives other bits."""
     m, k = a.shape
     n = b.shape[1]
     if out is None:
         out = torch.empty((m, n), dtype=out_dtype or a.dtype, device=a.device)
-    cfg = gemm_config(a.dtype)
+    cfg = config or gemm_config(a.dtype)
     grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n))
     gemm_kernel[grid](a, b, out, bias if bias is not None else out, m, n, k, a.stride(0), a.stride(1), b.stride(0),
                       b.stride(1), out.stride(0), out.stride(1), HAS_BIAS=bias is not None, ACCUMULATE=accumulate,
-                      PRECISION=dot_precision(a.dtype), A_UNIT=unit_axis(a), B_UNIT=unit_axis(b),
+                      PRECISION=dot_precision(a.dtype), EVEN_M=even(m, cfg.block_m, a.stride(0) == 1),
+                      EVEN_N=even(n, cfg.block_n, b.stride(1) == 1),
                       BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps,
                       num_stages=cfg.num_stages)
     return out
