@@ -110,6 +110,25 @@ def test_a_failing_rank_ends_the_job_without_hanging():
     assert time.time() - started < 45
 
 
+def _from_rank0_worker(rank, world, out):
+    value = ldist.from_rank0(lambda: {"drawn on rank": rank}, "value")
+    try:
+        ldist.from_rank0(lambda: 1 / 0, "division")
+    except (ldist.RankZeroFailed, ZeroDivisionError) as e:
+        error = f"{type(e).__name__}: {e}"
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump({"value": value, "error": error}, f)
+
+
+def test_from_rank0_gives_every_rank_rank_0s_result_or_its_error(tmp_path):
+    ldist.spawn(_from_rank0_worker, 2, str(tmp_path), timeout_s=30)
+    got = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert [g["value"] for g in got] == [{"drawn on rank": 0}] * 2
+    assert got[0]["error"] == "ZeroDivisionError: division by zero"
+    assert got[1]["error"] == "RankZeroFailed: division: rank 0 failed (ZeroDivisionError: division by zero)"
+    assert ldist.from_rank0(lambda: 3, "no process group") == 3
+
+
 def _mismatch_worker(rank, world):
     ldist.check_consistent(_model(seed=rank), TrainConfig(**CFG))
 

@@ -334,6 +334,8 @@ def cmd_rl(args: argparse.Namespace) -> int:
                       kl_coef=args.kl_coef, micro_batch_tokens=args.micro_batch_tokens,
                       max_num_seqs=args.max_num_seqs, seed=args.seed, backend=args.backend)
     rl.run(cfg, args.out, server_url=args.server, resume=args.resume)
+    if int(os.environ.get("RANK", "0")) != 0:      # under torchrun, rank 0 writes the log and reports
+        return 0
     s = rl.summary(args.out)
     print(f"lockstep rl: {s['steps']} steps; reward {s['reward_first']:.3f} -> {s['reward_last']:.3f}; "
           f"sampler vs trainer: max |dlogp| {s['max_abs_dlogp']:.3g}, max approx KL {s['max_approx_kl0']:.3g}, "
@@ -524,7 +526,9 @@ def _add_rl(sub, formatter) -> None:
                                    "policy loss, new weights pushed with a new version after every step. Logs the "
                                    "reward and the sampler-trainer mismatch (exactly 0 with lockstep), writes "
                                    "OUT/rollouts.jsonl and OUT/report.html. Exits 1 if lockstep's mismatch is not "
-                                   "exactly 0.")
+                                   "exactly 0. Under torchrun, data parallel: rank 0 runs the server and "
+                                   "broadcasts the rollouts, each rank trains its share, and the run's bits are "
+                                   "those of one process.")
     defaults = rl_defaults()
     g.add_argument("--model", default=defaults.model, help="model to train and serve (a folder, a .gguf, 'smollm2' "
                                                            "or 'tiny')")
@@ -606,6 +610,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except (OSError, ValueError) as e:
         # Bad input found by the library (a missing folder, a malformed checkpoint, a bad config).
+        print(f"lockstep {args.command}: {e}", file=sys.stderr)
+        return 2
+    except Exception as e:
+        from .dist import RankZeroFailed     # under torchrun: rank 0 said why, the others say that it did
+
+        if not isinstance(e, RankZeroFailed):
+            raise
         print(f"lockstep {args.command}: {e}", file=sys.stderr)
         return 2
 

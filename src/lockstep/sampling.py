@@ -8,7 +8,8 @@ reports the drawn entry, so what it reports is what the trainer sees.
 
 Drawing is Gumbel-max: token = argmax(logp + g) over the allowed tokens, with g = -log(-log(u))
 and u from a counter-based hash of (seed, completion index, position, token id), computed with
-integer torch ops that give the same bits on any device and in any batch. Which tokens are allowed,
+integer torch ops that give the same bits on any device and in any batch; the logarithms are
+lockstep's own (`log_float64`), so the noise does not follow the CPU's vector unit either. Which tokens are allowed,
 and how likely, is shaped in this order: the repetition penalty, then top-k, min-p and top-p. The
 reported logprob (and the top-N alternatives) are those of the temperature-scaled distribution
 *before* that shaping, because that is what a trainer recomputes from the model.
@@ -23,6 +24,7 @@ import torch
 from torch import Tensor
 
 from . import ops
+from .fixed_order import exp
 
 _MASK32 = 0xFFFFFFFF
 
@@ -119,6 +121,31 @@ def uniform_noise(seed: int, position: int, vocab_size: int, device: torch.devic
     return (bits.to(torch.float64) + 0.5) / 2.0 ** 53
 
 
+_LN2_HI = 6.93147180369123816490e-01     # ln 2 split so that e * _LN2_HI is exact for |e| < 2^11
+_LN2_LO = 1.90821492927058770002e-10
+
+
+def log_float64(x: Tensor) -> Tensor:
+    """ln(x) for float64 x > 0 from IEEE additions, multiplications and divisions alone, so that its
+    bits do not depend on the CPU's vector unit. torch.log on float64 goes through a vectorized
+    math library whose last bit may follow the instruction set (ATen picks AVX2 or AVX-512 at run
+    time), and the Gumbel noise decides ties between tokens.
+
+    x = m 2^e with m in [sqrt(1/2), sqrt(2)); ln m = 2 atanh(s), s = (m - 1) / (m + 1), |s| < 0.172,
+    summed as an odd series to s^25 (the next term is below 2^-60 of the result). Measured within
+    3 ulp of torch.log (tests/test_sampling.py)."""
+    m, e = torch.frexp(x)                            # m in [0.5, 1): exact
+    small = m < 0.7071067811865476
+    m = torch.where(small, m * 2, m)
+    e = (e - small.to(e.dtype)).to(torch.float64)
+    s = (m - 1) / (m + 1)
+    s2 = s * s
+    series = torch.full_like(s, 1.0 / 25)
+    for k in range(23, 0, -2):                       # Horner, from the smallest term
+        series = series * s2 + 1.0 / k
+    return e * _LN2_HI + (e * _LN2_LO + 2 * s * series)
+
+
 @dataclass
 class Draw:
     """What the sampler drew for one row: the token, its logprob, and (when asked) the top-N
@@ -142,7 +169,7 @@ def allowed_tokens(logp: Tensor, p: SamplingParams, seen: Tensor | None) -> tupl
     if p.min_p > 0:
         allowed &= scores >= torch.amax(scores) + math.log(p.min_p)
     if p.top_p < 1.0:
-        probs = torch.exp(ops.log_softmax(torch.where(allowed, scores, float("-inf"))))
+        probs = exp(ops.log_softmax(torch.where(allowed, scores, float("-inf"))))
         order = torch.argsort(probs, descending=True, stable=True)
         before = torch.cumsum(probs[order], 0) - probs[order]
         keep = torch.zeros_like(allowed)
@@ -158,7 +185,7 @@ def draw(logp: Tensor, p: SamplingParams, position: int, stream: int = 0, seen: 
         token = int(torch.argmax(scores if allowed is None else torch.where(allowed, scores, float("-inf"))))
     else:
         scores, allowed = allowed_tokens(logp, p, seen)
-        gumbel = -torch.log(-torch.log(uniform_noise(p.seed, position, logp.numel(), logp.device, stream)))
+        gumbel = -log_float64(-log_float64(uniform_noise(p.seed, position, logp.numel(), logp.device, stream)))
         score = torch.where(allowed, scores.to(torch.float64) + gumbel,
                             torch.tensor(float("-inf"), dtype=torch.float64, device=logp.device))
         token = int(torch.argmax(score))

@@ -16,12 +16,12 @@ size (docs/contract.md, section 5; docs/adr/0007).
   completes the tree across the ranks.
 
     launch           torchrun's environment, `spawn` (tests and tools), timeouts
-    collectives      tree_all_reduce, all_equal, check_consistent
+    collectives      tree_all_reduce, all_equal, check_consistent, from_rank0
     tensor_parallel  the Megatron-style API and `tensor_parallel(model)`
     data_parallel    ParallelSync: the Trainer's GradientSync across ranks
 """
 
-from .collectives import all_equal, check_consistent, group_size, tree_all_reduce
+from .collectives import RankZeroFailed, all_equal, check_consistent, from_rank0, group_size, tree_all_reduce
 from .data_parallel import ParallelSync, share_of
 from .launch import DEFAULT_TIMEOUT_S, RankFailed, free_port, init_from_env, spawn
 from .tensor_parallel import (
@@ -39,8 +39,8 @@ from .tensor_parallel import (
     tensor_parallel_size,
 )
 
-__all__ = ["DEFAULT_TIMEOUT_S", "ColumnParallelLinear", "ParallelSync", "RankFailed", "RowParallelLinear",
-           "VocabParallelEmbedding", "all_equal", "check_consistent", "free_port", "get_tensor_model_parallel_group",
+__all__ = ["DEFAULT_TIMEOUT_S", "ColumnParallelLinear", "ParallelSync", "RankFailed", "RankZeroFailed", "RowParallelLinear",
+           "VocabParallelEmbedding", "all_equal", "check_consistent", "free_port", "from_rank0", "get_tensor_model_parallel_group",
            "get_tensor_model_parallel_rank", "get_tensor_model_parallel_world_size", "group_size", "head_norms",
            "init_from_env", "initialize_model_parallel", "model_parallel_groups", "reduction_parts", "share_of", "spawn",
            "tensor_parallel", "tensor_parallel_size", "tree_all_reduce"]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+from typing import Callable, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -15,6 +16,8 @@ from torch import Tensor, nn
 
 from ..fixed_order import TreeSum
 from ..model import params_digest
+
+T = TypeVar("T")
 
 
 def group_size(group) -> int:
@@ -61,3 +64,33 @@ def check_consistent(module: nn.Module, config: object, group=None) -> None:
     if not same_params:
         raise ValueError(f"ranks started with different initial parameters (compared {n} ranks); load or "
                          "initialise the model with the same checkpoint or seed on every rank")
+
+
+class RankZeroFailed(RuntimeError):
+    """Raised on every other rank when what rank 0 ran for all of them (`from_rank0`) failed."""
+
+
+def from_rank0(fn: Callable[[], T], what: str) -> T:
+    """fn() run on rank 0 alone (a server call, a folder check), its result on every rank.
+
+    If fn raises on rank 0, the error is broadcast in place of the result: rank 0 raises its own
+    error and every other rank raises RankZeroFailed naming `what`, so no rank waits for a result that
+    will not come. Without a process group (or with one rank) it is fn(). The result travels through
+    pickle (broadcast_object_list)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return fn()
+    payload: list = [None]
+    error = None
+    if dist.get_rank() == 0:
+        try:
+            payload = [("ok", fn())]
+        except Exception as e:
+            error = e
+            payload = [("error", f"{type(e).__name__}: {e}")]
+    dist.broadcast_object_list(payload, src=0)
+    if error is not None:
+        raise error
+    kind, value = payload[0]
+    if kind == "error":
+        raise RankZeroFailed(f"{what}: rank 0 failed ({value})")
+    return value

@@ -124,20 +124,47 @@ def run(cfg: RLConfig, out: str, task: ArithmeticTask | None = None, server_url:
     """GRPO for cfg.steps steps with rollouts from a `lockstep serve` (started here unless server_url
     is given). Writes out/log.jsonl (one record a step), out/rollouts.jsonl (every problem, completion
     and reward), checkpoints in out/checkpoints and the served weights in out/weights. `resume`
-    continues the run in `out` from its last checkpoint, bitwise as if it had not stopped."""
-    cfg.validate()
-    task = task or ArithmeticTask()
-    dtype = DTYPES[cfg.dtype]
+    continues the run in `out` from its last checkpoint, bitwise as if it had not stopped.
+
+    Under torchrun, data parallel: rank 0 owns the folder and the server and broadcasts each step's
+    rollouts; every rank trains its share of the window (lockstep.dist.ParallelSync), and the run's
+    bits are those of one process. Returns the step records (on rank 0; [] on the others)."""
+    from .. import dist as ldist
+
+    distributed = ldist.init_from_env()
+    try:
+        return _run(cfg, out, task or ArithmeticTask(), server_url, resume, progress, distributed)
+    finally:
+        if distributed:
+            torch.distributed.destroy_process_group()
+
+
+def _check_out(out: str, resume: bool) -> None:
     ckpt_dir = os.path.join(out, "checkpoints")
     if resume and not os.path.exists(os.path.join(ckpt_dir, "latest")):
         raise FileNotFoundError(f"resume: no checkpoint in {ckpt_dir}; start the run without --resume")
     if not resume and os.path.isdir(out) and os.listdir(out):
         raise ValueError(f"out: {out} is not empty; pass --resume to continue the run in it, or choose another folder")
     os.makedirs(out, exist_ok=True)
+
+
+def _run(cfg: RLConfig, out: str, task: ArithmeticTask, server_url: str | None, resume: bool, progress: bool,
+         distributed: bool) -> list[dict]:
+    from .. import dist as ldist
+
+    cfg.validate()
+    lead = not distributed or torch.distributed.get_rank() == 0
+    dtype = DTYPES[cfg.dtype]
+    ckpt_dir = os.path.join(out, "checkpoints")
+    ldist.from_rank0(lambda: _check_out(out, resume), "out")
     model = model_from_source(cfg.model, dtype, "llama", cfg.seed, vocab_size=320)
     if model.tokenizer is None:                      # the tiny model: the built-in byte tokenizer
         model.tokenizer = load_tokenizer(None)
-    trainer = Trainer(model, None, cfg.train_config(), layout_invariant=cfg.backend not in ("eager", "reference"))
+    sync = None
+    if distributed:
+        ldist.check_consistent(model, asdict(cfg))
+        sync = ldist.ParallelSync(model)
+    trainer = Trainer(model, None, cfg.train_config(), sync, layout_invariant=cfg.backend not in ("eager", "reference"))
     reference = None
     if cfg.kl_coef:                                  # the frozen initial model
         reference = model_from_source(cfg.model, dtype, "llama", cfg.seed, vocab_size=320).requires_grad_(False)
@@ -148,25 +175,39 @@ def run(cfg: RLConfig, out: str, task: ArithmeticTask | None = None, server_url:
         if changed:
             raise ValueError(f"resume: the run in {out} was started with other settings ({', '.join(changed)}); "
                              "a resumed run keeps them (only --steps may change)")
-    weights = push_folder(out, trainer)
     log_path = os.path.join(out, "log.jsonl")
-    dropped = truncate_log(log_path, trainer.step_idx) if resume else 0
-    truncate_log(os.path.join(out, "rollouts.jsonl"), trainer.step_idx) if resume else None
-    client = RolloutClient(server_url, model=weights, dtype=cfg.dtype, backend=cfg.backend,
-                           max_num_seqs=cfg.max_num_seqs or cfg.prompts_per_step * cfg.group)
+    client: RolloutClient | None = None
+
+    def start_server() -> str:
+        nonlocal client
+        weights = push_folder(out, trainer)
+        client = RolloutClient(server_url, model=weights, dtype=cfg.dtype, backend=cfg.backend,
+                               max_num_seqs=cfg.max_num_seqs or cfg.prompts_per_step * cfg.group)
+        return client.update_weights(weights, f"step-{trainer.step_idx}")
+
+    def push() -> str:
+        return client.update_weights(push_folder(out, trainer), f"step-{trainer.step_idx}")
+
     records: list[dict] = []
+    log = data = None
     try:
-        version = client.update_weights(weights, f"step-{trainer.step_idx}")
-        with open(log_path, "a") as log, open(os.path.join(out, "rollouts.jsonl"), "a") as data, \
-                use_backend(cfg.backend):
+        version = ldist.from_rank0(start_server, "rollout server")
+        if lead:
+            dropped = truncate_log(log_path, trainer.step_idx) if resume else 0
+            truncate_log(os.path.join(out, "rollouts.jsonl"), trainer.step_idx) if resume else None
+            log, data = open(log_path, "a"), open(os.path.join(out, "rollouts.jsonl"), "a")
             log.write(json.dumps({"event": "resume" if resume else "start", "step": trainer.step_idx,
-                                  "config": asdict(cfg), "server": client.url, "dropped_log_records": dropped}) + "\n")
+                                  "config": asdict(cfg), "server": client.url, "ranks": trainer.sync.world,
+                                  "layout": trainer.layout,
+                                  "dropped_log_records": dropped}) + "\n")
+        with use_backend(cfg.backend):
             while trainer.step_idx < cfg.steps:
                 rec, rows = rl_step(trainer, client, task, cfg, model.tokenizer, version, reference)
-                weights = push_folder(out, trainer)
-                version = rec["weight_version"] = client.update_weights(weights, f"step-{trainer.step_idx}")
+                version = rec["weight_version"] = ldist.from_rank0(push, "weight push")
                 if cfg.save_every and trainer.step_idx % cfg.save_every == 0 or trainer.step_idx == cfg.steps:
                     trainer.save(ckpt_dir, extra={"config": asdict(cfg)})
+                if not lead:
+                    continue
                 data.writelines(json.dumps(r) + "\n" for r in rows)
                 data.flush()
                 log.write(json.dumps(rec) + "\n")
@@ -177,24 +218,38 @@ def run(cfg: RLConfig, out: str, task: ArithmeticTask | None = None, server_url:
                           f"approx KL {rec['approx_kl0']:.3g}  mean ratio {rec['mean_ratio']:.9f}  "
                           f"({rec['seconds']:.0f} s)", file=sys.stderr)
     finally:
-        client.close()
+        for f in (log, data):
+            if f is not None:
+                f.close()
+        if client is not None:
+            client.close()
     return records
 
 
-def rl_step(trainer: Trainer, client: RolloutClient, task: ArithmeticTask, cfg: RLConfig, tokenizer, version: str,
-            reference: Transformer | None = None) -> tuple[dict, list[dict]]:
+def rl_step(trainer: Trainer, client: RolloutClient | None, task: ArithmeticTask, cfg: RLConfig, tokenizer,
+            version: str, reference: Transformer | None = None) -> tuple[dict, list[dict]]:
     """One GRPO step (rollouts, rewards, the Trainer's update); returns its log record and the
     rollouts' records. `version`: the weight version the server must sample with (the trainer's
-    current weights); `reference`: the frozen model of the KL penalty (cfg.kl_coef > 0)."""
+    current weights); `reference`: the frozen model of the KL penalty (cfg.kl_coef > 0). Under
+    torchrun, rank 0 samples (`client`; None on the other ranks) and broadcasts the rollouts, and
+    the record's mismatch covers every rank's sequences."""
+    from .. import dist as ldist
+
     started = time.time()
     step = trainer.step_idx + 1
     problems = task.problems(cfg.prompts_per_step, random.Random(cfg.seed * 1_000_003 + step))
     prompts = [prompt_ids(tokenizer, p) for p in problems]
-    rollouts = client.generate(prompts, cfg.group, cfg.max_new_tokens, cfg.temperature, seed=cfg.seed * 1_000_003 + step)
-    stale = {r.weight_version for r in rollouts} - {version}
-    if stale:
-        raise RuntimeError(f"rollout: sampled with weight version {sorted(stale)}, the trainer's weights are "
-                           f"version {version}")
+
+    def sample() -> list[Rollout]:
+        rollouts = client.generate(prompts, cfg.group, cfg.max_new_tokens, cfg.temperature,
+                                   seed=cfg.seed * 1_000_003 + step)
+        stale = {r.weight_version for r in rollouts} - {version}
+        if stale:
+            raise RuntimeError(f"rollout: sampled with weight version {sorted(stale)}, the trainer's weights are "
+                               f"version {version}")
+        return rollouts
+
+    rollouts = ldist.from_rank0(sample, "rollout")
     rewards = [task.reward(problems[r.prompt_index], r.text) for r in rollouts]
     advantages = group_advantages(rewards, cfg.group)
     sequences, masks, loss = rollout_window(prompts, rollouts, advantages, cfg)
@@ -205,7 +260,12 @@ def rl_step(trainer: Trainer, client: RolloutClient, task: ArithmeticTask, cfg: 
     if not any(bool(m.any()) for m in masks):
         raise RuntimeError("rollout: every completion is empty; nothing to train")
     rec = trainer.step(sequences, masks, loss)
-    trained = torch.cat([loss.trainer_logprobs[i][m] for i, m in enumerate(masks)])
+    seen = loss.trainer_logprobs
+    if trainer.sync.world > 1:                       # each rank saw its share of the sequences
+        shares: list = [None] * trainer.sync.world
+        torch.distributed.all_gather_object(shares, seen)
+        seen = {i: t for share in shares for i, t in share.items()}
+    trained = torch.cat([seen[i][m] for i, m in enumerate(masks)])
     sampled = torch.cat([s[m] for s, m in zip(loss.sampler_logprobs, masks)])
     rec.update({"reward": sum(rewards) / len(rewards), **mismatch(trained, sampled),
                 "sampled_with_version": version, "seconds": round(time.time() - started, 3)})

@@ -122,19 +122,7 @@ def run(model: str, data: str, out: str, cfg: TrainConfig, dtype: torch.dtype = 
         if world % tensor_parallel:
             raise ValueError(f"tensor_parallel: {tensor_parallel} does not divide the {world} "
                              f"rank{'s' if world > 1 else ''}; start torchrun with a multiple of it")
-        failure = None
-        if rank == 0:
-            try:
-                prepare_out(out, resume, overwrite)
-            except (ValueError, OSError) as e:
-                failure = e
-        if distributed:                   # every rank stops when rank 0 refuses the folder
-            flag = torch.tensor([float(failure is not None)])
-            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
-            if flag.item() and failure is None:
-                raise ValueError(f"out: rank 0 refused {out} (its error says why)")
-        if failure is not None:
-            raise failure
+        ldist.from_rank0(lambda: prepare_out(out, resume, overwrite), "out")   # every rank stops if it refuses
         network, tokens = make_model_and_tokens(model, data, dtype, cfg.seed)
         sync = None
         if distributed:
