@@ -95,14 +95,18 @@ def test_gemm_bits_across_instruction_sets_threads_rows_and_tails(dtype, isa):
     assert (outs[0].double() - ref).abs().max() < 1e-4 * ref.abs().max()
 
 
-def test_gemm_order_is_the_documented_one():
+@pytest.mark.parametrize("dtype, rows", [(torch.float32, 3), (torch.bfloat16, 6), (torch.float16, 6)], ids=str)
+def test_gemm_order_is_the_documented_one(dtype, rows):
     """kernels.c's order, restated in Python: 16 lanes over K, each one fp32 FMA chain from k = 0
-    (emulated exactly in float64 then rounded, as an FMA rounds once), folded by the fixed tree."""
+    (emulated exactly in float64 then rounded, as an FMA rounds once), folded by the fixed tree
+    (in vector form on AVX2 and AVX-512). 16-bit operands are widened exactly first; more rows than
+    one micro-tile."""
     gen = torch.Generator().manual_seed(1)
-    a = torch.randn(3, 45, generator=gen)
-    b = torch.randn(2, 45, generator=gen)
+    a = torch.randn(rows, 45, generator=gen).to(dtype)
+    b = torch.randn(2, 45, generator=gen).to(dtype)
     got = gemm.gemm_nt(a, b)
-    for m in range(3):
+    assert torch.equal(gemm.gemm_nt(a[:1], b)[0], got[0])
+    for m in range(rows):
         for n in range(2):
             lanes = [torch.tensor(0.0)] * 16
             for k in range(45):

@@ -207,6 +207,38 @@ AVX512_T INLINE void tile_avx512(int dt, int mr, int nr, int64_t K, const char *
 }
 #endif
 
+/* The fold of a micro-tile's outputs (lanes as the tiles leave them) into out[i * NR + j]. The
+ * vector form performs the scalar fold's additions, operand for operand: t = s[0:8] + s[8:16],
+ * u = t[0:4] + t[4:8], v = u[0:2] + u[2:4], r = v[0] + v[1]. */
+static void fold_tile_scalar(const float *lanes, int mr, int nr, float *out) {
+    for (int i = 0; i < mr; i++)
+        for (int j = 0; j < nr; j++) out[i * NR + j] = fold16(lanes + (i * NR + j) * LANES);
+}
+
+#if LS_X86
+AVX2_T static void fold_tile_avx2(const float *lanes, int mr, int nr, float *out) {
+    for (int i = 0; i < mr; i++)
+        for (int j = 0; j < nr; j++) {
+            const float *s = lanes + (i * NR + j) * LANES;
+            __m256 t = _mm256_add_ps(_mm256_loadu_ps(s), _mm256_loadu_ps(s + 8));
+            __m128 u = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+            __m128 v = _mm_add_ps(u, _mm_movehl_ps(u, u));
+            out[i * NR + j] = _mm_cvtss_f32(_mm_add_ss(v, _mm_shuffle_ps(v, v, 1)));
+        }
+}
+#endif
+
+static void fold_tile(int isa, const float *lanes, int mr, int nr, float *out) {
+#if LS_X86
+    if (isa != ISA_SCALAR) {
+        fold_tile_avx2(lanes, mr, nr, out);
+        return;
+    }
+#endif
+    (void)isa;
+    fold_tile_scalar(lanes, mr, nr, out);
+}
+
 /* ---------------------------------------------------------------- GEMM driver */
 
 typedef struct {
@@ -279,6 +311,7 @@ static void gemm_item(void *ctx, int64_t item) {
     int64_t m1 = m0 + g->mb < g->M ? m0 + g->mb : g->M, n1 = n0 + g->nb < g->N ? n0 + g->nb : g->N;
     micro_fn micro = micro_of(g->isa);
     float lanes[MR * NR * LANES] __attribute__((aligned(64)));
+    float folded[MR * NR];
     const char *A = g->A + b * g->sa, *B = g->B + b * g->sb;
     float *C = g->C + b * g->sc;
     for (int64_t m = m0; m < m1; m += MR) {
@@ -286,9 +319,10 @@ static void gemm_item(void *ctx, int64_t item) {
         for (int64_t n = n0; n < n1; n += NR) {
             int nr = (int)(n1 - n < NR ? n1 - n : NR);
             micro(g->dt, mr, nr, g->K, A + m * g->lda, g->lda, B + n * g->ldb, g->ldb, lanes);
+            fold_tile(g->isa, lanes, mr, nr, folded);
             for (int i = 0; i < mr; i++)
                 for (int j = 0; j < nr; j++) {
-                    float r = fold16(lanes + (i * NR + j) * LANES);
+                    float r = folded[i * NR + j];
                     C[(m + i) * g->ldc + n + j] = g->bias ? r + g->bias[n + j] : r;
                 }
         }
