@@ -16,6 +16,8 @@ import torch
 from lockstep.backends.triton.common import GemmConfig, gemm_config
 from lockstep.backends.triton.gemm import gemm
 
+from bench_gpu import bench as median_ms
+
 CANDIDATES = {
     torch.bfloat16: [None, GemmConfig(128, 128, 64, 8, 3), GemmConfig(128, 256, 64, 8, 3), GemmConfig(128, 128, 64, 8, 4),
                      GemmConfig(64, 256, 64, 4, 3), GemmConfig(128, 64, 64, 4, 3)],
@@ -24,20 +26,6 @@ CANDIDATES = {
 }
 SHAPES = [(1, 4096, 4096), (128, 4096, 4096), (2048, 4096, 4096), (8192, 4096, 4096), (2048, 14336, 4096),
           (1, 4096, 14336)]
-
-
-def median_ms(fn, repeats: int = 15) -> float:
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(repeats):
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
 
 
 def row_invariant(cfg: GemmConfig, dtype: torch.dtype) -> bool:
