@@ -175,8 +175,8 @@ AVX512_T INLINE __m512 load16(const char *p, int64_t k, int dt, int count) {
     int es = dt == DT_F32 ? 4 : 2;
     const char *q = p + k * es;
     __mmask16 m = (__mmask16)(count >= 16 ? 0xffffu : ((1u << count) - 1u));
-    if (dt == DT_F32) return _mm512_maskz_loadu_ps(m, q); /* masked lanes neither load nor fault */
-    __m256i h = _mm256_maskz_loadu_epi16(m, q);
+    if (dt == DT_F32) return count >= 16 ? _mm512_loadu_ps(q) : _mm512_maskz_loadu_ps(m, q); /* masked lanes neither load nor fault */
+    __m256i h = count >= 16 ? _mm256_loadu_si256((const __m256i *)q) : _mm256_maskz_loadu_epi16(m, q);
     if (dt == DT_BF16) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
     return _mm512_cvtph_ps(h);
 }
