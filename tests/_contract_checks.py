@@ -21,3 +21,16 @@ def assert_op_contract(op: str, dtype: torch.dtype, backend: str | None = None) 
     assert a.forward_excess <= 0, f"forward error {a.forward_max_abs:.3e} outside the contract"
     assert a.gradient_excess is None or a.gradient_excess <= 0, f"gradient error {a.gradient_max_abs:.3e} outside the contract"
     assert a.relative_ok, f"error {a.forward_max_abs:.3e} more than 2x eager PyTorch's {a.eager_forward_max_abs:.3e}"
+
+
+def assert_attention_report(report, sweeps: set[str], with_accuracy: bool = True) -> None:
+    """An attention check's report (attention or masked_attention): every sweep bitwise, each of
+    `sweeps` among them, and the accuracy within the contract."""
+    failures = [f"{s.sweep}: {s.detail} ({s.max_diff:.3e})" for s in report.sweeps if not s.passed]
+    assert not failures, failures
+    assert all(s.compared > 0 for s in report.sweeps)
+    assert sweeps <= {s.sweep for s in report.sweeps}
+    if with_accuracy:
+        a = report.accuracy
+        assert a.forward_excess <= 0 and a.gradient_excess <= 0, a
+        assert a.relative_ok, a

@@ -6,6 +6,8 @@ from lockstep import ops
 from lockstep.backends import reference
 from lockstep.harness.attention_check import AttnSizes, check_attention
 
+from _contract_checks import assert_attention_report
+
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 ALL_SWEEPS = {"reversed order", "next to NaN/Inf sequences", "padding rows", "strided", "repeat (determinism)",
               "chunked prefill 1", "chunked prefill 7", "chunked prefill 16", "chunked prefill 100",
@@ -13,14 +15,7 @@ ALL_SWEEPS = {"reversed order", "next to NaN/Inf sequences", "padding rows", "st
 
 
 def _assert_report(report, with_accuracy=True):
-    failures = [f"{s.sweep}: {s.detail} ({s.max_diff:.3e})" for s in report.sweeps if not s.passed]
-    assert not failures, failures
-    assert all(s.compared > 0 for s in report.sweeps)
-    assert ALL_SWEEPS <= {s.sweep for s in report.sweeps}
-    if with_accuracy:
-        a = report.accuracy
-        assert a.forward_excess <= 0 and a.gradient_excess <= 0, a
-        assert a.relative_ok, a
+    assert_attention_report(report, ALL_SWEEPS, with_accuracy)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

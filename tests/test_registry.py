@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from lockstep import contract, ops, registry
+from lockstep.harness import OWN_CHECKS
 from lockstep.harness.specs import SPECS
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -29,7 +30,7 @@ def test_every_op_has_every_face(op):
     assert entry["class"] in contract.load()["forward"], entry
     assert callable(getattr(ops, op)), f"lockstep.ops.{op}"
     assert (ROOT / f"src/lockstep/ops/{face(op)}.py").exists()
-    assert face(op) == "attention" or face(op) in SPECS, f"harness spec of {op}"
+    assert face(op) in OWN_CHECKS or face(op) in SPECS, f"harness check of {op}"
     assert (ROOT / f"tests/test_{face(op)}.py").exists()
     assert (ROOT / f"benchmarks/bench_{face(op)}.py").exists()
 
@@ -83,5 +84,7 @@ def test_check_of_a_backend_covers_exactly_its_ops():
     from lockstep import harness
 
     assert harness.checks_of("portable") == ["embedding", "rms_norm", "linear", "rope", "silu_mul", "gelu_mul", "log_softmax",
-                                             "selected_logprobs", "vocab_logprobs", "cross_entropy", "attention"]
+                                             "selected_logprobs", "vocab_logprobs", "cross_entropy", "attention",
+                                             "masked_attention"]
+    assert "masked_attention" not in harness.checks_of("triton"), "no Triton masked attention: CUDA runs portable's"
     assert "attention" not in harness.checks_of("reference"), "attention's check needs paged_attention too"

@@ -21,7 +21,7 @@ from typing import Iterator
 import torch
 from torch import Tensor
 
-LOWER_PRECISION = frozenset({"linear", "attention", "paged_attention", "selected_logprobs"})
+LOWER_PRECISION = frozenset({"linear", "attention", "paged_attention", "masked_attention", "selected_logprobs"})
 FP32 = {"cpu": frozenset({"cross_entropy"}), "cuda": frozenset({"cross_entropy", "log_softmax"})}
 
 

@@ -117,6 +117,17 @@ def cases(quick: bool = False) -> list[Case]:
             cq, ck = torch.tensor([0, 1]), torch.tensor([0, ctx])
             return (lambda: ops.attention(q, k, v, cq, ck)), [q, k, v]
         out.append(Case("attention", "decode 1 query over 2048 keys d=128 8q:2kv", dtype, decode, backward=False))
+
+        def padded(dtype=dtype):
+            # 4 left-padded causal sequences of 512, 384, 256 and 128 tokens in a batch of 512 (a
+            # transformers model's padded batch under lockstep.patch or the mode)
+            q, k, v = _leaf(4, 8, 512, 64, dtype=dtype), _leaf(4, 2, 512, 64, dtype=dtype), _leaf(4, 2, 512, 64, dtype=dtype)
+            visible = torch.zeros(4, 512, 512, dtype=torch.bool)
+            for b, n in enumerate((512, 384, 256, 128)):
+                visible[b, 512 - n:, 512 - n:] = torch.ones(n, n, dtype=torch.bool).tril()
+            return (lambda: ops.masked_attention(q, k, v, visible)[0]), [q, k, v]
+        out.append(Case("masked_attention", "4 left-padded causal sequences, 512 positions, d=64 8q:2kv", dtype,
+                        padded))
     return out
 
 

@@ -30,6 +30,13 @@ def int_tensor(name: str, x: object) -> Tensor:
     return x
 
 
+def bool_tensor(name: str, x: object) -> Tensor:
+    x = tensor(name, x)
+    if x.dtype != torch.bool:
+        raise TypeError(f"{name}: expected a bool tensor, got {x.dtype}")
+    return x
+
+
 def same_dtype(name: str, x: Tensor, ref_name: str, ref: Tensor) -> None:
     if x.dtype != ref.dtype:
         raise TypeError(f"{name}: expected dtype {ref.dtype} (the dtype of {ref_name}), got {x.dtype}")

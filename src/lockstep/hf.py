@@ -15,7 +15,7 @@ swapped forward calls a lockstep op:
   row-invariant expert GEMMs, a token's expert outputs added in a fixed order);
 - rotary embedding -> ops.rope on the position ids (the rotary module passes the positions through,
   and apply_rotary_pos_emb rotates with lockstep's float64 angles);
-- attention -> lockstep.mode.MaskedAttention: fixed 64-key blocks anchored at each
+- attention -> ops.masked_attention: fixed 64-key blocks anchored at each
   query's first visible key, so padding, batching and KV-cache decode change no bit; a
   sliding-window layer's window is applied to the causal mask.
 """
@@ -84,7 +84,7 @@ def _make_apply(original):
 def lockstep_attention(module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
                        dropout: float = 0.0, scaling: float | None = None, **kwargs) -> tuple[Tensor, None]:
     """transformers attention function: query [B, Hq, Lq, D], key/value [B, Hkv, Lk, D]."""
-    from .mode import MaskedAttention, visible_mask
+    from .mode import visible_mask
 
     if dropout:
         raise NotImplementedError("lockstep attention: dropout is not supported (train with attention_dropout=0)")
@@ -99,7 +99,7 @@ def lockstep_attention(module, query: Tensor, key: Tensor, value: Tensor, attent
         if window:                    # a mask, when given, already holds the window
             visible &= keys > pos - window
     scale = scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
-    out = MaskedAttention.apply(query, key, value, visible, scale)
+    out, _ = ops.masked_attention(query, key, value, visible, scale)
     return out.transpose(1, 2).contiguous(), None
 
 

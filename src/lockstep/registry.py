@@ -32,6 +32,7 @@ OPS = (
     "cross_entropy",
     "attention",
     "paged_attention",
+    "masked_attention",
 )
 
 # Backend name -> the package whose import registers its ops.

@@ -106,7 +106,7 @@ class AttnCase:
         return per, out.detach()[int(cu[-1]):]
 
 
-def _compare(name: str, ref: list[tuple], got: list[tuple], pairs: list[tuple[int, int]]) -> SweepResult:
+def compare(name: str, ref: list[tuple], got: list[tuple], pairs: list[tuple[int, int]]) -> SweepResult:
     ok, worst, what, rows = True, 0.0, "", 0
     labels = ("output", "dq", "dk", "dv")
     for ri, gi in pairs:
@@ -202,25 +202,34 @@ def _accuracy(case: AttnCase, ref: list[tuple], grad: bool) -> AccuracyResult:
         out64.backward(torch.cat([s.do for s in case.seqs]).double())
     with num_threads(2):
         eager, _ = case.prefill("eager", order, grad)
+    return score(case.dtype, ref, eager, out64, (q.grad, k.grad, v.grad) if grad else None)
+
+
+def score(dtype: torch.dtype, ref: list[tuple], eager: list[tuple], out64: Tensor,
+          grads64: tuple[Tensor, Tensor, Tensor] | None) -> AccuracyResult:
+    """An attention op's accuracy against float64 (out64 and, when given, the float64 dq, dk, dv),
+    each per-sequence tuple (out, dq, dk, dv) of `ref` (lockstep) and `eager` concatenated in order:
+    the contract's tolerance and the relative criterion against eager PyTorch."""
+    grad = grads64 is not None
     got_out = torch.cat([r[0] for r in ref])
     eager_out = torch.cat([r[0] for r in eager])
-    tol = contract.tolerance("attention", case.dtype, "forward")
+    tol = contract.tolerance("attention", dtype, "forward")
     fwd_err, eager_err = max_abs_error(got_out, out64), max_abs_error(eager_out, out64)
     rel = (got_out.double() - out64.detach()).abs() / out64.detach().abs().clamp_min(1e-30)
     factor, floor_ulps = contract.relative_to_pytorch()
-    relative_ok = fwd_err <= factor * eager_err + floor_ulps * contract.ulp(case.dtype, float(out64.detach().abs().max()))
+    relative_ok = fwd_err <= factor * eager_err + floor_ulps * contract.ulp(dtype, float(out64.detach().abs().max()))
     g_err = g_excess = e_g = None
     if grad:
-        gtol = contract.tolerance("attention", case.dtype, "gradient")
+        gtol = contract.tolerance("attention", dtype, "gradient")
         g_err, g_excess, e_g = 0.0, -1.0, 0.0
-        for idx, full in ((1, q.grad), (2, k.grad), (3, v.grad)):
+        for idx, full in zip((1, 2, 3), grads64):
             got = torch.cat([r[idx] for r in ref])
             eg = torch.cat([r[idx] for r in eager])
             err = max_abs_error(got, full)
             g_err, e_g = max(g_err, err), max(e_g, max_abs_error(eg, full))
             g_excess = max(g_excess, gtol.excess(got, full))
             relative_ok = relative_ok and err <= factor * max_abs_error(eg, full) + floor_ulps * contract.ulp(
-                case.dtype, float(full.abs().max()))
+                dtype, float(full.abs().max()))
     passed = tol.excess(got_out, out64) <= 0 and (g_excess is None or g_excess <= 0) and relative_ok
     ratio = fwd_err / eager_err if eager_err > 0 else (0.0 if fwd_err == 0 else math.inf)
     return AccuracyResult(fwd_err, float(torch.nan_to_num(rel, nan=math.inf).max()), tol.excess(got_out, out64),
@@ -241,32 +250,32 @@ def check_attention(dtype: torch.dtype, backend: str | None = None, grad: bool =
         ref, _ = case.prefill(backend, order, grad)
         for i in order:
             got, _ = case.prefill(backend, [i], grad)
-            sweeps.append(_compare(f"alone (sequence {i})", ref, got, [(i, 0)]))
+            sweeps.append(compare(f"alone (sequence {i})", ref, got, [(i, 0)]))
         got, _ = case.prefill(backend, order[::-1], grad)
-        sweeps.append(_compare("reversed order", ref, got, [(i, n - 1 - i) for i in order]))
+        sweeps.append(compare("reversed order", ref, got, [(i, n - 1 - i) for i in order]))
         odd, even = order[1::2], order[0::2]
         mixed = [case.garbage[0]] + odd + [case.garbage[1]] + even
         pairs = [(i, 1 + j) for j, i in enumerate(odd)] + [(i, 2 + len(odd) + j) for j, i in enumerate(even)]
         got, _ = case.prefill(backend, mixed, grad)
-        sweeps.append(_compare("next to NaN/Inf sequences", ref, got, pairs))
+        sweeps.append(compare("next to NaN/Inf sequences", ref, got, pairs))
         got, pad_out = case.prefill(backend, order, grad, pad_rows=9)
-        r = _compare("padding rows", ref, got, [(i, i) for i in order])
+        r = compare("padding rows", ref, got, [(i, i) for i in order])
         if not bool((pad_out == 0).all()):
             r.passed, r.detail = False, "padding rows' output is not zero"
         sweeps.append(r)
         got, _ = case.prefill(backend, order, grad, strided=True)
-        sweeps.append(_compare("strided", ref, got, [(i, i) for i in order]))
+        sweeps.append(compare("strided", ref, got, [(i, i) for i in order]))
         got, _ = case.prefill(backend, order, grad)
-        sweeps.append(_compare("repeat (determinism)", ref, got, [(i, i) for i in order]))
+        sweeps.append(compare("repeat (determinism)", ref, got, [(i, i) for i in order]))
         fwd_only = [(r[0],) for r in ref]
         for chunk in sizes.chunks:
             outs = _chunked(case, backend, chunk)
-            sweeps.append(_compare(f"chunked prefill {chunk}", fwd_only, [(o,) for o in outs], [(i, i) for i in order]))
+            sweeps.append(compare(f"chunked prefill {chunk}", fwd_only, [(o,) for o in outs], [(i, i) for i in order]))
         outs = _paged_decode(case, backend)
-        sweeps.append(_compare("paged decode (staggered arrivals)", fwd_only, [(o,) for o in outs],
+        sweeps.append(compare("paged decode (staggered arrivals)", fwd_only, [(o,) for o in outs],
                                [(i, i) for i in order]))
     with num_threads(1):
         got, _ = case.prefill(backend, order, grad)
-        sweeps.append(threads_sweep(backend, _compare("threads=1 vs 2", ref, got, [(i, i) for i in order])))
+        sweeps.append(threads_sweep(backend, compare("threads=1 vs 2", ref, got, [(i, i) for i in order])))
     acc = _accuracy(case, ref, grad) if with_accuracy else None
     return OpReport("attention", backend, contract.dtype_name(dtype), acc, sweeps)

@@ -23,13 +23,12 @@ from __future__ import annotations
 
 import torch
 
-from .attention import MaskedAttention, masked_attention, masked_attention_backward, visible_mask
+from .attention import visible_mask
 from .coverage import COVERAGE, UNSUPPORTED, coverage, unsupported
 from .dispatch import batch_invariant, disable, enable, is_enabled
 
 __all__ = ["batch_invariant", "enable", "disable", "is_enabled", "coverage", "unsupported", "verify_coverage",
-           "COVERAGE", "UNSUPPORTED", "MaskedAttention", "masked_attention", "masked_attention_backward",
-           "visible_mask"]
+           "COVERAGE", "UNSUPPORTED", "visible_mask"]
 
 
 def verify_coverage(seed: int = 0) -> list[dict]:

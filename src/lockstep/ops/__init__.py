@@ -13,6 +13,7 @@ from .embedding import embedding
 from .gelu_mul import gelu_mul
 from .linear import linear
 from .log_softmax import log_softmax
+from .masked_attention import masked_attention
 from .rms_norm import rms_norm
 from .rope import rope
 from .selected_logprobs import selected_logprobs
@@ -20,6 +21,6 @@ from .silu_mul import silu_mul
 from .vocab_logprobs import vocab_logprobs
 
 __all__ = [
-    "attention", "paged_attention", "write_kv", "cross_entropy", "embedding", "gelu_mul", "linear", "log_softmax", "rms_norm", "rope", "rope_inv_freq",
+    "attention", "paged_attention", "write_kv", "cross_entropy", "embedding", "gelu_mul", "linear", "log_softmax", "masked_attention", "rms_norm", "rope", "rope_inv_freq",
     "Llama3RopeScaling", "LinearRopeScaling", "selected_logprobs", "silu_mul", "vocab_logprobs",
 ]

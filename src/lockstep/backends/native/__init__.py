@@ -21,6 +21,7 @@ from . import (  # noqa: E402, F401
     gelu_mul,
     linear,
     log_softmax,
+    masked_attention,
     rms_norm,
     rope,
     selected_logprobs,

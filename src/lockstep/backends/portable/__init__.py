@@ -7,6 +7,7 @@ from . import (  # noqa: F401
     gelu_mul,
     linear,
     log_softmax,
+    masked_attention,
     rms_norm,
     rope,
     selected_logprobs,

@@ -14,11 +14,12 @@ from .embedding import embedding
 from .gelu_mul import gelu_mul
 from .linear import linear
 from .log_softmax import log_softmax
+from .masked_attention import masked_attention
 from .rms_norm import rms_norm
 from .rope import rope
 from .selected_logprobs import selected_logprobs
 from .silu_mul import silu_mul
 from .vocab_logprobs import vocab_logprobs
 
-__all__ = ["attention", "cross_entropy", "embedding", "gelu_mul", "linear", "log_softmax", "rms_norm", "rope",
+__all__ = ["attention", "cross_entropy", "embedding", "gelu_mul", "linear", "log_softmax", "masked_attention", "rms_norm", "rope",
            "selected_logprobs", "silu_mul", "vocab_logprobs"]
