@@ -45,7 +45,9 @@ BACKENDS: dict[str, str] = {
 }
 
 _REGISTRY: dict[str, dict[str, Callable]] = {}
-_FALLBACK: dict[str, str] = {}
+# Ops a backend lacks run on its fallback: Triton has no masked-attention kernel (ADR 0015), so
+# under use_backend("triton") masked_attention runs the portable one, on any device.
+_FALLBACK: dict[str, str] = {"triton": "portable"}
 _loaded: set[str] = set()
 _state = threading.local()
 # Active op recorders (lockstep.parity.Recorder); when one is active, every op call goes through it.
