@@ -130,7 +130,8 @@ def test_stop_tokens_and_strings(model):
 @pytest.mark.parametrize("prompt, sp, message", [
     ([1] * 5000, SamplingParams(), "exceed the model's context"),
     ([], SamplingParams(), "prompt: expected at least one token"),
-    ([1, 2], SamplingParams(temperature=-1.0), "temperature: expected a finite number >= 0"),
+    ([1, 2], SamplingParams(temperature=-1.0), r"temperature: expected 0 \(greedy\) or a finite number >= 1e-06"),
+    ([1, 2], SamplingParams(temperature=1e-40), r"temperature: expected 0 \(greedy\) or a finite number >= 1e-06"),
     ([1, 2], SamplingParams(top_p=0.0), r"top_p: expected a number in \(0, 1\]"),
     ([1, 2], SamplingParams(top_p=1.5), r"top_p: expected a number in \(0, 1\]"),
     ([1, 2], SamplingParams(stop_token_ids=[300]), r"stop_token_ids: expected ids in \[0, 300\)"),

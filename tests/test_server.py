@@ -261,12 +261,80 @@ def test_api_key(folder):
     server = _server(folder, api_key="s3cret")
     with running(server) as url:
         body = {"prompt": [1, 2], "max_tokens": 2}
-        assert httpx.post(f"{url}/v1/completions", json=body).status_code == 401
+        r = httpx.post(f"{url}/v1/completions", json=body)
+        assert r.status_code == 401 and r.json()["error"]["param"] == "authorization"
         assert httpx.post(f"{url}/v1/completions", json=body, headers={"Authorization": "Bearer nope"}).status_code == 401
         assert httpx.post(f"{url}/v1/completions", json=body,
                           headers={"Authorization": "Bearer s3cret"}).status_code == 200
         assert httpx.get(f"{url}/health").status_code == 200
         assert httpx.get(f"{url}/v1/models").status_code == 401
+        # A client that gives up on a long request frees its work, with the key's middleware in place.
+        with pytest.raises(httpx.TimeoutException):
+            httpx.post(f"{url}/v1/completions", json={"prompt": [1, 2], "max_tokens": 240, "ignore_eos": True},
+                       headers={"Authorization": "Bearer s3cret"}, timeout=0.5)
+        deadline = time.time() + 10
+        while httpx.get(f"{url}/health").json()["in_flight"] and time.time() < deadline:
+            time.sleep(0.1)
+        assert httpx.get(f"{url}/health").json()["in_flight"] == 0, "the abandoned request kept running"
+
+
+def test_a_template_refusal_is_a_400_naming_messages(tmp_path):
+    path = _folder(tmp_path / "m")
+    strict = ("{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}"
+              + CHAT_TEMPLATE)
+    (path / "tokenizer_config.json").write_text(json.dumps({"chat_template": strict, "eos_token": "<eos>"}))
+    with running(_server(path)) as url:
+        r = httpx.post(f"{url}/v1/chat/completions", timeout=30, json={"messages": [
+            {"role": "system", "content": "w1"}, {"role": "user", "content": "w2"}], "max_tokens": 2})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+        assert "System role not supported" in r.json()["error"]["message"]
+        r = httpx.post(f"{url}/v1/chat/completions", timeout=30,
+                       json={"messages": [{"role": "user", "content": "w2"}], "max_tokens": 2})
+        assert r.status_code == 200
+
+
+def test_without_max_tokens_a_request_gets_what_the_cache_holds(tmp_path):
+    """A cache smaller than the context: the default budget is what the cache leaves, not a 400
+    about a max_tokens the client never sent."""
+    path = _folder(tmp_path / "m")
+    model = load_model(str(path), dtype=torch.float32)
+    server = Server(model, "tiny", dict(max_num_seqs=1, max_num_batched_tokens=64, block_size=8, num_blocks=4),
+                    model_dir=str(path))
+    with running(server) as url:
+        r = httpx.post(f"{url}/v1/chat/completions", json={"messages": [{"role": "user", "content": "w1 w2"}],
+                                                           "ignore_eos": True}, timeout=60)
+        assert r.status_code == 200, r.text
+        usage = r.json()["usage"]
+        assert usage["prompt_tokens"] + usage["completion_tokens"] == 4 * 8       # the whole cache, 4 blocks of 8
+        r = httpx.post(f"{url}/v1/chat/completions", json={"messages": [{"role": "user", "content": "w1"}],
+                                                           "max_tokens": 100}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+
+
+def test_a_caller_that_gives_up_on_a_weight_update_leaves_the_engine_running(folder, tmp_path):
+    """The update's future is cancelled while it waits for a request in flight: the engine thread
+    survives, the update is not applied, and the next requests are served."""
+    new_folder = tmp_path / "new"
+    Transformer.from_config(ModelConfig.tiny("qwen3", vocab_size=96, eos_token_id=1, max_position_embeddings=256),
+                            seed=2).save(str(new_folder))
+    server = _server(folder)
+    with running(server) as url:
+        async def scenario():
+            async with httpx.AsyncClient(timeout=120) as client:
+                long = asyncio.create_task(client.post(f"{url}/v1/completions", json={
+                    "prompt": [3, 4, 5], "max_tokens": 200, "ignore_eos": True}))
+                while (await client.get(f"{url}/health")).json()["in_flight"] == 0:
+                    await asyncio.sleep(0.01)
+                future = server.worker.update_weights(weights_from_folder(str(new_folder), server.model))
+                future.cancel()
+                return (await long).status_code
+
+        assert asyncio.run(scenario()) == 200
+        health = httpx.get(f"{url}/health").json()
+        assert server.worker.alive and health["weights_version"] == 0
+        assert httpx.post(f"{url}/v1/completions", json={"prompt": [3], "max_tokens": 2}, timeout=60).status_code == 200
+        server.worker.stop()                       # a stopped engine thread: /health says so
+        assert httpx.get(f"{url}/health").status_code == 503
 
 
 def test_load_every_request_answered_once_and_exactly(live):

@@ -27,6 +27,7 @@ from . import ops
 from .fixed_order import exp
 
 _MASK32 = 0xFFFFFFFF
+MIN_TEMPERATURE = 1e-6
 
 
 @dataclass
@@ -57,8 +58,9 @@ class SamplingParams:
 
     def validate(self, vocab_size: int) -> None:
         t = self.temperature
-        if not isinstance(t, (int, float)) or isinstance(t, bool) or not math.isfinite(t) or t < 0:
-            raise ValueError(f"temperature: expected a finite number >= 0, got {t!r}")
+        # Below MIN_TEMPERATURE the scaled logits overflow fp32; 0 is greedy.
+        if not isinstance(t, (int, float)) or isinstance(t, bool) or not math.isfinite(t) or t < 0 or 0 < t < MIN_TEMPERATURE:
+            raise ValueError(f"temperature: expected 0 (greedy) or a finite number >= {MIN_TEMPERATURE:g}, got {t!r}")
         if not _int(self.top_k) or self.top_k < 0:
             raise ValueError(f"top_k: expected an int >= 0 (0 disables it), got {self.top_k!r}")
         if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:

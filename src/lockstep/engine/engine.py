@@ -178,9 +178,13 @@ class Engine:
         if missing or extra or shapes:
             raise ValueError(f"weights: do not fit the model (missing {missing[:5]}, unexpected {extra[:5]}, "
                              f"mis-shaped {shapes[:5]})")
+        # Every tensor is converted before any is copied: a failure on the way (out of memory, say)
+        # leaves the old weights whole rather than half replaced. It costs one model's worth of
+        # memory during the update.
+        ready = {name: tensors[name].to(dtype=p.dtype, device=p.device) for name, p in own.items()}
         with torch.no_grad():
             for name, p in own.items():
-                p.copy_(tensors[name].to(dtype=p.dtype, device=p.device))
+                p.copy_(ready[name])
         self.scheduler.forget_prefixes()
 
     # --- conveniences -------------------------------------------------------------------------

@@ -32,6 +32,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
 
 from . import openai_api, sglang_api
 from .state import RequestError, Server, describe_validation_error, fail, get_server
@@ -44,6 +45,9 @@ router = APIRouter()
 @router.get("/health")
 async def health(server: Server = Depends(get_server)):
     blocks = server.worker.engine.blocks
+    if not server.worker.alive:                    # every request would wait forever: not healthy
+        return JSONResponse({"status": "error", "message": "the engine thread stopped; see the server log"},
+                            status_code=503)
     return {"status": "ok", "weights_version": server.worker.version, "weight_version": server.worker.weight_version,
             "in_flight": server.worker.in_flight, "free_kv_blocks": blocks.num_free, "kv_blocks": blocks.num_blocks}
 
@@ -60,13 +64,23 @@ async def _validation_error(request: Request, e: RequestValidationError):
     return fail(400, message, param)
 
 
-async def _api_key(request: Request, call_next):
-    key = request.app.state.server.api_key
-    if key and request.url.path != "/health":
-        given = request.headers.get("authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
-            return fail(401, "authorization: expected 'Bearer <api key>'", "authorization", "authentication_error")
-    return await call_next(request)
+class _ApiKey:
+    """Refuses requests without 'Authorization: Bearer <key>' (but /health). A plain ASGI
+    middleware: Starlette's BaseHTTPMiddleware would hide a client's disconnect from the routes,
+    which then could not abort the work of a client that went away."""
+
+    def __init__(self, app, key: str):
+        self.app, self.key = app, key
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"] != "/health":
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, f"Bearer {self.key}".encode()):
+                response = fail(401, "authorization: expected 'Bearer <api key>'", "authorization",
+                                "authentication_error")
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 @asynccontextmanager
@@ -83,7 +97,8 @@ def create_app(server: Server) -> FastAPI:
     app.state.server = server
     app.add_exception_handler(RequestError, _request_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
-    app.middleware("http")(_api_key)
+    if server.api_key:
+        app.add_middleware(_ApiKey, key=server.api_key)
     for r in (router, openai_api.router, sglang_api.router):
         app.include_router(r)
     return app

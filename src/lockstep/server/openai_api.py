@@ -69,8 +69,12 @@ async def chat(body: ChatCompletionRequest, request: Request, server: Server = D
     if server.chat_template is None:
         raise RequestError(400, "messages: this model has no chat template (tokenizer_config.json); use "
                                 "/v1/completions", "messages")
-    text = server.chat_template.render([m.model_dump(exclude_none=True) for m in body.messages],
-                                       body.add_generation_prompt)
+    try:
+        text = server.chat_template.render([m.model_dump(exclude_none=True) for m in body.messages],
+                                           body.add_generation_prompt)
+    except ValueError as e:                       # the template refused these messages
+        message = str(e) if str(e).startswith("messages:") else f"messages: {e}"
+        raise RequestError(400, message, "messages") from None
     prompt = server.encode(server.tokenizer.encode(text, add_bos=False), "messages")
     top = body.top_logprobs or 0
     if top and not body.logprobs:

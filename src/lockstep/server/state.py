@@ -92,9 +92,12 @@ class Server:
             raise RequestError(400, str(e), e.field) from None
 
     def room(self, prompts: list[list[int]]) -> int:
-        """New tokens the longest prompt leaves in the context (at least 1, so that a prompt too long
-        is refused by the check, naming the prompt)."""
-        return max(1, self.context - max(len(p) for p in prompts))
+        """New tokens the longest prompt leaves in the context and in the KV cache, which may be
+        smaller (at least 1, so that a prompt too long is refused by the check, naming the prompt):
+        the default budget of a request that names none."""
+        engine = self.worker.engine
+        capacity = min(self.context, engine.blocks.num_blocks * engine.block_size)
+        return max(1, capacity - max(len(p) for p in prompts))
 
     def finish_sampling(self, params: SamplingParams, ignore_eos: bool, seeded: bool) -> SamplingParams:
         """Stop at the model's end-of-sequence tokens unless ignore_eos; draw a seed unless given."""
@@ -134,13 +137,19 @@ class Server:
         """Wait for every job (their events all on `events`): tag -> (outputs, version). Abort them all
         if the client goes away or the engine fails."""
         done: dict[int, tuple[list[RequestOutput], int]] = {}
+        loop = asyncio.get_running_loop()
+        next_check = loop.time() + 1.0
         try:
             while len(done) < len(jobs):
                 try:
                     event = await asyncio.wait_for(events.get(), timeout=1.0)
                 except asyncio.TimeoutError:
+                    event = None
+                if loop.time() >= next_check:        # between tokens too: they arrive every step
+                    next_check = loop.time() + 1.0
                     if await request.is_disconnected():
                         raise asyncio.CancelledError
+                if event is None:
                     continue
                 if event[0] == "done":
                     done[event[1]] = (event[2], event[3])

@@ -15,7 +15,7 @@ from __future__ import annotations
 import queue
 import threading
 import traceback
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -181,7 +181,7 @@ class EngineWorker:
             elif kind == "update":
                 tensors, label, abort_all, done = payload
                 if self._update is not None:
-                    done.set_exception(WeightUpdateError("another weight update is in progress"))
+                    self._settle(done, error=WeightUpdateError("another weight update is in progress"))
                 else:
                     aborted = self._abort_all("aborted for a weight update (abort_all_requests)") if abort_all else 0
                     self._update = (tensors, label, aborted, done)
@@ -190,7 +190,19 @@ class EngineWorker:
                 if idle:                         # through the scheduler where it owns the blocks' changes
                     forget = getattr(self.engine.scheduler, "forget_prefixes", None)
                     (forget or self.engine.blocks.forget_prefixes)()
-                payload.set_result(idle)
+                self._settle(payload, idle)
+
+    @staticmethod
+    def _settle(done: Future, result: object = None, error: BaseException | None = None) -> None:
+        """Answer a caller's future. A caller that gave up (its asyncio task was cancelled, which
+        cancels the future) must not take the engine thread down with InvalidStateError."""
+        try:
+            if error is not None:
+                done.set_exception(error)
+            else:
+                done.set_result(result)
+        except InvalidStateError:
+            pass
 
     def _abort_all(self, reason: str) -> int:
         """End every job in flight now: each unfinished completion with finish_reason "abort", the
@@ -217,14 +229,17 @@ class EngineWorker:
     def _apply_update(self) -> None:
         tensors, label, aborted, done = self._update
         self._update = None
-        try:
-            self.engine.load_weights(tensors)
-        except Exception as e:                       # the old weights stay
-            done.set_exception(WeightUpdateError(str(e), aborted))
+        if done.cancelled():                         # the caller gave up before the engine was idle
+            pass
         else:
-            self.version += 1
-            self.weight_version = label if label is not None else str(self.version)
-            done.set_result(WeightUpdate(self.version, self.weight_version, aborted))
+            try:
+                self.engine.load_weights(tensors)
+            except Exception as e:                   # the old weights stay
+                self._settle(done, error=WeightUpdateError(str(e), aborted))
+            else:
+                self.version += 1
+                self.weight_version = label if label is not None else str(self.version)
+                self._settle(done, WeightUpdate(self.version, self.weight_version, aborted))
         for job in self._waiting:
             self._admit(job)
         self._waiting = []
@@ -246,8 +261,19 @@ class EngineWorker:
                 job.on_done([job.outputs[i] for i in range(job.params.n)], job.version)
 
     def _run(self) -> None:
-        with use_backend(self.backend):          # the backend is chosen per thread
-            self._loop()
+        try:
+            with use_backend(self.backend):          # the backend is chosen per thread
+                self._loop()
+        except BaseException:                        # a bug: say so in /health rather than hang quietly
+            self.failure = traceback.format_exc()
+            for job in list(self._jobs.values()) + self._waiting:
+                job.on_error("the engine thread stopped; see the server log")
+            raise
+
+    @property
+    def alive(self) -> bool:
+        """Whether the engine thread runs (before start and after stop: False)."""
+        return self._thread.is_alive()
 
     def _loop(self) -> None:
         while not self._stop:
