@@ -254,3 +254,24 @@ def test_a_preemption_that_keeps_its_blocks_is_caught(monkeypatch: pytest.Monkey
     monkeypatch.setattr(Scheduler, "_preempt", preempt)
     with pytest.raises(AssertionError, match="a waiting sequence holds blocks|a name in flight belongs to no holder"):
         run_all(make(num_blocks=5), [6, 9, 2, 7, 5], 6)
+
+
+def test_cached_tokens_counts_only_what_the_cache_saved_at_the_first_admission():
+    """A sequence preempted mid-prefill (no token drawn yet) finds its own full blocks on
+    re-admission; they were not saved by the cache, so cached_tokens stays what it first was."""
+    sched = make(num_blocks=4, block_size=4, budget=2)
+    run = Run(sched)
+    a, b = make_seq(0, prompts([2, 8])[0], 10), make_seq(1, prompts([2, 8])[1], 4)
+    sched.add(a)
+    sched.add(b)
+    computed_when_preempted = None
+    for _ in range(300):
+        if not sched.has_unfinished():
+            break
+        before, computed = sched.preemptions, b.computed
+        run.step()
+        if sched.preemptions > before and not b.out.token_ids and computed_when_preempted is None:
+            computed_when_preempted = computed
+    assert not sched.has_unfinished()
+    assert computed_when_preempted is not None and computed_when_preempted >= 4, "the scenario needs that preemption"
+    assert b.out.cached_tokens == 0

@@ -54,8 +54,9 @@ class Scheduler:
                 held.append(seq)
                 continue
             seq.computed = self.blocks.reuse_prefix(seq)
-            if not seq.out.token_ids:                 # a first admission: report what the cache saved
-                seq.out.cached_tokens = seq.computed
+            if not seq.admitted:                      # the first admission: report what the cache saved
+                seq.out.cached_tokens = seq.computed  # (not blocks it computed itself before a preemption)
+                seq.admitted = True
             self.running.append(seq)
         self.waiting.extendleft(reversed(held))
         plan: list[tuple[Sequence, int]] = []

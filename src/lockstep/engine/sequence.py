@@ -36,6 +36,7 @@ class Sequence:
     out: RequestOutput
     blocks: list[int] = field(default_factory=list)
     computed: int = 0                     # tokens whose keys and values are in the cache
+    admitted: bool = False                # scheduled at least once (a preempted one is re-admitted)
 
     @property
     def index(self) -> int:
