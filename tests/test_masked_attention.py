@@ -52,7 +52,8 @@ def test_a_query_that_sees_no_key_gets_zeros_and_matches_the_reference():
 
 @pytest.mark.parametrize("change, message", [
     (lambda a: dict(a, q=a["q"][0]), "q: expected a 4-D tensor"),
-    (lambda a: dict(a, k=torch.randn(2, 3, 6, 16), v=torch.randn(2, 3, 6, 16)), "k: expected a number of kv heads that divides q's 4 heads, got 3"),
+    (lambda a: dict(a, k=torch.randn(2, 3, 6, 16), v=torch.randn(2, 3, 6, 16)),
+     "k: expected a number of kv heads that divides q's 4 heads, got 3"),
     (lambda a: dict(a, v=a["v"][..., :8]), "v: expected shape"),
     (lambda a: dict(a, visible=a["visible"].float()), "visible: expected a bool tensor"),
     (lambda a: dict(a, visible=a["visible"][:, :5]), "visible: expected shape [2, 6, 6] (batch, queries, keys)"),

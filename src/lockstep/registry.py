@@ -141,6 +141,16 @@ def cpu_backend() -> str:
     return "native"
 
 
+@contextlib.contextmanager
+def cpu_backend_kernels() -> Iterator[None]:
+    """The block's fixed_order GEMMs, exp and log on the CPU backend's kernels: lockstep's native
+    ones where they build, whose bits do not follow the CPU's vector unit; else PyTorch's."""
+    from .fixed_order import cpu_kernels
+
+    with cpu_kernels("native" if cpu_backend() == "native" else "torch"):
+        yield
+
+
 def resolve(op: str, device: torch.device) -> Callable:
     """The implementation of `op` for tensors on `device` under the current selection."""
     name = current_backend()

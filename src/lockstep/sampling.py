@@ -9,8 +9,8 @@ reports the drawn entry, so what it reports is what the trainer sees.
 Drawing is Gumbel-max: token = argmax(logp + g) over the allowed tokens, with g = -log(-log(u))
 and u from a counter-based hash of (seed, completion index, position, token id), computed with
 integer torch ops that give the same bits on any device and in any batch; the logarithms are
-lockstep's own (`log_float64`), so the noise does not follow the CPU's vector unit either. Which tokens are allowed,
-and how likely, is shaped in this order: the repetition penalty, then top-k, min-p and top-p. The
+lockstep's own (`log_float64`), and top-p's probabilities use the CPU backend's exp, so a draw does
+not follow the CPU's vector unit either. Which tokens are allowed, and how likely, is shaped in this order: the repetition penalty, then top-k, min-p and top-p. The
 reported logprob (and the top-N alternatives) are those of the temperature-scaled distribution
 *before* that shaping, because that is what a trainer recomputes from the model.
 """
@@ -25,6 +25,7 @@ from torch import Tensor
 
 from . import ops
 from .fixed_order import exp
+from .registry import cpu_backend_kernels
 
 _MASK32 = 0xFFFFFFFF
 MIN_TEMPERATURE = 1e-6
@@ -59,7 +60,8 @@ class SamplingParams:
     def validate(self, vocab_size: int) -> None:
         t = self.temperature
         # Below MIN_TEMPERATURE the scaled logits overflow fp32; 0 is greedy.
-        if not isinstance(t, (int, float)) or isinstance(t, bool) or not math.isfinite(t) or t < 0 or 0 < t < MIN_TEMPERATURE:
+        if (not isinstance(t, (int, float)) or isinstance(t, bool) or not math.isfinite(t) or t < 0
+                or 0 < t < MIN_TEMPERATURE):
             raise ValueError(f"temperature: expected 0 (greedy) or a finite number >= {MIN_TEMPERATURE:g}, got {t!r}")
         if not _int(self.top_k) or self.top_k < 0:
             raise ValueError(f"top_k: expected an int >= 0 (0 disables it), got {self.top_k!r}")
@@ -158,6 +160,14 @@ class Draw:
     top: list[tuple[int, float]] = field(default_factory=list)
 
 
+def probabilities(scores: Tensor, allowed: Tensor) -> Tensor:
+    """softmax of the allowed scores [V] (float32), for top-p. Its exp runs on the CPU backend's
+    kernels: PyTorch's float32 exp can follow the instruction set (MKL's vector math on Intel,
+    docs/adr/0010), which could move a token across the top-p line."""
+    with cpu_backend_kernels():
+        return exp(ops.log_softmax(torch.where(allowed, scores, float("-inf"))))
+
+
 def allowed_tokens(logp: Tensor, p: SamplingParams, seen: Tensor | None) -> tuple[Tensor, Tensor]:
     """(scores, allowed) for one row of log-probabilities [V] (float32): the repetition penalty
     applied to the scores, then top-k, min-p and top-p restrict the allowed set."""
@@ -171,7 +181,7 @@ def allowed_tokens(logp: Tensor, p: SamplingParams, seen: Tensor | None) -> tupl
     if p.min_p > 0:
         allowed &= scores >= torch.amax(scores) + math.log(p.min_p)
     if p.top_p < 1.0:
-        probs = exp(ops.log_softmax(torch.where(allowed, scores, float("-inf"))))
+        probs = probabilities(scores, allowed)
         order = torch.argsort(probs, descending=True, stable=True)
         before = torch.cumsum(probs[order], 0) - probs[order]
         keep = torch.zeros_like(allowed)

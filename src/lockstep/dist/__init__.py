@@ -39,8 +39,8 @@ from .tensor_parallel import (
     tensor_parallel_size,
 )
 
-__all__ = ["DEFAULT_TIMEOUT_S", "ColumnParallelLinear", "ParallelSync", "RankFailed", "RankZeroFailed", "RowParallelLinear",
-           "VocabParallelEmbedding", "all_equal", "check_consistent", "free_port", "from_rank0", "get_tensor_model_parallel_group",
-           "get_tensor_model_parallel_rank", "get_tensor_model_parallel_world_size", "group_size", "head_norms",
+__all__ = ["DEFAULT_TIMEOUT_S", "ColumnParallelLinear", "ParallelSync", "RankFailed", "RankZeroFailed",
+           "RowParallelLinear", "VocabParallelEmbedding", "all_equal", "check_consistent", "free_port", "from_rank0",
+           "get_tensor_model_parallel_group", "get_tensor_model_parallel_rank", "get_tensor_model_parallel_world_size", "group_size", "head_norms",
            "init_from_env", "initialize_model_parallel", "model_parallel_groups", "reduction_parts", "share_of", "spawn",
            "tensor_parallel", "tensor_parallel_size", "tree_all_reduce"]

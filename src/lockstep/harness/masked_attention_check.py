@@ -18,7 +18,7 @@ from .. import contract, ops
 from ..backends import reference
 from ..registry import use_backend
 from .attention_check import compare, score
-from .check import OpReport, default_backend, num_threads, threads_sweep
+from .check import AccuracyResult, OpReport, default_backend, num_threads, threads_sweep
 
 
 @dataclass(frozen=True)
@@ -87,7 +87,7 @@ class MaskedCase:
         return outs
 
 
-def _accuracy(case: MaskedCase, ref: list[tuple], grad: bool) -> object:
+def _accuracy(case: MaskedCase, ref: list[tuple], grad: bool) -> AccuracyResult:
     outs, grads = [], [[], [], []]
     for q, k, v, do in case.seqs:
         q64, k64, v64 = (x.double().requires_grad_(grad) for x in (q, k, v))

@@ -12,7 +12,6 @@ import torch
 from torch import Tensor
 
 from .. import registry
-from ..fixed_order import cpu_kernels
 from . import attention, kernels, state
 from .coverage import UNSUPPORTED
 
@@ -105,7 +104,7 @@ def enable(strict: bool = False) -> None:
             _owner, state.strict = me, strict
             # The overrides' GEMMs, exp and log run on the CPU backend's kernels: native where it
             # builds, whose bits do not follow MKL's blocking (docs/adr/0010).
-            _kernels.enter_context(cpu_kernels("native" if registry.cpu_backend() == "native" else "torch"))
+            _kernels.enter_context(registry.cpu_backend_kernels())
         elif strict and not state.strict:
             raise RuntimeError("lockstep.batch_invariant: cannot enter strict=True inside a non-strict block")
         _depth += 1

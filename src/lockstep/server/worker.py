@@ -229,9 +229,7 @@ class EngineWorker:
     def _apply_update(self) -> None:
         tensors, label, aborted, done = self._update
         self._update = None
-        if done.cancelled():                         # the caller gave up before the engine was idle
-            pass
-        else:
+        if not done.cancelled():                     # (a caller that gave up gets no update)
             try:
                 self.engine.load_weights(tensors)
             except Exception as e:                   # the old weights stay
