@@ -50,6 +50,29 @@ def test_triton_attention_window_and_head_dim_80():
     assert report.accuracy.passed, report.accuracy
 
 
+@pytest.mark.parametrize("block_q, warps", [(16, 4), (32, 4), (64, 4), (128, 8)])
+def test_triton_attention_forward_at_every_query_tile(block_q, warps):
+    """FWD_CONFIGS picks BLOCK_Q per GPU for speed: at any tile a sequence's rows are the same alone
+    and batched, and a one-query decode step equals its prefill row. Under the interpreter, whose
+    dot sums in one fixed order, the tile changes no bit at all (a key block a row cannot see is an
+    exact no-op); on a GPU the MMA instruction follows the tile (docs/gpu.md)."""
+    from lockstep.backends.triton.attention import AttentionConfig, _forward
+
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(79, h, 16, generator=g).to(DEVICE, torch.bfloat16) for h in (2, 1, 1))
+
+    def run(q, k, v, cu_q, cu_k, cfg):
+        return _forward(q, k, v, cu_q, cu_k, None, None, 0.25, True, None, False, cfg)[0]
+
+    cfg = AttentionConfig(block_q, warps)
+    both = run(q, k, v, [0, 70, 79], [0, 70, 79], cfg)
+    assert torch.equal(both[:70], run(q[:70], k[:70], v[:70], [0, 70], [0, 70], cfg))
+    decode = run(torch.stack([q[69], q[78]]), k, v, [0, 1, 2], [0, 70, 79], cfg)
+    assert torch.equal(decode, torch.stack([both[69], both[78]]))
+    if DEVICE == "cpu":
+        assert torch.equal(both, run(q, k, v, [0, 70, 79], [0, 70, 79], AttentionConfig(16)))
+
+
 def test_auto_picks_triton_only_for_cuda_tensors():
     from lockstep.registry import cpu_backend, resolve
 

@@ -12,15 +12,47 @@ no atomics; probabilities are recomputed.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
 
 from ...fixed_order import KEY_BLOCK, accumulate_dtype
 from ...registry import register
-from .common import cast_out, dot, dot_mixed, dot_precision
+from .common import cast_out, dot, dot_mixed, dot_precision, gpu_capability
 
-BLOCK_Q = 16
+BLOCK_Q = 16  # the query tile where FWD_CONFIGS and BWD_BLOCK_Q have no entry for the GPU
+
+
+class AttentionConfig(NamedTuple):
+    """The forward's launch: BLOCK_Q queries per program, warps and pipeline stages."""
+    block_q: int
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+# The forward's launch per GPU architecture, as GEMM_CONFIGS. A row's sum over keys is the same at
+# every BLOCK_Q (a key block a row cannot see is an exact no-op), so the tile is free to follow
+# speed, but the MMA instruction follows it: on an H200, 64 and 128 query rows gave other bits than
+# 16 and 32, each still batch invariant and with decode == prefill (bench_attention_tiles.py,
+# docs/gpu.md). (64, 4 warps) made prefill 2.4-3x faster than 16 rows and left decode as it was;
+# (128, 8 warps) was faster still at 8k-long prefill and 1.4x slower at a 32-sequence decode.
+FWD_CONFIGS = {None: AttentionConfig(BLOCK_Q), 90: AttentionConfig(64, 4, 3)}
+# The backward's query tile. It does fix an order: dK and dV sum the query rows BLOCK_Q at a time,
+# anchored at query 0 whatever the batch. 64 made forward + backward 1.8x faster than 16 on an
+# H200; 128 did not compile under Triton 3.6.
+BWD_BLOCK_Q = {None: BLOCK_Q, 90: 64}
+
+
+def fwd_config() -> AttentionConfig:
+    """The forward's launch configuration on the current architecture (FWD_CONFIGS)."""
+    return FWD_CONFIGS.get(gpu_capability(), FWD_CONFIGS[None])
+
+
+def bwd_block_q() -> int:
+    """The backward's query tile on the current architecture (BWD_BLOCK_Q)."""
+    return BWD_BLOCK_Q.get(gpu_capability(), BWD_BLOCK_Q[None])
 INT_ARGS = ["Hq", "Hkv", "D", "window", "stride_qt", "stride_qh", "stride_kt", "stride_kh", "table_stride",
             "block_size", "n_blocks"]
 
@@ -238,7 +270,8 @@ def _blocks(lengths: list[int], step: int, device) -> tuple[torch.Tensor, torch.
     return (torch.tensor(seq, dtype=torch.int32, device=device), torch.tensor(start, dtype=torch.int32, device=device))
 
 
-def _forward(q, k, v, cu_q, cu_k, lens, table, scale, causal, window, paged):
+def _forward(q, k, v, cu_q, cu_k, lens, table, scale, causal, window, paged, config: AttentionConfig | None = None):
+    config = config or fwd_config()
     tq, hq, d = q.shape
     hkv = k.shape[-2]
     acc = accumulate_dtype(q.dtype)
@@ -246,7 +279,7 @@ def _forward(q, k, v, cu_q, cu_k, lens, table, scale, causal, window, paged):
     m = torch.zeros((tq, hq), dtype=acc, device=q.device)
     l = torch.zeros_like(m)
     lq = [cu_q[i + 1] - cu_q[i] for i in range(len(cu_q) - 1)]
-    bseq, bq0 = _blocks(lq, BLOCK_Q, q.device)
+    bseq, bq0 = _blocks(lq, config.block_q, q.device)
     if bseq.numel():
         cu_q_t = torch.tensor(cu_q, dtype=torch.int32, device=q.device)
         cu_k_t = torch.tensor(cu_k if cu_k is not None else [0], dtype=torch.int32, device=q.device)
@@ -257,8 +290,8 @@ def _forward(q, k, v, cu_q, cu_k, lens, table, scale, causal, window, paged):
             q, k, v, o, m, l, bseq, bq0, cu_q_t, cu_k_t, lens_t, table_t, hq, hkv, d, scale, window or 0,
             q.stride(0), q.stride(1), stride_kt, k.stride(-2), table_t.stride(0) if table is not None else 0,
             k.shape[1] if paged else 1, bseq.numel(), CAUSAL=causal, HAS_WINDOW=window is not None, PAGED=paged,
-            PRECISION=dot_precision(q.dtype), BLOCK_Q=BLOCK_Q, BLOCK_K=KEY_BLOCK,
-            BLOCK_D=triton.next_power_of_2(d))
+            PRECISION=dot_precision(q.dtype), BLOCK_Q=config.block_q, BLOCK_K=KEY_BLOCK,
+            BLOCK_D=triton.next_power_of_2(d), num_warps=config.num_warps, num_stages=config.num_stages)
     return o, m, l
 
 
@@ -281,10 +314,11 @@ class _Attention(torch.autograd.Function):
         delta = torch.zeros_like(m)
         cu_q_t = torch.tensor(cu_q, dtype=torch.int32, device=q.device)
         cu_k_t = torch.tensor(cu_k, dtype=torch.int32, device=q.device)
-        common = dict(CAUSAL=causal, HAS_WINDOW=window is not None, PRECISION=dot_precision(q.dtype), BLOCK_Q=BLOCK_Q,
+        block_q = bwd_block_q()
+        common = dict(CAUSAL=causal, HAS_WINDOW=window is not None, PRECISION=dot_precision(q.dtype), BLOCK_Q=block_q,
                       BLOCK_K=KEY_BLOCK, BLOCK_D=triton.next_power_of_2(d))
         lq = [cu_q[i + 1] - cu_q[i] for i in range(len(cu_q) - 1)]
-        bseq, bq0 = _blocks(lq, BLOCK_Q, q.device)
+        bseq, bq0 = _blocks(lq, block_q, q.device)
         if bseq.numel():
             attn_bwd_dq_kernel[(bseq.numel(), hq)](q, k, v, do, m, l, dq, delta, bseq, bq0, cu_q_t, cu_k_t, hq, hkv, d,
                                                    scale, window or 0, q.stride(0), q.stride(1), k.stride(0),
