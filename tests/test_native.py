@@ -196,3 +196,67 @@ def test_without_a_working_compiler_the_portable_backend_runs_and_one_line_says_
     lines = [line for line in proc.stderr.splitlines() if "native CPU backend" in line]
     assert lines == ["lockstep: the native CPU backend is not in use (false could not compile kernels.c: (no message)); "
                      "running the portable backend, whose bits follow this machine's BLAS"], proc.stderr
+
+
+def _fma32(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """fp32 fma, emulated in float64: the product of two fp32 values is exact there."""
+    return (c.double() + a.double() * b.double()).float()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_attention_order_is_the_documented_one(dtype):
+    """kernels.c's attention forward, restated in Python for one sequence of 70 keys (two 64-key
+    blocks) with a window that cuts into the first: the GEMM's scores times the scale, the block
+    max, the file's exp, the block sum as 16 lane sums folded, the output as one FMA chain per
+    dimension over the visible keys, rescaled by alpha, divided by the sum at the end. A query alone
+    (decode) gives the same bits as inside the prefill."""
+    from lockstep.backends.native.attention import attention_forward
+
+    gen = torch.Generator().manual_seed(2)
+    n, d, window, scale = 70, 20, 67, 0.3
+    q, k, v = (torch.randn(n, h, d, generator=gen).to(dtype) for h in (2, 1, 1))
+    out, row_max, row_sum = attention_forward(q, k, v, [0, n], [n], [0], None, scale, True, window)
+    qf, kf, vf = q.float(), k.float(), v.float()
+    for t in (0, 40, 63, 64, 69):
+        one, _, _ = attention_forward(q[t:t + 1], k[:t + 1], v[:t + 1], [0, 1], [t + 1], [0], None, scale, True,
+                                      window)
+        assert torch.equal(one[0], out[t]), t
+        for h in range(2):
+            m, l, acc = torch.tensor(float("-inf")), torch.tensor(0.0), torch.zeros(d)
+            for k0 in range(0, t + 1, 64):
+                keys = [j for j in range(k0, min(k0 + 64, t + 1)) if j > t - window]
+                if not keys:
+                    continue
+                s = gemm.gemm_nt(qf[t, h][None], kf[keys, 0])[0] * scale
+                new = torch.maximum(m, s.max())
+                shift = torch.where(new == float("-inf"), torch.tensor(0.0), new)
+                alpha = unary.exp((m - shift)[None])[0]
+                p = torch.zeros(64)
+                p[[j - k0 for j in keys]] = unary.exp(s - shift)
+                lanes = ((p[0:16] + p[16:32]) + p[32:48]) + p[48:64]
+                tt = lanes[:8] + lanes[8:]
+                u = tt[:4] + tt[4:]
+                w = u[:2] + u[2:]
+                l = l * alpha + (w[0] + w[1])
+                pv = torch.zeros(d)
+                for j in keys:
+                    pv = _fma32(p[j - k0].expand(d), vf[j, 0], pv)
+                acc = acc * alpha + pv
+                m = new
+            assert torch.equal(row_max[t, h], m) and torch.equal(row_sum[t, h], l), (t, h)
+            assert torch.equal(out[t, h], acc / l), (t, h)
+
+
+def test_attention_never_reads_a_key_into_a_row_that_cannot_see_it():
+    """A NaN key at position 60 reaches the queries at 60 and after, not the ones before it, though
+    they share its 64-key block; and a NaN value reaches no query that cannot see it (contract,
+    section 7; the portable op lets it through 0 * NaN)."""
+    from lockstep.backends.native.attention import attention_forward
+
+    gen = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(64, 2, 16, generator=gen) for _ in range(3))
+    k[60, 0, 3] = float("nan")
+    v[62, 1, 5] = float("nan")
+    out, _, _ = attention_forward(q, k, v, [0, 64], [64], [0], None, 0.25, True, None)
+    assert torch.isfinite(out[:60]).all() and torch.isfinite(out[60:62, 1]).all()
+    assert torch.isnan(out[60:, 0]).all() and torch.isnan(out[62:, 1, 5]).all()

@@ -26,7 +26,7 @@ SOURCE = Path(__file__).with_name("kernels.c")
 # -ffp-contract=off: the compiler must not fuse a multiply and an add that the source keeps apart.
 FLAGS = ["-O3", "-std=gnu11", "-shared", "-fPIC", "-pthread", "-ffp-contract=off", "-fno-fast-math"]
 ISAS = {"scalar": 0, "avx2": 1, "avx512": 2}
-ABI_VERSION = 1
+ABI_VERSION = 2
 
 
 class NativeUnavailable(RuntimeError):
@@ -84,6 +84,10 @@ def library() -> ctypes.CDLL:
     i64, ptr, cint = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
     lib.ls_gemm_nt.argtypes = [i64, i64, i64, i64, ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, ptr, cint, cint, cint]
     lib.ls_gemm_nt.restype = cint
+    flt = ctypes.c_float
+    lib.ls_attention_fwd.argtypes = [i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, flt, cint, i64,
+                                     ptr, ptr, ptr, cint, cint, cint]
+    lib.ls_attention_fwd.restype = cint
     lib.ls_unary.argtypes = [ptr, ptr, i64, cint, cint, cint]
     lib.ls_unary.restype = cint
     lib.ls_cpu_supports.argtypes = [cint]

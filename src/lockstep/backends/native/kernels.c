@@ -19,6 +19,7 @@
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #if defined(__x86_64__) || defined(_M_X64)
@@ -648,9 +649,261 @@ static void unary_item(void *ctx, int64_t item) {
     unary_scalar(u->x + start, u->y + start, n, u->fn);
 }
 
+/* ---------------------------------------------------------------- attention forward
+ * One query row (a query token and a query head) over the keys it may see: keys [lo, hi] of its
+ * sequence, where hi = len_k - 1 (or its position, causal) and lo = 0 (or position - window + 1),
+ * walked in 64-key blocks anchored at key 0 (fixed_order.KEY_BLOCK). Per block, for its visible keys j:
+ *
+ *   s_j = dot(q, k_j) * scale, dot the GEMM's (the file's header), so that the portable backward,
+ *         which recomputes the scores with the native GEMM, finds the forward's scores bit for bit;
+ *   M = max(m, s_j over j) (NaN propagates); shift = M, or 0 where M = -inf;
+ *   alpha = exp(m - shift); p_j = exp(s_j - shift), and p = 0 for the block's other slots;
+ *   l = l * alpha + fold16(((p[0:16] + p[16:32]) + p[32:48]) + p[48:64]);
+ *   acc[d] = acc[d] * alpha + (one fp32 FMA chain over visible j ascending of p_j v_j[d], from +0);
+ *   m = M;
+ *
+ * and finally out = acc / l (acc / 1 = 0 where the row saw no key). exp is the file's exp. Every
+ * quantity of a row is a function of that row's query, its keys and its position alone, so the
+ * rows that share a work item, the thread count and the instruction set change no bit; and a block
+ * the row cannot see would be an exact no-op (alpha = 1, p = 0), so skipping it changes none either.
+ * Keys a row cannot see are never read into its sums, so a NaN there does not reach it. The three
+ * paths below run the softmax and the output on 16-lane vectors: across 16 keys for the
+ * probabilities and the block sum, across 16 dimensions of d for the output. */
+
+#define KEY_BLOCK 64
+#define TOKEN_TILE 16 /* query tokens per work item (with all query heads of one KV head) */
+
+typedef struct {
+    int64_t B, Hq, Hkv, D;
+    const char *q, *k, *v;
+    const int64_t *cu_q, *len_k, *k_start, *table;
+    int64_t table_stride, block_size, window;
+    float scale;
+    int causal, dt, isa;
+    float *out, *row_max, *row_sum;
+    int64_t *item_start; /* [B + 1]: the first work item of each sequence */
+} attn_job;
+
+/* Lane operations on 16 fp32 lanes, one set per instruction set; loadw widens 16-bit elements. */
+typedef struct { float x[16]; } s16;
+INLINE s16 s16_zero(void) { s16 r; for (int i = 0; i < 16; i++) r.x[i] = 0.0f; return r; }
+INLINE s16 s16_set(float a) { s16 r; for (int i = 0; i < 16; i++) r.x[i] = a; return r; }
+INLINE s16 s16_load(const float *p, int count) {
+    s16 r = s16_zero();
+    for (int i = 0; i < count; i++) r.x[i] = p[i];
+    return r;
+}
+INLINE s16 s16_loadw(const char *p, int64_t k, int dt, int count) {
+    s16 r = s16_zero();
+    for (int i = 0; i < count; i++) r.x[i] = load_scalar(p, k + i, dt);
+    return r;
+}
+INLINE void s16_store(float *p, s16 a, int count) { for (int i = 0; i < count; i++) p[i] = a.x[i]; }
+INLINE s16 s16_fma(s16 a, s16 b, s16 c) { for (int i = 0; i < 16; i++) c.x[i] = fmaf(a.x[i], b.x[i], c.x[i]); return c; }
+INLINE s16 s16_add(s16 a, s16 b) { for (int i = 0; i < 16; i++) a.x[i] = a.x[i] + b.x[i]; return a; }
+INLINE s16 s16_sub(s16 a, s16 b) { for (int i = 0; i < 16; i++) a.x[i] = a.x[i] - b.x[i]; return a; }
+INLINE s16 s16_mul(s16 a, s16 b) { for (int i = 0; i < 16; i++) a.x[i] = a.x[i] * b.x[i]; return a; }
+INLINE s16 s16_div(s16 a, s16 b) { for (int i = 0; i < 16; i++) a.x[i] = a.x[i] / b.x[i]; return a; }
+INLINE s16 s16_exp(s16 a) { for (int i = 0; i < 16; i++) a.x[i] = s_exp(a.x[i]); return a; }
+
+#if LS_X86
+typedef struct { __m256 lo, hi; } a16;
+AVX2_T INLINE a16 a16_zero(void) { a16 r = {_mm256_setzero_ps(), _mm256_setzero_ps()}; return r; }
+AVX2_T INLINE a16 a16_set(float a) { a16 r = {_mm256_set1_ps(a), _mm256_set1_ps(a)}; return r; }
+AVX2_T INLINE a16 a16_load(const float *p, int count) {
+    if (count >= 16) { a16 r = {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; return r; }
+    float buf[16] = {0};
+    memcpy(buf, p, (size_t)count * 4);
+    a16 r = {_mm256_loadu_ps(buf), _mm256_loadu_ps(buf + 8)};
+    return r;
+}
+AVX2_T INLINE a16 a16_loadw(const char *p, int64_t k, int dt, int count) {
+    a16 r = {load8(p, k, dt, count < 8 ? count : 8), load8(p, k + 8, dt, count - 8 < 8 ? count - 8 : 8)};
+    return r;
+}
+AVX2_T INLINE void a16_store(float *p, a16 a, int count) {
+    if (count >= 16) { _mm256_storeu_ps(p, a.lo); _mm256_storeu_ps(p + 8, a.hi); return; }
+    float buf[16];
+    _mm256_storeu_ps(buf, a.lo);
+    _mm256_storeu_ps(buf + 8, a.hi);
+    memcpy(p, buf, (size_t)count * 4);
+}
+AVX2_T INLINE a16 a16_fma(a16 a, a16 b, a16 c) {
+    a16 r = {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)}; return r;
+}
+AVX2_T INLINE a16 a16_add(a16 a, a16 b) { a16 r = {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; return r; }
+AVX2_T INLINE a16 a16_sub(a16 a, a16 b) { a16 r = {_mm256_sub_ps(a.lo, b.lo), _mm256_sub_ps(a.hi, b.hi)}; return r; }
+AVX2_T INLINE a16 a16_mul(a16 a, a16 b) { a16 r = {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; return r; }
+AVX2_T INLINE a16 a16_div(a16 a, a16 b) { a16 r = {_mm256_div_ps(a.lo, b.lo), _mm256_div_ps(a.hi, b.hi)}; return r; }
+AVX2_T INLINE a16 a16_exp(a16 a) { a16 r = {a_exp(a.lo), a_exp(a.hi)}; return r; }
+
+typedef __m512 z16;
+AVX512_T INLINE z16 z16_zero(void) { return _mm512_setzero_ps(); }
+AVX512_T INLINE z16 z16_set(float a) { return _mm512_set1_ps(a); }
+AVX512_T INLINE z16 z16_load(const float *p, int count) {
+    return count >= 16 ? _mm512_loadu_ps(p) : _mm512_maskz_loadu_ps((__mmask16)((1u << count) - 1u), p);
+}
+AVX512_T INLINE z16 z16_loadw(const char *p, int64_t k, int dt, int count) { return load16(p, k, dt, count); }
+AVX512_T INLINE void z16_store(float *p, z16 a, int count) {
+    if (count >= 16) _mm512_storeu_ps(p, a);
+    else _mm512_mask_storeu_ps(p, (__mmask16)((1u << count) - 1u), a);
+}
+AVX512_T INLINE z16 z16_fma(z16 a, z16 b, z16 c) { return _mm512_fmadd_ps(a, b, c); }
+AVX512_T INLINE z16 z16_add(z16 a, z16 b) { return _mm512_add_ps(a, b); }
+AVX512_T INLINE z16 z16_sub(z16 a, z16 b) { return _mm512_sub_ps(a, b); }
+AVX512_T INLINE z16 z16_mul(z16 a, z16 b) { return _mm512_mul_ps(a, b); }
+AVX512_T INLINE z16 z16_div(z16 a, z16 b) { return _mm512_div_ps(a, b); }
+AVX512_T INLINE z16 z16_exp(z16 a) { return z_exp(a); }
+#endif
+
+/* Key j of sequence b: its row in k (and v), packed or through the block table. */
+static inline int64_t attn_key_row(const attn_job *J, int64_t b, int64_t j) {
+    if (J->table) {
+        int64_t blk = J->table[b * J->table_stride + j / J->block_size];
+        return blk * J->block_size + j % J->block_size;
+    }
+    return J->k_start[b] + j;
+}
+
+/* The scores of up to MR query rows (A, row stride lda bytes) against the block's keys from
+ * ja & ~3 to je: s[i * KEY_BLOCK + j] = dot(A_i, k_j) * scale, by the GEMM's micro-tiles (runs of
+ * up to NR keys one stride apart; a run that crosses a cache block splits into single keys). */
+static void attn_scores(const attn_job *J, int mr, const char *A, int64_t lda, const char *const *krow, int n,
+                        int ja, int je, float *s) {
+    micro_fn micro = micro_of(J->isa);
+    float lanes[MR * NR * LANES] __attribute__((aligned(64)));
+    float folded[MR * NR];
+    int64_t ldb = J->Hkv * J->D * (J->dt == DT_F32 ? 4 : 2);
+    for (int j = ja & ~(NR - 1); j <= je; j += NR) {
+        int nr = n - j < NR ? n - j : NR;
+        int run = 1;
+        while (run < nr && krow[j + run] == krow[j] + run * ldb) run++;
+        if (run == nr) {
+            micro(J->dt, mr, nr, J->D, A, lda, krow[j], ldb, lanes);
+            fold_tile(J->isa, lanes, mr, nr, folded);
+        } else { /* one key at a time: row i's lanes land at (i * NR) * LANES */
+            for (int jj = 0; jj < nr; jj++) {
+                micro(J->dt, mr, 1, J->D, A, lda, krow[j + jj], ldb, lanes);
+                for (int i = 0; i < mr; i++) folded[i * NR + jj] = fold16(lanes + i * NR * LANES);
+            }
+        }
+        for (int i = 0; i < mr; i++)
+            for (int jj = 0; jj < nr; jj++) s[i * KEY_BLOCK + j + jj] = folded[i * NR + jj] * J->scale;
+    }
+}
+
+/* One work item: tokens [t0, t1) of sequence b, with every query head of KV head hk. */
+#define ATTN_ITEM(P, T)                                                                             \
+    T static void attn_item_##P(const attn_job *J, int64_t b, int64_t t0, int64_t t1, int64_t hk) {   \
+        const int64_t D = J->D, G = J->Hq / J->Hkv, len_k = J->len_k[b];                             \
+        const int64_t q0 = J->cu_q[b], len_q = J->cu_q[b + 1] - q0;                                \
+        const int64_t es = J->dt == DT_F32 ? 4 : 2;                                                 \
+        const int nd = (int)((D + 15) / 16);                                                        \
+        int64_t first = INT64_MAX, last = -1;                                                       \
+        for (int64_t t = t0; t < t1; t++) {                                                         \
+            int64_t pos = len_k - len_q + t;                                                        \
+            int64_t lo = J->window > 0 ? pos - J->window + 1 : 0, hi = J->causal ? pos : len_k - 1; \
+            if (lo < 0) lo = 0;                                                                     \
+            if (hi > len_k - 1) hi = len_k - 1;                                                     \
+            if (lo <= hi) { if (lo < first) first = lo; if (hi > last) last = hi; }                 \
+        }                                                                                           \
+        if (last < 0) return;                                                                       \
+        const char *krow[KEY_BLOCK], *vrow[KEY_BLOCK];                                              \
+        float s[MR * KEY_BLOCK] __attribute__((aligned(64)));                                       \
+        float p[KEY_BLOCK] __attribute__((aligned(64)));                                            \
+        float lanes[16];                                                                            \
+        for (int64_t k0 = first / KEY_BLOCK * KEY_BLOCK; k0 <= last; k0 += KEY_BLOCK) {            \
+            int n = (int)(len_k - k0 < KEY_BLOCK ? len_k - k0 : KEY_BLOCK);                         \
+            for (int j = 0; j < n; j++) {                                                           \
+                int64_t row = attn_key_row(J, b, k0 + j);                                           \
+                krow[j] = J->k + (row * J->Hkv + hk) * D * es;                                      \
+                vrow[j] = J->v + (row * J->Hkv + hk) * D * es;                                      \
+            }                                                                                       \
+            for (int64_t t = t0; t < t1; t++) {                                                     \
+                int64_t pos = len_k - len_q + t;                                                    \
+                int64_t lo = J->window > 0 ? pos - J->window + 1 : 0, hi = J->causal ? pos : len_k - 1; \
+                if (lo < k0) lo = k0;                                                               \
+                if (hi > k0 + n - 1) hi = k0 + n - 1;                                               \
+                if (lo > hi) continue; /* an exact no-op for every head of this token */            \
+                int ja = (int)(lo - k0), je = (int)(hi - k0);                                       \
+                for (int64_t g0 = 0; g0 < G; g0 += MR) {                                            \
+                    int mr = (int)(G - g0 < MR ? G - g0 : MR);                                      \
+                    int64_t r0 = (q0 + t) * J->Hq + hk * G + g0;                                    \
+                    attn_scores(J, mr, J->q + r0 * D * es, D * es, krow, n, ja, je, s);             \
+                    for (int i = 0; i < mr; i++) {                                                  \
+                        const float *si = s + i * KEY_BLOCK;                                        \
+                        int64_t r = r0 + i;                                                         \
+                        float m = J->row_max[r], M = m;                                             \
+                        for (int j = ja; j <= je; j++)                                              \
+                            if (si[j] > M || si[j] != si[j]) M = si[j];                             \
+                        if (m != m) M = m;                                                          \
+                        float shift = M == -INFINITY ? 0.0f : M;                                    \
+                        float alpha = s_exp(m - shift);                                             \
+                        for (int c = 0; c < KEY_BLOCK / 16; c++) {                                  \
+                            if (16 * c > je || 16 * c + 15 < ja) {                                  \
+                                memset(p + 16 * c, 0, 64);                                          \
+                                continue;                                                           \
+                            }                                                                       \
+                            P##16_store(p + 16 * c, P##16_exp(P##16_sub(P##16_load(si + 16 * c, 16), P##16_set(shift))), 16); \
+                        }                                                                           \
+                        for (int j = 0; j < KEY_BLOCK; j++)                                         \
+                            if (j < ja || j > je) p[j] = 0.0f;                                      \
+                        P##16 sum = P##16_add(P##16_add(P##16_add(P##16_load(p, 16), P##16_load(p + 16, 16)), \
+                                                        P##16_load(p + 32, 16)), P##16_load(p + 48, 16)); \
+                        P##16_store(lanes, sum, 16);                                                \
+                        J->row_sum[r] = J->row_sum[r] * alpha + fold16(lanes);                      \
+                        float *o = J->out + r * D;                                                  \
+                        for (int c = 0; c < nd; c++) {                                              \
+                            int cnt = (int)(D - 16 * c < 16 ? D - 16 * c : 16);                     \
+                            P##16 pv = P##16_zero();                                                \
+                            for (int j = ja; j <= je; j++)                                          \
+                                pv = P##16_fma(P##16_set(p[j]), P##16_loadw(vrow[j], 16 * c, J->dt, cnt), pv); \
+                            P##16 a = P##16_load(o + 16 * c, cnt);                                  \
+                            P##16_store(o + 16 * c, P##16_add(P##16_mul(a, P##16_set(alpha)), pv), cnt); \
+                        }                                                                           \
+                        J->row_max[r] = M;                                                          \
+                    }                                                                               \
+                }                                                                                   \
+            }                                                                                       \
+        }                                                                                           \
+        for (int64_t t = t0; t < t1; t++)                                                           \
+            for (int64_t g = 0; g < G; g++) {                                                       \
+                int64_t r = (q0 + t) * J->Hq + hk * G + g;                                          \
+                float l = J->row_sum[r] == 0.0f ? 1.0f : J->row_sum[r];                             \
+                float *o = J->out + r * D;                                                          \
+                for (int c = 0; c < nd; c++) {                                                      \
+                    int cnt = (int)(D - 16 * c < 16 ? D - 16 * c : 16);                             \
+                    P##16_store(o + 16 * c, P##16_div(P##16_load(o + 16 * c, cnt), P##16_set(l)), cnt); \
+                }                                                                                   \
+            }                                                                                       \
+    }
+
+ATTN_ITEM(s, )
+#if LS_X86
+ATTN_ITEM(a, AVX2_T)
+ATTN_ITEM(z, AVX512_T)
+#endif
+
+static void attn_item(void *ctx, int64_t item) {
+    const attn_job *J = (const attn_job *)ctx;
+    int64_t lo = 0, hi = J->B; /* the sequence b with item_start[b] <= item < item_start[b + 1] */
+    while (hi - lo > 1) {
+        int64_t mid = (lo + hi) / 2;
+        if (J->item_start[mid] <= item) lo = mid; else hi = mid;
+    }
+    int64_t b = lo, r = item - J->item_start[b];
+    int64_t t0 = (r / J->Hkv) * TOKEN_TILE, hk = r % J->Hkv, len_q = J->cu_q[b + 1] - J->cu_q[b];
+    int64_t t1 = t0 + TOKEN_TILE < len_q ? t0 + TOKEN_TILE : len_q;
+#if LS_X86
+    if (J->isa == ISA_AVX512) { attn_item_z(J, b, t0, t1, hk); return; }
+    if (J->isa == ISA_AVX2) { attn_item_a(J, b, t0, t1, hk); return; }
+#endif
+    attn_item_s(J, b, t0, t1, hk);
+}
+
 /* ---------------------------------------------------------------- exported */
 
-int ls_abi_version(void) { return 1; }
+int ls_abi_version(void) { return 2; }
 
 /* Whether this CPU (and its OS) runs an instruction set: 0 scalar, 1 AVX2 + FMA + F16C, 2 AVX-512. */
 int ls_cpu_supports(int isa) {
@@ -691,6 +944,47 @@ int ls_gemm_nt(int64_t batch, int64_t M, int64_t N, int64_t K, const void *A, in
     /* Small problems run on the calling thread: waking workers would cost more than they save. */
     if (batch * M * N * K < (int64_t)1 << 18) threads = 1;
     parallel_for(gemm_item, &g, items, threads);
+    return 0;
+}
+
+/* Attention forward over packed sequences (the order of the attention section above). q: [Tq, Hq, D]
+ * contiguous, sequence b's queries at rows cu_q[b] .. cu_q[b + 1]; k, v: rows of [Hkv, D] contiguous,
+ * sequence b's key j at row k_start[b] + j (packed), or, when table is not NULL, at row
+ * table[b * table_stride + j / block_size] * block_size + j % block_size (a paged cache of
+ * block_size-row blocks); len_k[b] keys. A query's position is len_k - len_q + its index. causal:
+ * keys past the position are hidden; window > 0: keys at or before position - window are hidden.
+ * out: fp32 [Tq, Hq, D]; row_max, row_sum: fp32 [Tq, Hq], each row's final m and l (rows outside
+ * every sequence are not written). Returns 0, -1 for arguments it cannot take, -2 when memory runs
+ * out. */
+int ls_attention_fwd(int64_t B, int64_t Hq, int64_t Hkv, int64_t D, const void *q, const void *k, const void *v,
+                     const int64_t *cu_q, const int64_t *len_k, const int64_t *k_start, const int64_t *table,
+                     int64_t table_stride, int64_t block_size, float scale, int causal, int64_t window, float *out,
+                     float *row_max, float *row_sum, int dt, int isa, int threads) {
+    if (B < 0 || Hq <= 0 || Hkv <= 0 || Hq % Hkv || D <= 0 || window < 0 || dt < DT_F32 || dt > DT_F16 ||
+        !ls_cpu_supports(isa) || (table ? block_size <= 0 : k_start == NULL))
+        return -1;
+    for (int64_t b = 0; b < B; b++)
+        if (cu_q[b + 1] < cu_q[b] || len_k[b] < 0) return -1;
+    int64_t *item_start = (int64_t *)malloc((size_t)(B + 1) * 8);
+    if (!item_start) return -2;
+    item_start[0] = 0;
+    int64_t work = 0;
+    for (int64_t b = 0; b < B; b++) {
+        int64_t len_q = cu_q[b + 1] - cu_q[b];
+        item_start[b + 1] = item_start[b] + (len_q + TOKEN_TILE - 1) / TOKEN_TILE * Hkv;
+        work += len_q * len_k[b];
+        /* Each row starts as one that has seen no key. */
+        for (int64_t r = cu_q[b] * Hq; r < cu_q[b + 1] * Hq; r++) {
+            row_max[r] = -INFINITY;
+            row_sum[r] = 0.0f;
+            memset(out + r * D, 0, (size_t)D * 4);
+        }
+    }
+    attn_job J = {B, Hq, Hkv, D, (const char *)q, (const char *)k, (const char *)v, cu_q, len_k, k_start, table,
+                  table_stride, block_size, window, scale, causal, dt, isa, out, row_max, row_sum, item_start};
+    /* Small problems run on the calling thread: waking workers would cost more than they save. */
+    parallel_for(attn_item, &J, item_start[B], work * Hq * D < (int64_t)1 << 16 ? 1 : threads);
+    free(item_start);
     return 0;
 }
 
