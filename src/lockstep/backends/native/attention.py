@@ -13,12 +13,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ...fixed_order import records_cpu_kernels
+from ...fixed_order import records_cpu_kernels, restores_cpu_kernels
 from ...registry import register
 from ..portable import attention as portable
 from .build import isa, library
 from .cpu import native_kernels
-from .gemm import _DTYPE_CODES
+from .gemm import DTYPE_CODES
 
 
 def _int64(values) -> Tensor:
@@ -32,7 +32,7 @@ def attention_forward(q: Tensor, k: Tensor, v: Tensor, cu_q: list[int], len_k: l
     cache [num_blocks, block_size, Hkv, D] read through table [B, max_blocks]; fp32, bf16 or fp16.
     Returns fp32 (out [Tq, Hq, D], row max [Tq, Hq], row sum of exponentials [Tq, Hq]); rows past
     cu_q[-1] are zero."""
-    if not (q.dtype == k.dtype == v.dtype and q.dtype in _DTYPE_CODES):
+    if not (q.dtype == k.dtype == v.dtype and q.dtype in DTYPE_CODES):
         q, k, v = q.float(), k.float(), v.float()
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     tq, hq, d = q.shape
@@ -47,7 +47,7 @@ def attention_forward(q: Tensor, k: Tensor, v: Tensor, cu_q: list[int], len_k: l
         len(len_k), hq, hkv, d, q.data_ptr(), k.data_ptr(), v.data_ptr(), cu.data_ptr(), lens.data_ptr(),
         None if starts is None else starts.data_ptr(), None if tbl is None else tbl.data_ptr(),
         0 if tbl is None else tbl.stride(0), 0 if tbl is None else k.shape[1], scale, int(causal), window or 0,
-        out.data_ptr(), row_max.data_ptr(), row_sum.data_ptr(), _DTYPE_CODES[q.dtype], isa(), torch.get_num_threads())
+        out.data_ptr(), row_max.data_ptr(), row_sum.data_ptr(), DTYPE_CODES[q.dtype], isa(), torch.get_num_threads())
     if status == -2:
         raise MemoryError("ls_attention_fwd: out of memory for its key-block buffers")
     if status != 0:
@@ -76,7 +76,11 @@ class _Attention(torch.autograd.Function):
         ctx.options = (scale, causal, window)
         return out.to(q.dtype)
 
-    backward = portable._Attention.backward
+    @staticmethod
+    @restores_cpu_kernels
+    def backward(ctx, grad_out):
+        q, k, v = ctx.saved_tensors
+        return portable.packed_backward(q, k, v, grad_out, ctx.stats, ctx.cu_q, ctx.cu_k, *ctx.options) + (None,) * 5
 
 
 @register("native", "attention")

@@ -14,7 +14,7 @@ from torch import Tensor
 
 from .build import isa, library
 
-_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
 def _rows_contiguous(x: Tensor) -> Tensor:
@@ -28,7 +28,7 @@ def gemm_nt(a: Tensor, b: Tensor, bias: Tensor | None = None, out: Tensor | None
     after each dot. `out`: an fp32 tensor of that shape with unit column stride, written in place."""
     if a.dim() != b.dim() or a.dim() not in (2, 3) or a.shape[-1] != b.shape[-1] or a.shape[:-2] != b.shape[:-2]:
         raise ValueError(f"a, b: expected [(B,) M, K] and [(B,) N, K], got {tuple(a.shape)} and {tuple(b.shape)}")
-    if a.dtype != b.dtype or a.dtype not in _DTYPE_CODES:
+    if a.dtype != b.dtype or a.dtype not in DTYPE_CODES:
         a, b = a.float(), b.float()
     a, b = _rows_contiguous(a), _rows_contiguous(b)
     shape = a.shape[:-1] + (b.shape[-2],)
@@ -49,7 +49,7 @@ def gemm_nt(a: Tensor, b: Tensor, bias: Tensor | None = None, out: Tensor | None
         b.data_ptr(), b.stride(-2) if n > 1 else k, b.stride(0) if batched else 0,
         out.data_ptr(), out.stride(-2) if m > 1 else n, out.stride(0) if batched else 0,
         None if bias is None else bias.data_ptr(),
-        _DTYPE_CODES[a.dtype], isa(), torch.get_num_threads())
+        DTYPE_CODES[a.dtype], isa(), torch.get_num_threads())
     if status != 0:
         raise RuntimeError(f"ls_gemm_nt refused a [{bsz}, {m}, {k}] x [{n}, {k}] {a.dtype} product")
     return out

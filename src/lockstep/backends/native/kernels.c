@@ -671,7 +671,6 @@ static void unary_item(void *ctx, int64_t item) {
  * probabilities and the block sum, across 16 dimensions of d for the output. */
 
 #define KEY_BLOCK 64
-#define TOKEN_TILE 16 /* query tokens per work item (with all query heads of one KV head) */
 
 typedef struct {
     int64_t B, Hq, Hkv, D;
@@ -682,6 +681,8 @@ typedef struct {
     int causal, dt, isa;
     float *out, *row_max, *row_sum;
     int64_t *item_start; /* [B + 1]: the first work item of each sequence */
+    int64_t tokens;      /* query tokens per work item (with all G query heads of one KV head) */
+    atomic_int failed;   /* set by an item that could not allocate its buffers */
 } attn_job;
 
 /* Lane operations on 16 fp32 lanes, one set per instruction set; loadw widens 16-bit elements. */
@@ -792,13 +793,17 @@ static void attn_scores(const attn_job *J, int mr, const char *A, int64_t lda, c
     }
 }
 
-/* One work item: tokens [t0, t1) of sequence b, with every query head of KV head hk. */
+/* One work item: tokens [t0, t1) of sequence b, with every query head of KV head hk: R = (t1 - t0) * G
+ * rows, row i = token t0 + i / G, head hk * G + i % G. Qp holds their queries packed (as stored),
+ * S their scores of one block, Vb the block's values widened to fp32 (16-bit dtypes only). */
 #define ATTN_ITEM(P, T)                                                                             \
-    T static void attn_item_##P(const attn_job *J, int64_t b, int64_t t0, int64_t t1, int64_t hk) {   \
+    T static void attn_item_##P(const attn_job *J, int64_t b, int64_t t0, int64_t t1, int64_t hk,     \
+                                char *Qp, float *S, float *Vb) {                                   \
         const int64_t D = J->D, G = J->Hq / J->Hkv, len_k = J->len_k[b];                             \
         const int64_t q0 = J->cu_q[b], len_q = J->cu_q[b + 1] - q0;                                \
         const int64_t es = J->dt == DT_F32 ? 4 : 2;                                                 \
         const int nd = (int)((D + 15) / 16);                                                        \
+        const int R = (int)((t1 - t0) * G);                                                         \
         int64_t first = INT64_MAX, last = -1;                                                       \
         for (int64_t t = t0; t < t1; t++) {                                                         \
             int64_t pos = len_k - len_q + t;                                                        \
@@ -806,10 +811,10 @@ static void attn_scores(const attn_job *J, int mr, const char *A, int64_t lda, c
             if (lo < 0) lo = 0;                                                                     \
             if (hi > len_k - 1) hi = len_k - 1;                                                     \
             if (lo <= hi) { if (lo < first) first = lo; if (hi > last) last = hi; }                 \
+            memcpy(Qp + (t - t0) * G * D * es, J->q + ((q0 + t) * J->Hq + hk * G) * D * es, (size_t)(G * D * es)); \
         }                                                                                           \
         if (last < 0) return;                                                                       \
         const char *krow[KEY_BLOCK], *vrow[KEY_BLOCK];                                              \
-        float s[MR * KEY_BLOCK] __attribute__((aligned(64)));                                       \
         float p[KEY_BLOCK] __attribute__((aligned(64)));                                            \
         float lanes[16];                                                                            \
         for (int64_t k0 = first / KEY_BLOCK * KEY_BLOCK; k0 <= last; k0 += KEY_BLOCK) {            \
@@ -818,64 +823,80 @@ static void attn_scores(const attn_job *J, int mr, const char *A, int64_t lda, c
                 int64_t row = attn_key_row(J, b, k0 + j);                                           \
                 krow[j] = J->k + (row * J->Hkv + hk) * D * es;                                      \
                 vrow[j] = J->v + (row * J->Hkv + hk) * D * es;                                      \
-            }                                                                                       \
-            for (int64_t t = t0; t < t1; t++) {                                                     \
-                int64_t pos = len_k - len_q + t;                                                    \
-                int64_t lo = J->window > 0 ? pos - J->window + 1 : 0, hi = J->causal ? pos : len_k - 1; \
-                if (lo < k0) lo = k0;                                                               \
-                if (hi > k0 + n - 1) hi = k0 + n - 1;                                               \
-                if (lo > hi) continue; /* an exact no-op for every head of this token */            \
-                int ja = (int)(lo - k0), je = (int)(hi - k0);                                       \
-                for (int64_t g0 = 0; g0 < G; g0 += MR) {                                            \
-                    int mr = (int)(G - g0 < MR ? G - g0 : MR);                                      \
-                    int64_t r0 = (q0 + t) * J->Hq + hk * G + g0;                                    \
-                    attn_scores(J, mr, J->q + r0 * D * es, D * es, krow, n, ja, je, s);             \
-                    for (int i = 0; i < mr; i++) {                                                  \
-                        const float *si = s + i * KEY_BLOCK;                                        \
-                        int64_t r = r0 + i;                                                         \
-                        float m = J->row_max[r], M = m;                                             \
-                        for (int j = ja; j <= je; j++)                                              \
-                            if (si[j] > M || si[j] != si[j]) M = si[j];                             \
-                        if (m != m) M = m;                                                          \
-                        float shift = M == -INFINITY ? 0.0f : M;                                    \
-                        float alpha = s_exp(m - shift);                                             \
-                        for (int c = 0; c < KEY_BLOCK / 16; c++) {                                  \
-                            if (16 * c > je || 16 * c + 15 < ja) {                                  \
-                                memset(p + 16 * c, 0, 64);                                          \
-                                continue;                                                           \
-                            }                                                                       \
-                            P##16_store(p + 16 * c, P##16_exp(P##16_sub(P##16_load(si + 16 * c, 16), P##16_set(shift))), 16); \
-                        }                                                                           \
-                        for (int j = 0; j < KEY_BLOCK; j++)                                         \
-                            if (j < ja || j > je) p[j] = 0.0f;                                      \
-                        P##16 sum = P##16_add(P##16_add(P##16_add(P##16_load(p, 16), P##16_load(p + 16, 16)), \
-                                                        P##16_load(p + 32, 16)), P##16_load(p + 48, 16)); \
-                        P##16_store(lanes, sum, 16);                                                \
-                        J->row_sum[r] = J->row_sum[r] * alpha + fold16(lanes);                      \
-                        float *o = J->out + r * D;                                                  \
-                        for (int c = 0; c < nd; c++) {                                              \
-                            int cnt = (int)(D - 16 * c < 16 ? D - 16 * c : 16);                     \
-                            P##16 pv = P##16_zero();                                                \
-                            for (int j = ja; j <= je; j++)                                          \
-                                pv = P##16_fma(P##16_set(p[j]), P##16_loadw(vrow[j], 16 * c, J->dt, cnt), pv); \
-                            P##16 a = P##16_load(o + 16 * c, cnt);                                  \
-                            P##16_store(o + 16 * c, P##16_add(P##16_mul(a, P##16_set(alpha)), pv), cnt); \
-                        }                                                                           \
-                        J->row_max[r] = M;                                                          \
+                if (J->dt != DT_F32)                                                                \
+                    for (int c = 0; c < nd; c++) {                                                  \
+                        int cnt = (int)(D - 16 * c < 16 ? D - 16 * c : 16);                         \
+                        P##16_store(Vb + j * D + 16 * c, P##16_loadw(vrow[j], 16 * c, J->dt, cnt), cnt); \
                     }                                                                               \
+            }                                                                                       \
+            /* Each row's visible keys of the block, [ja, je] (ja > je: none). */                   \
+            int ja_of[MR], je_of[MR];                                                               \
+            for (int i0 = 0; i0 < R; i0 += MR) {                                                    \
+                int mr = R - i0 < MR ? R - i0 : MR, ja_u = KEY_BLOCK, je_u = -1;                    \
+                for (int i = 0; i < mr; i++) {                                                      \
+                    int64_t pos = len_k - len_q + t0 + (i0 + i) / G;                                \
+                    int64_t lo = J->window > 0 ? pos - J->window + 1 : 0, hi = J->causal ? pos : len_k - 1; \
+                    if (lo < k0) lo = k0;                                                           \
+                    if (hi > k0 + n - 1) hi = k0 + n - 1;                                           \
+                    ja_of[i] = (int)(lo - k0);                                                      \
+                    je_of[i] = (int)(hi - k0);                                                      \
+                    if (ja_of[i] <= je_of[i]) {                                                     \
+                        if (ja_of[i] < ja_u) ja_u = ja_of[i];                                       \
+                        if (je_of[i] > je_u) je_u = je_of[i];                                       \
+                    }                                                                               \
+                }                                                                                   \
+                if (ja_u > je_u) continue; /* an exact no-op for these rows */                      \
+                attn_scores(J, mr, Qp + (int64_t)i0 * D * es, D * es, krow, n, ja_u, je_u, S);      \
+                for (int i = 0; i < mr; i++) {                                                      \
+                    int ja = ja_of[i], je = je_of[i];                                               \
+                    if (ja > je) continue;                                                          \
+                    const float *si = S + i * KEY_BLOCK;                                            \
+                    int64_t r = (q0 + t0 + (i0 + i) / G) * J->Hq + hk * G + (i0 + i) % G;           \
+                    float m = J->row_max[r], M = m;                                                 \
+                    for (int j = ja; j <= je; j++)                                                  \
+                        if (si[j] > M || si[j] != si[j]) M = si[j];                                 \
+                    if (m != m) M = m;                                                              \
+                    float shift = M == -INFINITY ? 0.0f : M;                                        \
+                    float alpha = s_exp(m - shift);                                                 \
+                    for (int c = 0; c < KEY_BLOCK / 16; c++) {                                      \
+                        if (16 * c > je || 16 * c + 15 < ja) {                                      \
+                            memset(p + 16 * c, 0, 64);                                              \
+                            continue;                                                               \
+                        }                                                                           \
+                        P##16_store(p + 16 * c, P##16_exp(P##16_sub(P##16_load(si + 16 * c, 16), P##16_set(shift))), 16); \
+                    }                                                                               \
+                    for (int j = 0; j < KEY_BLOCK; j++)                                             \
+                        if (j < ja || j > je) p[j] = 0.0f;                                          \
+                    P##16 sum = P##16_add(P##16_add(P##16_add(P##16_load(p, 16), P##16_load(p + 16, 16)), \
+                                                    P##16_load(p + 32, 16)), P##16_load(p + 48, 16)); \
+                    P##16_store(lanes, sum, 16);                                                    \
+                    J->row_sum[r] = J->row_sum[r] * alpha + fold16(lanes);                          \
+                    float *o = J->out + r * D;                                                      \
+                    for (int c = 0; c < nd; c++) {                                                  \
+                        int cnt = (int)(D - 16 * c < 16 ? D - 16 * c : 16);                         \
+                        P##16 pv = P##16_zero();                                                    \
+                        if (J->dt == DT_F32)                                                        \
+                            for (int j = ja; j <= je; j++)                                          \
+                                pv = P##16_fma(P##16_set(p[j]), P##16_load((const float *)vrow[j] + 16 * c, cnt), pv); \
+                        else                                                                        \
+                            for (int j = ja; j <= je; j++)                                          \
+                                pv = P##16_fma(P##16_set(p[j]), P##16_load(Vb + j * D + 16 * c, cnt), pv); \
+                        P##16 a = P##16_load(o + 16 * c, cnt);                                      \
+                        P##16_store(o + 16 * c, P##16_add(P##16_mul(a, P##16_set(alpha)), pv), cnt); \
+                    }                                                                               \
+                    J->row_max[r] = M;                                                              \
                 }                                                                                   \
             }                                                                                       \
         }                                                                                           \
-        for (int64_t t = t0; t < t1; t++)                                                           \
-            for (int64_t g = 0; g < G; g++) {                                                       \
-                int64_t r = (q0 + t) * J->Hq + hk * G + g;                                          \
-                float l = J->row_sum[r] == 0.0f ? 1.0f : J->row_sum[r];                             \
-                float *o = J->out + r * D;                                                          \
-                for (int c = 0; c < nd; c++) {                                                      \
-                    int cnt = (int)(D - 16 * c < 16 ? D - 16 * c : 16);                             \
-                    P##16_store(o + 16 * c, P##16_div(P##16_load(o + 16 * c, cnt), P##16_set(l)), cnt); \
-                }                                                                                   \
+        for (int i = 0; i < R; i++) {                                                               \
+            int64_t r = (q0 + t0 + i / G) * J->Hq + hk * G + i % G;                                 \
+            float l = J->row_sum[r] == 0.0f ? 1.0f : J->row_sum[r];                                 \
+            float *o = J->out + r * D;                                                              \
+            for (int c = 0; c < nd; c++) {                                                          \
+                int cnt = (int)(D - 16 * c < 16 ? D - 16 * c : 16);                                 \
+                P##16_store(o + 16 * c, P##16_div(P##16_load(o + 16 * c, cnt), P##16_set(l)), cnt); \
             }                                                                                       \
+        }                                                                                           \
     }
 
 ATTN_ITEM(s, )
@@ -885,20 +906,31 @@ ATTN_ITEM(z, AVX512_T)
 #endif
 
 static void attn_item(void *ctx, int64_t item) {
-    const attn_job *J = (const attn_job *)ctx;
+    attn_job *J = (attn_job *)ctx;
     int64_t lo = 0, hi = J->B; /* the sequence b with item_start[b] <= item < item_start[b + 1] */
     while (hi - lo > 1) {
         int64_t mid = (lo + hi) / 2;
         if (J->item_start[mid] <= item) lo = mid; else hi = mid;
     }
-    int64_t b = lo, r = item - J->item_start[b];
-    int64_t t0 = (r / J->Hkv) * TOKEN_TILE, hk = r % J->Hkv, len_q = J->cu_q[b + 1] - J->cu_q[b];
-    int64_t t1 = t0 + TOKEN_TILE < len_q ? t0 + TOKEN_TILE : len_q;
+    int64_t b = lo, r = item - J->item_start[b], G = J->Hq / J->Hkv;
+    int64_t t0 = (r / J->Hkv) * J->tokens, hk = r % J->Hkv, len_q = J->cu_q[b + 1] - J->cu_q[b];
+    int64_t t1 = t0 + J->tokens < len_q ? t0 + J->tokens : len_q;
+    size_t rows = (size_t)(J->tokens * G);
+    char *buf = (char *)malloc(rows * (size_t)J->D * 4 + (size_t)MR * KEY_BLOCK * 4 + (size_t)KEY_BLOCK * J->D * 4 + 64);
+    if (!buf) {
+        atomic_store(&J->failed, 1);
+        return;
+    }
+    float *S = (float *)(((uintptr_t)buf + 63) & ~(uintptr_t)63);
+    float *Vb = S + MR * KEY_BLOCK;
+    char *Qp = (char *)(Vb + KEY_BLOCK * J->D);
 #if LS_X86
-    if (J->isa == ISA_AVX512) { attn_item_z(J, b, t0, t1, hk); return; }
-    if (J->isa == ISA_AVX2) { attn_item_a(J, b, t0, t1, hk); return; }
+    if (J->isa == ISA_AVX512) attn_item_z(J, b, t0, t1, hk, Qp, S, Vb);
+    else if (J->isa == ISA_AVX2) attn_item_a(J, b, t0, t1, hk, Qp, S, Vb);
+    else
 #endif
-    attn_item_s(J, b, t0, t1, hk);
+        attn_item_s(J, b, t0, t1, hk, Qp, S, Vb);
+    free(buf);
 }
 
 /* ---------------------------------------------------------------- exported */
@@ -967,11 +999,13 @@ int ls_attention_fwd(int64_t B, int64_t Hq, int64_t Hkv, int64_t D, const void *
         if (cu_q[b + 1] < cu_q[b] || len_k[b] < 0) return -1;
     int64_t *item_start = (int64_t *)malloc((size_t)(B + 1) * 8);
     if (!item_start) return -2;
+    /* About 64 rows per item: the block's keys are read once for all of them (never for the bits). */
+    int64_t tokens = Hq / Hkv >= 64 ? 1 : 64 / (Hq / Hkv);
     item_start[0] = 0;
     int64_t work = 0;
     for (int64_t b = 0; b < B; b++) {
         int64_t len_q = cu_q[b + 1] - cu_q[b];
-        item_start[b + 1] = item_start[b] + (len_q + TOKEN_TILE - 1) / TOKEN_TILE * Hkv;
+        item_start[b + 1] = item_start[b] + (len_q + tokens - 1) / tokens * Hkv;
         work += len_q * len_k[b];
         /* Each row starts as one that has seen no key. */
         for (int64_t r = cu_q[b] * Hq; r < cu_q[b + 1] * Hq; r++) {
@@ -981,11 +1015,11 @@ int ls_attention_fwd(int64_t B, int64_t Hq, int64_t Hkv, int64_t D, const void *
         }
     }
     attn_job J = {B, Hq, Hkv, D, (const char *)q, (const char *)k, (const char *)v, cu_q, len_k, k_start, table,
-                  table_stride, block_size, window, scale, causal, dt, isa, out, row_max, row_sum, item_start};
+                  table_stride, block_size, window, scale, causal, dt, isa, out, row_max, row_sum, item_start, tokens, 0};
     /* Small problems run on the calling thread: waking workers would cost more than they save. */
     parallel_for(attn_item, &J, item_start[B], work * Hq * D < (int64_t)1 << 16 ? 1 : threads);
     free(item_start);
-    return 0;
+    return atomic_load(&J.failed) ? -2 : 0;
 }
 
 /* y[i] = exp(x[i]) (fn 0) or log(x[i]) (fn 1) for i < n, fp32, contiguous; y may alias x. Returns 0,

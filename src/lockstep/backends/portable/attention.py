@@ -232,20 +232,28 @@ class _Attention(torch.autograd.Function):
     @restores_cpu_kernels
     def backward(ctx, grad_out):
         q, k, v = ctx.saved_tensors
-        acc = accumulate_dtype(q.dtype)
-        g = grad_out.to(acc)
-        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-        dk = torch.zeros(k.shape, dtype=acc, device=q.device)
-        dv = torch.zeros(v.shape, dtype=acc, device=q.device)
-        cu_q, cu_k = ctx.cu_q, ctx.cu_k
-        for b, stat in enumerate(ctx.stats):
-            if stat is None:
-                continue
-            q0, q1, k0, k1 = cu_q[b], cu_q[b + 1], cu_k[b], cu_k[b + 1]
-            gq, gk, gv = sequence_backward(q[q0:q1].to(acc), k[k0:k1].to(acc), v[k0:k1].to(acc), g[q0:q1],
-                                           stat, *ctx.options)
-            dq[q0:q1], dk[k0:k1], dv[k0:k1] = gq, gk, gv
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
+        return packed_backward(q, k, v, grad_out, ctx.stats, ctx.cu_q, ctx.cu_k, *ctx.options) + (None,) * 5
+
+
+def packed_backward(q: Tensor, k: Tensor, v: Tensor, grad_out: Tensor, stats: list[Tensor | None], cu_q: list[int],
+                    cu_k: list[int], scale: float, causal: bool,
+                    window: int | None) -> tuple[Tensor, Tensor, Tensor]:
+    """dq, dk, dv (in q's, k's, v's dtype) of packed sequences, from each sequence's forward
+    statistics ([2, Hkv, len_q * G]: the running max and sum, rows ordered (token, head in group);
+    None for a sequence without queries), one sequence at a time (`sequence_backward`)."""
+    acc = accumulate_dtype(q.dtype)
+    g = grad_out.to(acc)
+    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+    dk = torch.zeros(k.shape, dtype=acc, device=q.device)
+    dv = torch.zeros(v.shape, dtype=acc, device=q.device)
+    for b, stat in enumerate(stats):
+        if stat is None:
+            continue
+        q0, q1, k0, k1 = cu_q[b], cu_q[b + 1], cu_k[b], cu_k[b + 1]
+        gq, gk, gv = sequence_backward(q[q0:q1].to(acc), k[k0:k1].to(acc), v[k0:k1].to(acc), g[q0:q1],
+                                       stat, scale, causal, window)
+        dq[q0:q1], dk[k0:k1], dv[k0:k1] = gq, gk, gv
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
 @register("portable", "attention")
