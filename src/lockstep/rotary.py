@@ -80,7 +80,27 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None = Non
 def rope_cos_sin(positions: Tensor, head_dim: int, theta: float, scaling: RopeScaling | None,
                  dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """cos and sin [T, 1, head_dim // 2] for each token's own position, in `dtype`; the angles are
-    position x frequency in float64."""
+    position x frequency in float64. Read-only: on the CPU the last few results are reused, since
+    every layer of a forward rotates its queries and keys by the same positions."""
+    if positions.device.type != "cpu":
+        return _cos_sin(positions, head_dim, theta, scaling, dtype)
+    key = (positions.dtype, positions.numpy().tobytes(), head_dim, theta, scaling, dtype)
+    hit = _RECENT.pop(key, None)
+    if hit is None:
+        hit = _cos_sin(positions, head_dim, theta, scaling, dtype)
+        if len(_RECENT) >= 8:
+            _RECENT.pop(next(iter(_RECENT), None), None)
+    _RECENT[key] = hit
+    return hit
+
+
+# Recently computed (cos, sin) by their arguments, oldest first. The values are a function of the
+# key alone, so reusing them changes no bit; the key holds the positions' values, not the tensor.
+_RECENT: dict[tuple, tuple[Tensor, Tensor]] = {}
+
+
+def _cos_sin(positions: Tensor, head_dim: int, theta: float, scaling: RopeScaling | None,
+             dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     inv = rope_inv_freq(head_dim, theta, scaling).to(positions.device)
     angles = positions.to(torch.float64)[:, None] * inv[None, :]
     return torch.cos(angles).to(dtype)[:, None, :], torch.sin(angles).to(dtype)[:, None, :]

@@ -933,6 +933,57 @@ static void attn_item(void *ctx, int64_t item) {
     free(buf);
 }
 
+/* ---------------------------------------------------------------- rms_norm forward
+ * The portable forward's arithmetic, operation for operation (fixed_order.row_sum, portable/rms_norm.py):
+ * per row, sq = x * x; the squares summed in SUM_WIDTH-lane chunks added lane by lane in order (the
+ * last chunk zero-padded; width the next power of two for rows shorter than SUM_WIDTH), the lanes
+ * then folded pairwise (lane i with lane i + w / 2); rstd = 1 / sqrt(sum / H + eps), as ATen's
+ * rsqrt computes it; y = (x * rstd) * (w + offset). All of these are single IEEE operations, so the
+ * compiler's vectorisation changes no bit, on any instruction set. */
+
+#define SUM_WIDTH 512
+
+typedef struct {
+    const char *x, *w;
+    float *y, *rstd;
+    int64_t H;
+    int64_t rows;
+    float eps, offset;
+    int dt, wdt;
+} rms_job;
+
+#define RMS_ROWS 16 /* rows per work item */
+
+static void rms_item(void *ctx, int64_t item) {
+    const rms_job *R = (const rms_job *)ctx;
+    const int64_t H = R->H, es = R->dt == DT_F32 ? 4 : 2;
+    int64_t width = SUM_WIDTH;
+    if (H < SUM_WIDTH) for (width = 1; width < H; width *= 2) {}
+    float acc[SUM_WIDTH];
+    for (int64_t row = item * RMS_ROWS; row < (item + 1) * RMS_ROWS && row < R->rows; row++) {
+        const char *x = R->x + row * H * es;
+        for (int64_t l = 0; l < width; l++) {
+            float v = l < H ? load_scalar(x, l, R->dt) : 0.0f;
+            acc[l] = v * v;
+        }
+        for (int64_t c = width; c < H; c += width)
+            for (int64_t l = 0; l < width; l++) {
+                float v = c + l < H ? load_scalar(x, c + l, R->dt) : 0.0f;
+                acc[l] = acc[l] + v * v;
+            }
+        for (int64_t w = width / 2; w >= 1; w /= 2)
+            for (int64_t l = 0; l < w; l++) acc[l] = acc[l] + acc[l + w];
+        float mean = acc[0] / (float)H;
+        float rstd = 1.0f / sqrtf(mean + R->eps);
+        R->rstd[row] = rstd;
+        float *y = R->y + row * H;
+        for (int64_t h = 0; h < H; h++) {
+            float xs = load_scalar(x, h, R->dt) * rstd;
+            y[h] = xs * (load_scalar(R->w, h, R->wdt) + R->offset);
+        }
+    }
+}
+
 /* ---------------------------------------------------------------- exported */
 
 int ls_abi_version(void) { return 2; }
@@ -1020,6 +1071,18 @@ int ls_attention_fwd(int64_t B, int64_t Hq, int64_t Hkv, int64_t D, const void *
     parallel_for(attn_item, &J, item_start[B], work * Hq * D < (int64_t)1 << 16 ? 1 : threads);
     free(item_start);
     return atomic_load(&J.failed) ? -2 : 0;
+}
+
+/* rms_norm forward over rows of x [rows, H] (dtype dt, contiguous) with weight w [H] (dtype wdt):
+ * y fp32 [rows, H] and rstd fp32 [rows], in the order of the rms_norm section above. Returns 0, or -1
+ * for arguments it cannot take. */
+int ls_rms_norm_fwd(int64_t rows, int64_t H, const void *x, const void *w, float eps, float offset, float *y,
+                    float *rstd, int dt, int wdt, int threads) {
+    if (rows < 0 || H <= 0 || dt < DT_F32 || dt > DT_F16 || wdt < DT_F32 || wdt > DT_F16) return -1;
+    rms_job R = {(const char *)x, (const char *)w, y, rstd, H, rows, eps, offset, dt, wdt};
+    int64_t items = (rows + RMS_ROWS - 1) / RMS_ROWS;
+    parallel_for(rms_item, &R, items, rows * H < (1 << 16) ? 1 : threads);
+    return 0;
 }
 
 /* y[i] = exp(x[i]) (fn 0) or log(x[i]) (fn 1) for i < n, fp32, contiguous; y may alias x. Returns 0,

@@ -1,16 +1,47 @@
-"""Native rms_norm: the portable op, with any GEMM, exp and log on lockstep's own kernels (cpu.py);
-its sums are elementwise adds in fixed orders, the same bits on every CPU."""
+"""Native rms_norm: the forward is one C pass per row (kernels.c, `ls_rms_norm_fwd`) that performs
+the portable forward's operations in the portable order, so it gives the portable op's bits on
+every CPU; the backward is the portable one, from the forward's saved rstd. float64 takes the
+portable op."""
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
+from ... import grad_tree
 from ...registry import register
 from ..portable import rms_norm as portable
+from .build import isa, library
 from .cpu import native_kernels
+from .gemm import DTYPE_CODES
+
+
+class _RMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, eps: float, offset: float) -> Tensor:
+        rows, hidden = x.shape
+        y = torch.empty((rows, hidden), dtype=torch.float32)
+        rstd = torch.empty(rows, dtype=torch.float32)
+        w = weight.contiguous()
+        status = library().ls_rms_norm_fwd(rows, hidden, x.data_ptr(), w.data_ptr(), eps, offset, y.data_ptr(),
+                                           rstd.data_ptr(), DTYPE_CODES[x.dtype], DTYPE_CODES[w.dtype],
+                                           torch.get_num_threads())
+        if status != 0:
+            raise RuntimeError(f"ls_rms_norm_fwd refused x {tuple(x.shape)} {x.dtype}, weight {w.dtype}")
+        ctx.save_for_backward(x, weight, rstd)
+        ctx.offset = offset
+        ctx.use = grad_tree.capture("rms_norm", weight, rows, ctx.needs_input_grad[1])
+        return y.to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_y: Tensor):
+        with native_kernels():
+            return portable.rms_norm_backward(ctx, grad_y)
 
 
 @register("native", "rms_norm")
 def rms_norm(x: Tensor, weight: Tensor, eps: float, offset: float) -> Tensor:
     with native_kernels():
-        return portable.rms_norm(x, weight, eps, offset)
+        if x.dtype not in DTYPE_CODES or weight.dtype not in DTYPE_CODES or x.dim() != 2:
+            return portable.rms_norm(x, weight, eps, offset)
+        return _RMSNorm.apply(x.contiguous(), weight, eps, offset)

@@ -46,19 +46,25 @@ class _RMSNorm(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_y: Tensor):
-        x, weight, rstd = ctx.saved_tensors
-        acc = rstd.dtype
-        g = grad_y.contiguous().to(acc)
-        xhat = x.to(acc) * rstd[:, None]
-        dx = dw = None
-        if ctx.needs_input_grad[0]:
-            gw = g * (weight.to(acc) + ctx.offset)
-            dot = row_sum(gw * xhat) / x.shape[-1]
-            dx = (rstd[:, None] * (gw - xhat * dot[:, None])).to(x.dtype)
-        if ctx.needs_input_grad[1]:
-            dw = weight_grad_rows(g * xhat, ctx.use)
-            dw = None if dw is None else dw.to(weight.dtype)
-        return dx, dw, None, None
+        return rms_norm_backward(ctx, grad_y)
+
+
+def rms_norm_backward(ctx, grad_y: Tensor) -> tuple[Tensor | None, Tensor | None, None, None]:
+    """The backward of an rms_norm autograd Function whose forward saved (x, weight, rstd) and set
+    ctx.offset and ctx.use (grad_tree.capture), as _RMSNorm's does."""
+    x, weight, rstd = ctx.saved_tensors
+    acc = rstd.dtype
+    g = grad_y.contiguous().to(acc)
+    xhat = x.to(acc) * rstd[:, None]
+    dx = dw = None
+    if ctx.needs_input_grad[0]:
+        gw = g * (weight.to(acc) + ctx.offset)
+        dot = row_sum(gw * xhat) / x.shape[-1]
+        dx = (rstd[:, None] * (gw - xhat * dot[:, None])).to(x.dtype)
+    if ctx.needs_input_grad[1]:
+        dw = weight_grad_rows(g * xhat, ctx.use)
+        dw = None if dw is None else dw.to(weight.dtype)
+    return dx, dw, None, None
 
 
 @register("portable", "rms_norm")
