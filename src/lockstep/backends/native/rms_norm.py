@@ -11,7 +11,7 @@ from torch import Tensor
 from ... import grad_tree
 from ...registry import register
 from ..portable import rms_norm as portable
-from .build import isa, library
+from .build import library
 from .cpu import native_kernels
 from .gemm import DTYPE_CODES
 
