@@ -304,3 +304,31 @@ def test_weight_grad_order_is_the_documented_one(dtype, isa):
             chain = _fma32(a[r].float()[:, None].expand(6, 70), b[r].float()[None, :].expand(6, 70), chain)
         want = chain if r0 == 0 else want + chain
     assert torch.equal(got, want)
+
+
+def test_the_build_for_other_architectures_gives_the_same_bits(tmp_path, monkeypatch):
+    """kernels.c built without its x86 paths (-DLS_NO_X86), as it builds on ARM: every op of the
+    digest, forward and backward, in fp32, bf16 and fp16, gives the bits of the x86 build's scalar
+    path, which the tests above tie to AVX2 and AVX-512. (Run on x86: an ARM machine itself has not
+    been tried.)"""
+    import ctypes
+
+    import _native_digest
+    from lockstep.backends.native import attention as native_attention
+    from lockstep.backends.native import rms_norm as native_rms_norm
+
+    so = tmp_path / "kernels_no_x86.so"
+    done = subprocess.run([build.compiler(), *build.FLAGS, "-DLS_NO_X86", "-o", str(so), str(build.SOURCE), "-lm"],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    monkeypatch.setenv("LOCKSTEP_CPU_ISA", "scalar")
+    want = _native_digest.digest()
+    other = build.declare(ctypes.CDLL(str(so)))
+    assert [other.ls_cpu_supports(code) for code in build.ISAS.values()] == [1, 0, 0]
+    for module in (gemm, unary, native_attention, native_rms_norm):
+        monkeypatch.setattr(module, "library", lambda: other)
+    assert _native_digest.digest() == want
+    if "avx2" in build.supported_isas():  # the ops did run on `other`: it refuses an x86 path
+        monkeypatch.setenv("LOCKSTEP_CPU_ISA", "avx2")
+        with pytest.raises(RuntimeError, match="ls_gemm_nt refused"):
+            gemm.gemm_nt(torch.ones(2, 3), torch.ones(2, 3))

@@ -81,6 +81,11 @@ def library() -> ctypes.CDLL:
         raise NativeUnavailable(f"the compiled kernels could not be loaded: {e}") from e
     if lib.ls_abi_version() != ABI_VERSION:
         raise NativeUnavailable(f"kernel library ABI {lib.ls_abi_version()}, expected {ABI_VERSION}")
+    return declare(lib)
+
+
+def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """`lib` with the argument and result types of kernels.c's exported functions."""
     i64, ptr, cint = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
     lib.ls_gemm_nt.argtypes = [i64, i64, i64, i64, ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, ptr, cint, cint, cint]
     lib.ls_gemm_nt.restype = cint

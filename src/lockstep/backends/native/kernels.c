@@ -22,7 +22,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#if defined(__x86_64__) || defined(_M_X64)
+/* LS_NO_X86 builds the scalar path alone on x86 too, as on other architectures (a test compares it). */
+#if (defined(__x86_64__) || defined(_M_X64)) && !defined(LS_NO_X86)
 #include <immintrin.h>
 #define LS_X86 1
 #else
