@@ -917,15 +917,15 @@ static void attn_item(void *ctx, int64_t item) {
     int64_t b = lo, r = item - J->item_start[b], G = J->Hq / J->Hkv;
     int64_t t0 = (r / J->Hkv) * J->tokens, hk = r % J->Hkv, len_q = J->cu_q[b + 1] - J->cu_q[b];
     int64_t t1 = t0 + J->tokens < len_q ? t0 + J->tokens : len_q;
-    size_t rows = (size_t)(J->tokens * G);
-    char *buf = (char *)malloc(rows * (size_t)J->D * 4 + (size_t)MR * KEY_BLOCK * 4 + (size_t)KEY_BLOCK * J->D * 4 + 64);
+    size_t rows = (size_t)((t1 - t0) * G), vb = J->dt == DT_F32 ? 0 : (size_t)KEY_BLOCK * J->D;
+    char *buf = (char *)malloc(rows * (size_t)J->D * 4 + ((size_t)MR * KEY_BLOCK + vb) * 4 + 64);
     if (!buf) {
         atomic_store(&J->failed, 1);
         return;
     }
     float *S = (float *)(((uintptr_t)buf + 63) & ~(uintptr_t)63);
     float *Vb = S + MR * KEY_BLOCK;
-    char *Qp = (char *)(Vb + KEY_BLOCK * J->D);
+    char *Qp = (char *)(Vb + vb);
 #if LS_X86
     if (J->isa == ISA_AVX512) attn_item_z(J, b, t0, t1, hk, Qp, S, Vb);
     else if (J->isa == ISA_AVX2) attn_item_a(J, b, t0, t1, hk, Qp, S, Vb);
