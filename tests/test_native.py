@@ -285,27 +285,6 @@ def test_rms_norm_forward_is_the_portable_arithmetic(dtype):
         assert torch.isfinite(grads["native"][0][[0, 1, 2, 4] + list(range(6, 37))]).all()
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_weight_grad_order_is_the_documented_one(dtype, isa):
-    """kernels.c's weight-gradient order, restated: rows in blocks of 64 from row 0, one fp32 FMA
-    chain per output within a block (from +0, rows ascending), the block sums added in order; the
-    same bits on every instruction set, with tails in N and K past one micro-tile."""
-    gen = torch.Generator().manual_seed(6)
-    a = torch.randn(150, 6, generator=gen).to(dtype)
-    b = torch.randn(150, 70, generator=gen).to(dtype)
-    got = gemm.weight_grad(a, b)
-    for name in build.ISAS:
-        isa(name)
-        assert torch.equal(gemm.weight_grad(a, b), got), name
-    want = torch.zeros(6, 70)
-    for r0 in range(0, 150, 64):
-        chain = torch.zeros(6, 70)
-        for r in range(r0, min(r0 + 64, 150)):
-            chain = _fma32(a[r].float()[:, None].expand(6, 70), b[r].float()[None, :].expand(6, 70), chain)
-        want = chain if r0 == 0 else want + chain
-    assert torch.equal(got, want)
-
-
 def test_the_build_for_other_architectures_gives_the_same_bits(tmp_path, monkeypatch):
     """kernels.c built without its x86 paths (-DLS_NO_X86), as it builds on ARM: every op of the
     digest, forward and backward, in fp32, bf16 and fp16, gives the bits of the x86 build's scalar

@@ -93,8 +93,6 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.ls_attention_fwd.argtypes = [i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, flt, cint, i64,
                                      ptr, ptr, ptr, cint, cint, cint]
     lib.ls_attention_fwd.restype = cint
-    lib.ls_gemm_tn.argtypes = [i64, i64, i64, i64, ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, cint, cint, cint]
-    lib.ls_gemm_tn.restype = cint
     lib.ls_rms_norm_fwd.argtypes = [i64, i64, ptr, ptr, flt, flt, ptr, ptr, cint, cint, cint]
     lib.ls_rms_norm_fwd.restype = cint
     lib.ls_unary.argtypes = [ptr, ptr, i64, cint, cint, cint]

@@ -1,10 +1,9 @@
 """The native GEMMs: `matmul_rows` and `weight_grad` on lockstep's own kernels (kernels.c).
 
-`matmul_rows` becomes one "NT" product C[m, n] = dot(A[m, :], B[n, :]) over rows whose K elements
-are contiguous, which kernels.c computes in one fixed order per output (16 lanes over K, each one
-FMA chain from k = 0, folded by a fixed tree). `weight_grad` reduces over rows (tokens) instead, in
-blocks of 64 rows, one FMA chain per output each, with no fold. Operands in another layout are
-copied first: a copy moves values and changes no bit. bf16 and fp16 operands go to the kernel as they are
+Every GEMM becomes one "NT" product C[m, n] = dot(A[m, :], B[n, :]) over rows whose K elements are
+contiguous, which kernels.c computes in one fixed order per output (16 lanes over K, each one FMA
+chain from k = 0, folded by a fixed tree). Operands in another layout are copied into that one
+first: a copy moves values and changes no bit. bf16 and fp16 operands go to the kernel as they are
 and are widened exactly there; other mixes are widened to fp32 here, which gives the same values.
 """
 
@@ -63,30 +62,12 @@ def matmul_rows(a: Tensor, b: Tensor, bias: Tensor | None = None) -> Tensor:
 
 def weight_grad(grad_out: Tensor, inp: Tensor, out: Tensor | None = None) -> Tensor:
     """sum over rows r of grad_out[r]^T inp[r]: [(B,) M, N], [(B,) M, K] -> fp32 [(B,) N, K] (into
-    `out`, a contiguous fp32 tensor, when given), by kernels.c's weight-gradient order: the rows in
-    blocks of 64 from row 0, one FMA chain per output within a block, the blocks added in order.
-    Both operands are read in place (rows with unit column stride)."""
-    if grad_out.dim() != inp.dim() or grad_out.dim() not in (2, 3) or grad_out.shape[:-1] != inp.shape[:-1]:
-        raise ValueError(f"grad_out, inp: expected [(B,) M, N] and [(B,) M, K], got {tuple(grad_out.shape)} and "
-                         f"{tuple(inp.shape)}")
+    `out`, a contiguous fp32 tensor, when given). The rows are the reduction axis, so both operands
+    are transposed into row-contiguous copies first."""
     shape = tuple(grad_out.shape[:-2]) + (grad_out.shape[-1], inp.shape[-1])
     if out is not None and (tuple(out.shape) != shape or out.dtype != torch.float32 or not out.is_contiguous()):
         raise ValueError(f"out: expected a contiguous torch.float32 tensor of shape {shape}, got {out.dtype} "
                          f"{tuple(out.shape)}")
-    a, b = grad_out, inp
-    if a.dtype != b.dtype or a.dtype not in DTYPE_CODES:
-        a, b = a.float(), b.float()
-    a, b = _rows_contiguous(a), _rows_contiguous(b)
-    if out is None:
-        out = torch.empty(shape, dtype=torch.float32)
-    batched = a.dim() == 3
-    bsz = a.shape[0] if batched else 1
-    rows, n, k = a.shape[-2], a.shape[-1], b.shape[-1]
-    status = library().ls_gemm_tn(
-        bsz, rows, n, k,
-        a.data_ptr(), a.stride(-2) if rows > 1 else n, a.stride(0) if batched else 0,
-        b.data_ptr(), b.stride(-2) if rows > 1 else k, b.stride(0) if batched else 0,
-        out.data_ptr(), k, n * k if batched else 0, DTYPE_CODES[a.dtype], isa(), torch.get_num_threads())
-    if status != 0:
-        raise RuntimeError(f"ls_gemm_tn refused a [{bsz}, {rows}, {n}] x [{bsz}, {rows}, {k}] {a.dtype} product")
-    return out
+    g = grad_out.transpose(-1, -2).contiguous()
+    x = inp.transpose(-1, -2).contiguous()
+    return gemm_nt(g, x, out=out)

@@ -935,99 +935,6 @@ static void attn_item(void *ctx, int64_t item) {
     free(buf);
 }
 
-/* ---------------------------------------------------------------- weight-gradient GEMM
- * C[n, k] = sum over rows r < R of A[r, n] * B[r, k] (a weight gradient: the rows are tokens). The
- * rows go in blocks of WG_ROWS from r = 0; within a block each output is one fp32 FMA chain over r
- * ascending from +0, and the blocks' sums are added to the output in block order (the first one
- * stored). Vector lanes run across k, one output per lane, and nothing is folded, so every
- * instruction set, tile and thread count gives the same bits. Zero rows appended at the end add
- * exact zeros. Blocks keep the chains short: one chain over all rows would let the error grow with
- * the token count (ADR 0013 measured that on a GPU). */
-
-#define WG_ROWS 64
-#define WG_N 4  /* outputs n per micro-tile */
-#define WG_KV 4 /* 16-lane vectors of k per micro-tile (64 columns) */
-
-typedef struct {
-    int64_t batch, R, N, K;
-    const char *A, *B;
-    int64_t lda, ldb, sa, sb; /* bytes */
-    float *C;
-    int64_t ldc, sc; /* floats */
-    int dt, isa;
-    int64_t nb, kb, n_tiles, k_tiles; /* item tile: nb outputs n x kb columns k */
-} wg_job;
-
-/* One micro-tile: outputs n < nr, columns k < kc (at most WG_N x 16 WG_KV), over the rows of one block. */
-#define WG_TILE(P, T)                                                                               \
-    T static void wg_tile_##P(int dt, int nr, int kc, int64_t r0, int64_t r1, const char *A, int64_t lda, \
-                              const char *B, int64_t ldb, float *C, int64_t ldc, int first) {       \
-        /* Constant trip counts, so that the accumulators stay in registers; rows past nr multiply  \
-         * zeros and are not stored. */                                                             \
-        P##16 acc[WG_N][WG_KV];                                                                     \
-        _Pragma("GCC unroll 4")                                                                     \
-        for (int i = 0; i < WG_N; i++)                                                              \
-            _Pragma("GCC unroll 4")                                                                 \
-            for (int v = 0; v < WG_KV; v++) acc[i][v] = P##16_zero();                               \
-        for (int64_t r = r0; r < r1; r++) {                                                         \
-            P##16 b[WG_KV];                                                                         \
-            _Pragma("GCC unroll 4")                                                                 \
-            for (int v = 0; v < WG_KV; v++)                                                         \
-                b[v] = 16 * v < kc ? P##16_loadw(B + r * ldb, 16 * v, dt, kc - 16 * v) : P##16_zero(); \
-            _Pragma("GCC unroll 4")                                                                 \
-            for (int i = 0; i < WG_N; i++) {                                                        \
-                P##16 a = P##16_set(i < nr ? load_scalar(A + r * lda, i, dt) : 0.0f);              \
-                _Pragma("GCC unroll 4")                                                             \
-                for (int v = 0; v < WG_KV; v++) acc[i][v] = P##16_fma(a, b[v], acc[i][v]);          \
-            }                                                                                       \
-        }                                                                                           \
-        for (int i = 0; i < nr; i++)                                                                \
-            for (int v = 0; v < WG_KV && 16 * v < kc; v++) {                                        \
-                float *c = C + i * ldc + 16 * v;                                                    \
-                int cnt = kc - 16 * v < 16 ? kc - 16 * v : 16;                                      \
-                P##16_store(c, first ? acc[i][v] : P##16_add(P##16_load(c, cnt), acc[i][v]), cnt);  \
-            }                                                                                       \
-    }
-
-WG_TILE(s, )
-#if LS_X86
-WG_TILE(a, AVX2_T)
-WG_TILE(z, AVX512_T)
-#endif
-
-static void wg_item(void *ctx, int64_t item) {
-    const wg_job *g = (const wg_job *)ctx;
-    int64_t per_batch = g->n_tiles * g->k_tiles;
-    int64_t b = item / per_batch, r = item % per_batch;
-    int64_t n0 = (r / g->k_tiles) * g->nb, k0 = (r % g->k_tiles) * g->kb;
-    int64_t n1 = n0 + g->nb < g->N ? n0 + g->nb : g->N, k1 = k0 + g->kb < g->K ? k0 + g->kb : g->K;
-    int64_t es = g->dt == DT_F32 ? 4 : 2;
-    const char *A = g->A + b * g->sa, *B = g->B + b * g->sb;
-    float *C = g->C + b * g->sc;
-    for (int64_t n = n0; n < n1; n += WG_N) {
-        int nr = (int)(n1 - n < WG_N ? n1 - n : WG_N);
-        for (int64_t k = k0; k < k1; k += 16 * WG_KV) {
-            int kc = (int)(k1 - k < 16 * WG_KV ? k1 - k : 16 * WG_KV);
-            float *c = C + n * g->ldc + k;
-            if (g->R == 0) {
-                for (int i = 0; i < nr; i++) memset(c + i * g->ldc, 0, (size_t)kc * 4);
-                continue;
-            }
-            for (int64_t r0 = 0; r0 < g->R; r0 += WG_ROWS) {
-                int64_t r1 = r0 + WG_ROWS < g->R ? r0 + WG_ROWS : g->R;
-#if LS_X86
-                if (g->isa == ISA_AVX512)
-                    wg_tile_z(g->dt, nr, kc, r0, r1, A + n * es, g->lda, B + k * es, g->ldb, c, g->ldc, r0 == 0);
-                else if (g->isa == ISA_AVX2)
-                    wg_tile_a(g->dt, nr, kc, r0, r1, A + n * es, g->lda, B + k * es, g->ldb, c, g->ldc, r0 == 0);
-                else
-#endif
-                    wg_tile_s(g->dt, nr, kc, r0, r1, A + n * es, g->lda, B + k * es, g->ldb, c, g->ldc, r0 == 0);
-            }
-        }
-    }
-}
-
 /* ---------------------------------------------------------------- rms_norm forward
  * The portable forward's arithmetic, operation for operation (fixed_order.row_sum, portable/rms_norm.py):
  * per row, sq = x * x; the squares summed in SUM_WIDTH-lane chunks added lane by lane in order (the
@@ -1166,25 +1073,6 @@ int ls_attention_fwd(int64_t B, int64_t Hq, int64_t Hkv, int64_t D, const void *
     parallel_for(attn_item, &J, item_start[B], work * Hq * D < (int64_t)1 << 16 ? 1 : threads);
     free(item_start);
     return atomic_load(&J.failed) ? -2 : 0;
-}
-
-/* C[b, n, k] = sum over r < R of A[b, r, n] B[b, r, k] for b < batch, in the order of the
- * weight-gradient section above. A, B: rows of N (K) contiguous elements of dtype dt, row strides
- * lda, ldb and batch strides sa, sb in elements; C: fp32, row stride ldc, batch stride sc in
- * elements. Returns 0, or -1 for arguments it cannot take. */
-int ls_gemm_tn(int64_t batch, int64_t R, int64_t N, int64_t K, const void *A, int64_t lda, int64_t sa,
-               const void *B, int64_t ldb, int64_t sb, float *C, int64_t ldc, int64_t sc, int dt, int isa,
-               int threads) {
-    if (batch < 0 || R < 0 || N < 0 || K < 0 || dt < DT_F32 || dt > DT_F16 || !ls_cpu_supports(isa)) return -1;
-    if (batch == 0 || N == 0 || K == 0) return 0;
-    int64_t es = dt == DT_F32 ? 4 : 2;
-    wg_job g = {batch, R, N, K, (const char *)A, (const char *)B, lda * es, ldb * es, sa * es, sb * es,
-                C, ldc, sc, dt, isa, 64, 256, 0, 0};
-    g.n_tiles = (N + g.nb - 1) / g.nb;
-    g.k_tiles = (K + g.kb - 1) / g.kb;
-    if (batch * R * N * K < (int64_t)1 << 18) threads = 1;
-    parallel_for(wg_item, &g, batch * g.n_tiles * g.k_tiles, threads);
-    return 0;
 }
 
 /* rms_norm forward over rows of x [rows, H] (dtype dt, contiguous) with weight w [H] (dtype wdt):
