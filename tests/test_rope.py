@@ -50,3 +50,23 @@ def test_rope_token_depends_only_on_its_position():
 def test_rope_bad_input(call, message):
     with pytest.raises((TypeError, ValueError), match=message):
         call()
+
+
+def test_rope_angles_reused_across_calls_still_train_after_inference_mode():
+    """The CPU reuses a forward's cos/sin across layers (rotary.rope_cos_sin). Angles first made
+    under torch.inference_mode must still serve a later call that autograd saves for backward, and
+    a reused result must equal a fresh one bit for bit."""
+    from lockstep import rotary
+
+    positions = torch.arange(5, 12)
+    x = torch.randn(7, 2, 8)
+    rotary._RECENT.clear()
+    with torch.inference_mode():
+        first = ops.rope(x, positions, theta=1e4)
+    xg = x.clone().requires_grad_()
+    again = ops.rope(xg, positions, theta=1e4)
+    again.sum().backward()
+    rotary._RECENT.clear()
+    fresh = x.clone().requires_grad_()
+    ops.rope(fresh, positions, theta=1e4).sum().backward()
+    assert torch.equal(first, again.detach()) and torch.equal(xg.grad, fresh.grad)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -84,19 +85,24 @@ def rope_cos_sin(positions: Tensor, head_dim: int, theta: float, scaling: RopeSc
     every layer of a forward rotates its queries and keys by the same positions."""
     if positions.device.type != "cpu":
         return _cos_sin(positions, head_dim, theta, scaling, dtype)
-    key = (positions.dtype, positions.numpy().tobytes(), head_dim, theta, scaling, dtype)
-    hit = _RECENT.pop(key, None)
+    key = (positions.dtype, tuple(positions.shape), positions.numpy().tobytes(), head_dim, theta, scaling, dtype)
+    with _RECENT_LOCK:
+        hit = _RECENT.pop(key, None)
     if hit is None:
-        hit = _cos_sin(positions, head_dim, theta, scaling, dtype)
-        if len(_RECENT) >= 8:
-            _RECENT.pop(next(iter(_RECENT), None), None)
-    _RECENT[key] = hit
+        # Outside inference mode, so that a result first made under it can still be saved for backward.
+        with torch.inference_mode(False):
+            hit = _cos_sin(positions.clone(), head_dim, theta, scaling, dtype)
+    with _RECENT_LOCK:
+        _RECENT[key] = hit
+        while len(_RECENT) > 8:
+            _RECENT.pop(next(iter(_RECENT)))
     return hit
 
 
 # Recently computed (cos, sin) by their arguments, oldest first. The values are a function of the
 # key alone, so reusing them changes no bit; the key holds the positions' values, not the tensor.
 _RECENT: dict[tuple, tuple[Tensor, Tensor]] = {}
+_RECENT_LOCK = threading.Lock()
 
 
 def _cos_sin(positions: Tensor, head_dim: int, theta: float, scaling: RopeScaling | None,

@@ -40,6 +40,8 @@ def attention_forward(q: Tensor, k: Tensor, v: Tensor, cu_q: list[int], len_k: l
     out = torch.zeros((tq, hq, d), dtype=torch.float32)
     row_max = torch.full((tq, hq), float("-inf"))
     row_sum = torch.zeros((tq, hq))
+    if out.numel() == 0:  # no heads, no head dims or no queries: nothing to compute
+        return out, row_max, row_sum
     cu, lens = _int64(cu_q), _int64(len_k)
     starts = None if k_start is None else _int64(k_start)
     tbl = None if table is None else table.to(torch.int64).contiguous()

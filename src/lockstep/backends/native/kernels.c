@@ -918,7 +918,9 @@ static void attn_item(void *ctx, int64_t item) {
     int64_t t0 = (r / J->Hkv) * J->tokens, hk = r % J->Hkv, len_q = J->cu_q[b + 1] - J->cu_q[b];
     int64_t t1 = t0 + J->tokens < len_q ? t0 + J->tokens : len_q;
     size_t rows = (size_t)((t1 - t0) * G), vb = J->dt == DT_F32 ? 0 : (size_t)KEY_BLOCK * J->D;
-    char *buf = (char *)malloc(rows * (size_t)J->D * 4 + ((size_t)MR * KEY_BLOCK + vb) * 4 + 64);
+    /* calloc: the exp reads whole 16-lane groups of S, lanes past a row's keys included (their
+     * results are then zeroed); zeroed memory keeps those reads defined. */
+    char *buf = (char *)calloc(1, rows * (size_t)J->D * 4 + ((size_t)MR * KEY_BLOCK + vb) * 4 + 64);
     if (!buf) {
         atomic_store(&J->failed, 1);
         return;
