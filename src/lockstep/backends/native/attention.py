@@ -13,7 +13,6 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ...fixed_order import records_cpu_kernels, restores_cpu_kernels
 from ...registry import register
 from ..portable import attention as portable
 from .build import isa, library
@@ -65,24 +64,15 @@ def _portable_stats(row_max: Tensor, row_sum: Tensor, q0: int, q1: int, hkv: int
                         for x in (row_max, row_sum)])
 
 
-class _Attention(torch.autograd.Function):
-    @staticmethod
-    @records_cpu_kernels
-    def forward(ctx, q, k, v, cu_q, cu_k, scale, causal, window):
-        lens = [cu_k[b + 1] - cu_k[b] for b in range(len(cu_k) - 1)]
-        out, row_max, row_sum = attention_forward(q, k, v, cu_q, lens, cu_k[:-1], None, scale, causal, window)
-        ctx.save_for_backward(q, k, v)
-        ctx.stats = [_portable_stats(row_max, row_sum, cu_q[b], cu_q[b + 1], k.shape[1]) if cu_q[b + 1] > cu_q[b]
-                     else None for b in range(len(cu_q) - 1)]
-        ctx.cu_q, ctx.cu_k = cu_q, cu_k
-        ctx.options = (scale, causal, window)
-        return out.to(q.dtype)
+def _packed_forward(q, k, v, cu_q, cu_k, scale, causal, window) -> tuple[Tensor, list[Tensor | None]]:
+    """The kernel's output and each sequence's statistics in the portable backward's layout."""
+    lens = [cu_k[b + 1] - cu_k[b] for b in range(len(cu_k) - 1)]
+    out, row_max, row_sum = attention_forward(q, k, v, cu_q, lens, cu_k[:-1], None, scale, causal, window)
+    return out, [_portable_stats(row_max, row_sum, cu_q[b], cu_q[b + 1], k.shape[1]) if cu_q[b + 1] > cu_q[b]
+                 else None for b in range(len(cu_q) - 1)]
 
-    @staticmethod
-    @restores_cpu_kernels
-    def backward(ctx, grad_out):
-        q, k, v = ctx.saved_tensors
-        return portable.packed_backward(q, k, v, grad_out, ctx.stats, ctx.cu_q, ctx.cu_k, *ctx.options) + (None,) * 5
+
+_Attention = portable.packed_attention_function(_packed_forward)
 
 
 @register("native", "attention")
