@@ -14,7 +14,6 @@ timed against SDPA's, with a check that a sequence's gradients are the same alon
     python benchmarks/bench_attention_tiles.py [--json PATH] [--backward | --backward-only]
 """
 
-import json
 import sys
 
 import torch
@@ -23,7 +22,7 @@ import torch.nn.functional as F
 from lockstep.backends.triton import attention as triton_attention
 from lockstep.backends.triton.attention import AttentionConfig, _forward, fwd_config
 
-from bench_gpu import bench as median_ms
+from bench_gpu import bench as median_ms, write_json
 
 CANDIDATES = [None, AttentionConfig(16, 4, 3), AttentionConfig(32, 4, 3), AttentionConfig(64, 4, 3), AttentionConfig(64, 4, 2),
               AttentionConfig(64, 8, 3), AttentionConfig(128, 8, 3), AttentionConfig(128, 8, 2),
@@ -171,9 +170,7 @@ def main() -> int:
                   f"{checks['decode_equals_prefill']} |", flush=True)
     if "--backward" in sys.argv or "--backward-only" in sys.argv:
         rows += backward_rows()
-    if "--json" in sys.argv:
-        with open(sys.argv[sys.argv.index("--json") + 1], "w") as f:
-            json.dump(rows, f, indent=1)
+    write_json(rows)
     return 0
 
 

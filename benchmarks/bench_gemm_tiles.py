@@ -8,7 +8,6 @@ contract's row invariance on this device (rows 0..6 of the 2048-row product == t
     python benchmarks/bench_gemm_tiles.py [--dtype bf16|fp32] [--json PATH]
 """
 
-import json
 import sys
 
 import torch
@@ -16,7 +15,7 @@ import torch
 from lockstep.backends.triton.common import GemmConfig, gemm_config
 from lockstep.backends.triton.gemm import gemm
 
-from bench_gpu import bench as median_ms
+from bench_gpu import bench as median_ms, write_json
 
 CANDIDATES = {
     torch.bfloat16: [None, GemmConfig(128, 128, 64, 8, 3), GemmConfig(128, 256, 64, 8, 3), GemmConfig(128, 128, 64, 8, 4),
@@ -61,9 +60,7 @@ def main() -> int:
             rows.append(dict(config=list(cfg), m=m, n=n, k=k, ms=ours, cublas_ms=ref, invariant=invariant))
             print(f"| {cfg.block_m}x{cfg.block_n}x{cfg.block_k}, {cfg.num_warps}, {cfg.num_stages} | {m}, {n}, {k} | "
                   f"{ours:.3f} | {tflops:.0f} | {ref:.3f} | {ours / ref:.2f} | {invariant} |", flush=True)
-    if "--json" in sys.argv:
-        with open(sys.argv[sys.argv.index("--json") + 1], "w") as f:
-            json.dump(rows, f, indent=1)
+    write_json(rows)
     return 0
 
 

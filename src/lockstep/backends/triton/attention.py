@@ -36,7 +36,7 @@ class AttentionConfig(NamedTuple):
 # every BLOCK_Q (a key block a row cannot see is an exact no-op), so the tile is free to follow
 # speed, but the MMA instruction follows it: on an H200, 64 and 128 query rows gave other bits than
 # 16 and 32, each still batch invariant and with decode == prefill (bench_attention_tiles.py,
-# docs/gpu.md). (64, 4 warps) made prefill 2.4-3x faster than 16 rows and left decode as it was;
+# docs/gpu.md). (64, 4 warps) made prefill 2.3-3x faster than 16 rows and left decode as it was;
 # (128, 8 warps) was faster still at 8k-long prefill and 1.4x slower at a 32-sequence decode.
 FWD_CONFIGS = {None: AttentionConfig(BLOCK_Q), 90: AttentionConfig(64, 4, 3)}
 # The backward's query tile. It does fix an order: dK and dV sum the query rows BLOCK_Q at a time,
