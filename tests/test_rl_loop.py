@@ -38,9 +38,16 @@ def test_rl_loop_is_exact_pushes_weights_and_resumes_bitwise(tmp_path, capsys):
     rows = [json.loads(line) for line in (straight / "rollouts.jsonl").read_text().splitlines()]
     assert len(rows) == 3 * 2 * 2 and {"question", "answer", "completion", "parsed", "reward"} <= set(rows[0])
     assert "reward" in (straight / "report.html").read_text()
+    assert sorted(os.listdir(straight / "checkpoints")) == ["latest", "step-000002", "step-000003"], "keeps 2"
 
     assert cli.main(["rl", *TINY, "--steps", "2", "--out", str(split)]) == 0
-    assert cli.main(["rl", *TINY, "--steps", "3", "--resume", "--out", str(split)]) == 0
+    # How long a run goes and what it keeps on disk may change on resume; nothing else may.
+    assert cli.main(["rl", *TINY, "--steps", "3", "--keep-checkpoints", "0", "--resume", "--out", str(split)]) == 0
+    assert sorted(os.listdir(split / "checkpoints")) == ["latest", "step-000001", "step-000002", "step-000003"]
+    capsys.readouterr()
+    assert cli.main(["rl", *TINY, "--steps", "4", "--temperature", "0.5", "--resume", "--out", str(split)]) == 2
+    assert "started with other settings (temperature); a resumed run keeps them (only --steps, --save-every" in \
+        capsys.readouterr().err
     resumed, events = train.read_log(str(split))
     assert [e["event"] for e in events] == ["start", "resume"]
     keys = ("step", "loss", "grad_norm", "reward", "tokens")
@@ -114,6 +121,7 @@ def test_on_the_real_model_in_bf16_stock_pytorch_is_off_policy_and_lockstep_is_n
     (["--group", "1"], "group: expected at least 2"),
     (["--steps", "0"], "steps: expected a positive int"),
     (["--resume"], "resume: no checkpoint in"),
+    (["--keep-checkpoints", "-1"], "keep_checkpoints: expected an int >= 0, got -1"),
 ])
 def test_rl_refuses_bad_settings(tmp_path, capsys, args, message):
     assert cli.main(["rl", "--model", "tiny", "--out", str(tmp_path / "x"), *args]) == 2

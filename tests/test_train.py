@@ -194,12 +194,45 @@ def test_crash_during_save_keeps_the_last_good_checkpoint(tmp_path, monkeypatch)
         return real(src, dst)
 
     monkeypatch.setattr(os, "replace", crash)
-    with pytest.raises(OSError):
+    with pytest.raises(OSError, match=r"checkpoint .*step-000003: not written \(OSError: disk full\); the previous"):
         t.save(str(tmp_path))
     monkeypatch.setattr(os, "replace", real)
     assert (tmp_path / "latest").read_text() == "step-000002"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-000002"], "the half-written folder is removed"
     fresh = _trainer()
     assert fresh.resume(str(tmp_path)) == 2
+
+
+def test_a_full_disk_while_writing_leaves_no_partial_checkpoint(tmp_path, monkeypatch):
+    import safetensors.torch
+
+    t = _trainer()
+    _run(t, 1)
+    t.save(str(tmp_path))
+    _run(t, 1)
+
+    def full(tensors, filename, metadata=None):
+        with open(filename, "wb") as f:
+            f.write(b"\0" * 1000)             # what a write cut short leaves behind
+        raise safetensors.SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full)
+    with pytest.raises(OSError, match=r"step-000002: not written \(SafetensorError: .*No space left on device"):
+        t.save(str(tmp_path))
+    monkeypatch.undo()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-000001"]
+    assert _trainer().resume(str(tmp_path)) == 1
+
+
+@pytest.mark.parametrize("keep, left", [(2, ["step-000003", "step-000004"]), (1, ["step-000004"]),
+                                        (0, ["step-000001", "step-000002", "step-000003", "step-000004"])])
+def test_only_the_newest_checkpoints_are_kept(tmp_path, keep, left):
+    t = _trainer(keep_checkpoints=keep)
+    for _ in range(4):
+        _run(t, 1)
+        t.save(str(tmp_path))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", *left]
+    assert _trainer().resume(str(tmp_path)) == 4
 
 
 def test_checkpoint_of_another_model_is_refused(tmp_path):
@@ -377,6 +410,7 @@ def test_a_damaged_checkpoint_is_named_on_resume(tmp_path, capsys, victim, damag
     (["--warmup", "-3"], "warmup: expected an int >= 0, got -3"),
     (["--weight-decay", "-1"], "weight_decay: expected a number >= 0, got -1.0"),
     (["--save-every", "-1"], "save_every: expected an int >= 0, got -1"),
+    (["--keep-checkpoints", "-2"], "keep_checkpoints: expected an int >= 0, got -2"),
     (["--dtype", "fp16"], "dtype: expected fp32 or bf16"),
     (["--lr", "nan"], "lr: expected a positive number"),
 ])

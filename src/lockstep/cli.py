@@ -277,7 +277,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     cfg = train.TrainConfig(steps=args.steps, seq_len=args.seq_len, micro_batch_tokens=args.micro_batch_tokens,
                             accum=args.accum, lr=args.lr, warmup=args.warmup, weight_decay=args.weight_decay,
                             grad_clip=args.grad_clip, seed=args.seed, master_weights=args.master_weights,
-                            save_every=args.save_every, global_batch_tokens=args.global_batch_tokens)
+                            save_every=args.save_every, keep_checkpoints=args.keep_checkpoints,
+                            global_batch_tokens=args.global_batch_tokens)
     rank = os.environ.get("RANK") if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None
     where = f"rank {rank}: " if rank is not None else ""
     try:
@@ -332,7 +333,8 @@ def cmd_rl(args: argparse.Namespace) -> int:
     cfg = rl.RLConfig(model=args.model, dtype=args.dtype, steps=args.steps, prompts_per_step=args.prompts_per_step,
                       group=args.group, max_new_tokens=args.max_new_tokens, temperature=args.temperature, lr=args.lr,
                       kl_coef=args.kl_coef, micro_batch_tokens=args.micro_batch_tokens,
-                      max_num_seqs=args.max_num_seqs, seed=args.seed, backend=args.backend)
+                      max_num_seqs=args.max_num_seqs, save_every=args.save_every,
+                      keep_checkpoints=args.keep_checkpoints, seed=args.seed, backend=args.backend)
     rl.run(cfg, args.out, server_url=args.server, resume=args.resume)
     if int(os.environ.get("RANK", "0")) != 0:      # under torchrun, rank 0 writes the log and reports
         return 0
@@ -424,6 +426,8 @@ def _add_verify(sub, formatter) -> None:
 
 
 def _add_train(sub, formatter) -> None:
+    from .train.trainer import TrainConfig
+
     t = sub.add_parser("train", help="train a model on a text file or folder, deterministically", formatter_class=formatter,
                        description="Train with exact accumulation windows, AdamW, clipping and atomic checkpoints. "
                                    "Two runs with the same arguments give the same bits; --resume continues "
@@ -451,6 +455,8 @@ def _add_train(sub, formatter) -> None:
     t.add_argument("--master-weights", action="store_true", help="keep fp32 master weights (for bf16 compute)")
     t.add_argument("--seed", type=int, default=0, help="seed of the data order and of the tiny model")
     t.add_argument("--save-every", type=int, default=0, help="also checkpoint every N steps (0: only at the end)")
+    t.add_argument("--keep-checkpoints", type=int, default=TrainConfig.keep_checkpoints,
+                   help="keep the newest N checkpoints, deleting older ones once the new one is written (0: keep all)")
     t.add_argument("--out", required=True, help="output folder: checkpoints (step-N, latest) and log.jsonl")
     t.add_argument("--resume", action="store_true", help="continue from OUT/latest (the settings and the "
                                                          "window must be the run's own; --steps may grow, and the "
@@ -545,6 +551,10 @@ def _add_rl(sub, formatter) -> None:
     g.add_argument("--max-num-seqs", type=int, default=None,
                    help="completions the server decodes together (default: all of a step's; with lockstep the "
                         "run's bits do not depend on it)")
+    g.add_argument("--save-every", type=int, default=defaults.save_every,
+                   help="checkpoint every N steps (0: only at the end)")
+    g.add_argument("--keep-checkpoints", type=int, default=defaults.keep_checkpoints,
+                   help="keep the newest N checkpoints, deleting older ones once the new one is written (0: keep all)")
     g.add_argument("--seed", type=int, default=defaults.seed, help="seed of the problems and the sampling")
     g.add_argument("--backend", type=backend_name, default="auto",
                    help="op backend of trainer and server (eager: stock PyTorch, which shows the mismatch)")

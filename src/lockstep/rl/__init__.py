@@ -58,6 +58,7 @@ class RLConfig:
     micro_batch_tokens: int = 4096  # the layout: changes no bit of the run
     max_num_seqs: int | None = None  # completions the server decodes together (None: all of a step's)
     save_every: int = 1
+    keep_checkpoints: int = 2       # a SmolLM2 checkpoint with fp32 master weights and AdamW is 1.8 GB
     seed: int = 0
     backend: str = "auto"           # of the trainer and the server; "eager" shows the mismatch
 
@@ -65,6 +66,7 @@ class RLConfig:
         for name in ("steps", "prompts_per_step", "max_new_tokens", "micro_batch_tokens"):
             checks.int_at_least(name, getattr(self, name))
         checks.int_at_least("save_every", self.save_every, 0)
+        checks.int_at_least("keep_checkpoints", self.keep_checkpoints, 0)
         if self.max_num_seqs is not None:
             checks.int_at_least("max_num_seqs", self.max_num_seqs)
         if checks.int_at_least("group", self.group) < 2:
@@ -81,7 +83,12 @@ class RLConfig:
         weights when the model computes in bf16."""
         return TrainConfig(steps=self.steps, seq_len=2, micro_batch_tokens=self.micro_batch_tokens, lr=self.lr,
                            warmup=0, min_lr_ratio=1.0, betas=(0.9, 0.99), grad_clip=1.0, seed=self.seed,
-                           master_weights=self.dtype != "fp32", save_every=self.save_every)
+                           master_weights=self.dtype != "fp32", save_every=self.save_every,
+                           keep_checkpoints=self.keep_checkpoints)
+
+
+# What a resumed run may change: how long it runs and what it keeps on disk.
+RESUMABLE = ("steps", "save_every", "keep_checkpoints")
 
 
 def group_advantages(rewards: list[float], group: int) -> list[float]:
@@ -170,11 +177,12 @@ def _run(cfg: RLConfig, out: str, task: ArithmeticTask, server_url: str | None, 
         reference = model_from_source(cfg.model, dtype, "llama", cfg.seed, vocab_size=320).requires_grad_(False)
     if resume:
         trainer.resume(ckpt_dir)
-        before = dict(trainer.resumed_extra.get("config", {}), steps=cfg.steps)
-        changed = sorted(k for k, v in asdict(cfg).items() if k in before and before[k] != v)
+        before = trainer.resumed_extra.get("config", {})
+        changed = sorted(k for k, v in asdict(cfg).items() if k in before and before[k] != v and k not in RESUMABLE)
         if changed:
             raise ValueError(f"resume: the run in {out} was started with other settings ({', '.join(changed)}); "
-                             "a resumed run keeps them (only --steps may change)")
+                             "a resumed run keeps them (only --steps, --save-every and --keep-checkpoints may "
+                             "change)")
     log_path = os.path.join(out, "log.jsonl")
     client: RolloutClient | None = None
 

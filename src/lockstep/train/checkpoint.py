@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..dist.collectives import from_rank0
 from ..model import ModelConfig
 from ..model.files import read_json, read_tensors, safetensors_files
 
@@ -27,7 +28,8 @@ if TYPE_CHECKING:
 # What a resumed run may change (logged); every other setting defines the run and must match. The
 # micro-batch size, the accumulation steps and the global batch setting may change as long as the
 # window (sequences per step) stays: they are the layout, like the data- and tensor-parallel sizes.
-RESUMABLE = ("steps", "save_every", "log_every", "micro_batch_tokens", "accum", "global_batch_tokens")
+LAYOUT_SETTINGS = ("micro_batch_tokens", "accum", "global_batch_tokens")
+RESUMABLE = ("steps", "save_every", "log_every", "keep_checkpoints") + LAYOUT_SETTINGS
 
 
 def model_fingerprint(config: ModelConfig) -> str:
@@ -54,15 +56,35 @@ def save(trainer: "Trainer", out_dir: str, extra: dict | None = None) -> str:
     it; rank 0 writes (every data-parallel rank holds the same bits, and shards are gathered).
     `extra` (JSON) is the caller's own state, such as an RL loop's; `resume` puts it back in
     `trainer.resumed_extra`."""
-    from safetensors.torch import save_file
-
     params, state_tensors = trainer.full_state()
     name = f"step-{trainer.step_idx:06d}"
     final = os.path.join(out_dir, name)
-    if trainer.sync.rank == 0:
-        os.makedirs(out_dir, exist_ok=True)
-        tmp = os.path.join(out_dir, f".tmp-{name}-{os.getpid()}")
-        shutil.rmtree(tmp, ignore_errors=True)
+
+    def write() -> None:
+        try:
+            _write(trainer, out_dir, name, params, state_tensors, extra)
+        except Exception as e:              # safetensors reports a full disk as its own error type
+            raise OSError(f"checkpoint {final}: not written ({type(e).__name__}: {e}); the previous checkpoint "
+                          f"in {out_dir}, if any, is kept") from e
+        prune(out_dir, trainer.cfg.keep_checkpoints)
+
+    if trainer.sync.world == 1:
+        write()
+    else:       # rank 0 writes and its error reaches every rank, so none waits for it at a later collective
+        from_rank0(write, "checkpoint")
+    return final
+
+
+def _write(trainer: "Trainer", out_dir: str, name: str, params: dict, state_tensors: dict, extra: dict | None) -> None:
+    """Write the checkpoint into a temporary folder, rename it to out_dir/name, then point
+    out_dir/latest at it; a failure at any point removes the temporary folder."""
+    from safetensors.torch import save_file
+
+    final = os.path.join(out_dir, name)
+    os.makedirs(out_dir, exist_ok=True)
+    tmp = os.path.join(out_dir, f".tmp-{name}-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
         trainer.model.save(tmp, tensors=params)
         save_file({k: v.contiguous() for k, v in state_tensors.items()}, os.path.join(tmp, "optimizer.safetensors"))
         settings = trainer.settings()
@@ -85,8 +107,22 @@ def save(trainer: "Trainer", out_dir: str, extra: dict | None = None) -> str:
             f.flush()
             os.fsync(f.fileno())
         os.replace(latest_tmp, os.path.join(out_dir, "latest"))
-    trainer.sync.barrier()
-    return final
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def prune(out_dir: str, keep: int) -> list[str]:
+    """Delete all but the newest `keep` step-NNNNNN folders of out_dir (0: keep every one); the
+    folder `latest` names is always kept. Returns the deleted folders."""
+    if keep == 0:
+        return []
+    current = os.path.basename(latest_checkpoint(out_dir))
+    steps = sorted(n for n in os.listdir(out_dir) if re.fullmatch(r"step-\d{6}", n) and n != current)
+    doomed = steps[:max(0, len(steps) - (keep - 1))]
+    for n in doomed:
+        shutil.rmtree(os.path.join(out_dir, n))
+    return [os.path.join(out_dir, n) for n in doomed]
 
 
 def resume(trainer: "Trainer", out_dir: str) -> int:
@@ -145,7 +181,7 @@ def changes_from(trainer: "Trainer", state: dict, path: str = "the checkpoint") 
     if state.get("layout") is not None and state["layout"] != now["layout"]:
         changes["layout"] = [state["layout"], now["layout"]]
     if any(n == "window" for n, _, _ in refused):
-        why = ", ".join(f"{k} {a} -> {b}" for k, (a, b) in changes.items() if k in RESUMABLE[3:])
+        why = ", ".join(f"{k} {a} -> {b}" for k, (a, b) in changes.items() if k in LAYOUT_SETTINGS)
         refused = [(f"window (sequences per step; {why or 'the data-parallel size'} changed it, and the "
                     f"layout may change only with the window kept: ranks x accum x micro_batch_tokens, or "
                     f"global_batch_tokens)" if n == "window" else n, o, v) for n, o, v in refused]

@@ -51,6 +51,7 @@ class TrainConfig:
     seed: int = 0
     master_weights: bool = False
     save_every: int = 0
+    keep_checkpoints: int = 2        # the newest N checkpoints stay on disk (0: every one)
     log_every: int = 1
     # Tokens per optimizer step across all ranks; 0: ranks x accum x micro_batch_tokens.
     global_batch_tokens: int = 0
@@ -58,7 +59,7 @@ class TrainConfig:
     def validate(self) -> None:
         for name in ("steps", "seq_len", "micro_batch_tokens", "accum"):
             checks.int_at_least(name, getattr(self, name))
-        for name in ("warmup", "save_every", "log_every", "global_batch_tokens"):
+        for name in ("warmup", "save_every", "keep_checkpoints", "log_every", "global_batch_tokens"):
             checks.int_at_least(name, getattr(self, name), 0)
         if not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0):
             raise ValueError(f"lr: expected a positive number, got {self.lr!r}")
