@@ -222,29 +222,69 @@ def test_attention_order_is_the_documented_one(dtype):
                                       window)
         assert torch.equal(one[0], out[t]), t
         for h in range(2):
-            m, l, acc = torch.tensor(float("-inf")), torch.tensor(0.0), torch.zeros(d)
-            for k0 in range(0, t + 1, 64):
-                keys = [j for j in range(k0, min(k0 + 64, t + 1)) if j > t - window]
-                if not keys:
-                    continue
-                s = gemm.gemm_nt(qf[t, h][None], kf[keys, 0])[0] * scale
-                new = torch.maximum(m, s.max())
-                shift = torch.where(new == float("-inf"), torch.tensor(0.0), new)
-                alpha = unary.exp((m - shift)[None])[0]
-                p = torch.zeros(64)
-                p[[j - k0 for j in keys]] = unary.exp(s - shift)
-                lanes = ((p[0:16] + p[16:32]) + p[32:48]) + p[48:64]
-                tt = lanes[:8] + lanes[8:]
-                u = tt[:4] + tt[4:]
-                w = u[:2] + u[2:]
-                l = l * alpha + (w[0] + w[1])
-                pv = torch.zeros(d)
-                for j in keys:
-                    pv = _fma32(p[j - k0].expand(d), vf[j, 0], pv)
-                acc = acc * alpha + pv
-                m = new
+            m, l, o = _attention_row(qf[t, h], kf[:, 0], vf[:, 0], [j for j in range(t + 1) if j > t - window], 0,
+                                     scale)
             assert torch.equal(row_max[t, h], m) and torch.equal(row_sum[t, h], l), (t, h)
-            assert torch.equal(out[t, h], acc / l), (t, h)
+            assert torch.equal(out[t, h], o), (t, h)
+
+
+def _attention_row(q, k, v, keys, anchor, scale):
+    """kernels.c's arithmetic for one query row q [D] over the visible `keys` (ascending indices
+    into k, v [L, D], fp32), in 64-key blocks from `anchor`: (row max, row sum, output)."""
+    d = q.shape[0]
+    m, l, acc = torch.tensor(float("-inf")), torch.tensor(0.0), torch.zeros(d)
+    for k0 in range(anchor, k.shape[0], 64):
+        block = [j for j in keys if k0 <= j < k0 + 64]
+        if not block:
+            continue
+        s = gemm.gemm_nt(q[None], k[block])[0] * scale
+        new = torch.maximum(m, s.max())
+        shift = torch.where(new == float("-inf"), torch.tensor(0.0), new)
+        alpha = unary.exp((m - shift)[None])[0]
+        p = torch.zeros(64)
+        p[[j - k0 for j in block]] = unary.exp(s - shift)
+        lanes = ((p[0:16] + p[16:32]) + p[32:48]) + p[48:64]
+        tt = lanes[:8] + lanes[8:]
+        u = tt[:4] + tt[4:]
+        w = u[:2] + u[2:]
+        l = l * alpha + (w[0] + w[1])
+        pv = torch.zeros(d)
+        for j in block:
+            pv = _fma32(p[j - k0].expand(d), v[j], pv)
+        acc = acc * alpha + pv
+        m = new
+    return m, l, acc / (l if l != 0 else torch.tensor(1.0))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_masked_attention_order_is_the_documented_one(dtype):
+    """The same arithmetic under an explicit mask with holes (masked_attention, the mode's attention):
+    only the keys the mask shows enter a row, its blocks start at the first of them (2 and 7 here:
+    left padding), k and v are read in place from [B, Hkv, Lk, D], and a row that sees no key gets
+    zeros and a logsumexp of -inf. Each row equals itself computed alone (one query, decode)."""
+    gen = torch.Generator().manual_seed(3)
+    b, lq, lk, d, scale = 2, 5, 140, 24, 0.2
+    q = torch.randn(b, 4, lq, d, generator=gen).to(dtype)
+    k, v = (torch.randn(b, 2, lk, d, generator=gen).to(dtype) for _ in range(2))
+    visible = torch.rand(b, lq, lk, generator=gen) < 0.7
+    visible[0, :, :2] = False
+    visible[1, :, :7] = False
+    visible[0, :, 2] = visible[1, :, 7] = True
+    visible[1, 3] = False
+    out, lse = ops.masked_attention(q, k, v, visible, scale)
+    qf, kf, vf = q.float(), k.float(), v.float()
+    for i in range(b):
+        for t in range(lq):
+            keys = torch.nonzero(visible[i, t])[:, 0].tolist()
+            one, one_lse = ops.masked_attention(q[i:i + 1, :, t:t + 1], k[i:i + 1], v[i:i + 1], visible[i:i + 1, t:t + 1],
+                                                scale)
+            assert torch.equal(one[0, :, 0], out[i, :, t]) and torch.equal(one_lse[0, :, 0], lse[i, :, t]), (i, t)
+            for h in range(4):
+                m, l, o = _attention_row(qf[i, h, t], kf[i, h // 2], vf[i, h // 2], keys, keys[0] if keys else 0,
+                                         scale)
+                assert torch.equal(out[i, h, t].float(), o.to(dtype).float()), (i, t, h)
+                assert torch.equal(lse[i, h, t], m + unary.log(l[None])[0]), (i, t, h)
+    assert (out[1, :, 3] == 0).all() and (lse[1, :, 3] == float("-inf")).all()
 
 
 def test_attention_never_reads_a_key_into_a_row_that_cannot_see_it():

@@ -26,29 +26,42 @@ def _int64(values) -> Tensor:
 
 def attention_forward(q: Tensor, k: Tensor, v: Tensor, cu_q: list[int], len_k: list[int],
                       k_start: list[int] | None, table: Tensor | None, scale: float, causal: bool,
-                      window: int | None) -> tuple[Tensor, Tensor, Tensor]:
-    """q [Tq, Hq, D]; k, v [Tk, Hkv, D] packed (sequence b's keys from row k_start[b]) or a paged
-    cache [num_blocks, block_size, Hkv, D] read through table [B, max_blocks]; fp32, bf16 or fp16.
+                      window: int | None, mask: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """q [Tq, Hq, D]; k, v [Tk, Hkv, D] packed (sequence b's keys from row k_start[b]), a paged cache
+    [num_blocks, block_size, Hkv, D] read through table [B, max_blocks], or, with `mask`,
+    [B, Hkv, Lk, D] (sequence b's keys in k[b], read in place through its strides); fp32, bf16 or
+    fp16. mask: [Tq, Lk] bool, the keys each query row may see (its blocks start at the first).
     Returns fp32 (out [Tq, Hq, D], row max [Tq, Hq], row sum of exponentials [Tq, Hq]); rows past
     cu_q[-1] are zero."""
     if not (q.dtype == k.dtype == v.dtype and q.dtype in DTYPE_CODES):
         q, k, v = q.float(), k.float(), v.float()
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    q = q.contiguous()
+    if mask is None or k.stride(-1) != 1 or k.stride() != v.stride():
+        k, v = k.contiguous(), v.contiguous()
     tq, hq, d = q.shape
-    hkv = k.shape[-2]
+    hkv = k.shape[1] if mask is not None else k.shape[-2]
     out = torch.zeros((tq, hq, d), dtype=torch.float32)
     row_max = torch.full((tq, hq), float("-inf"))
     row_sum = torch.zeros((tq, hq))
     if out.numel() == 0:  # no heads, no head dims or no queries: nothing to compute
         return out, row_max, row_sum
+    if mask is not None:                                  # [B, Hkv, Lk, D]: batch b's keys at k[b]
+        kv_token, kv_head = k.stride(2), k.stride(1)
+        offsets = [b * k.stride(0) for b in range(k.shape[0])]
+        mask = mask.contiguous()
+    else:                                                 # [..., Hkv, D] rows
+        kv_token, kv_head = hkv * d, d
+        offsets = None if k_start is None else [s * kv_token for s in k_start]
     cu, lens = _int64(cu_q), _int64(len_k)
-    starts = None if k_start is None else _int64(k_start)
+    starts = None if offsets is None else _int64(offsets)
     tbl = None if table is None else table.to(torch.int64).contiguous()
     status = library().ls_attention_fwd(
-        len(len_k), hq, hkv, d, q.data_ptr(), k.data_ptr(), v.data_ptr(), cu.data_ptr(), lens.data_ptr(),
-        None if starts is None else starts.data_ptr(), None if tbl is None else tbl.data_ptr(),
-        0 if tbl is None else tbl.stride(0), 0 if tbl is None else k.shape[1], scale, int(causal), window or 0,
-        out.data_ptr(), row_max.data_ptr(), row_sum.data_ptr(), DTYPE_CODES[q.dtype], isa(), torch.get_num_threads())
+        len(len_k), hq, hkv, d, q.data_ptr(), k.data_ptr(), v.data_ptr(), kv_token, kv_head, cu.data_ptr(),
+        lens.data_ptr(), None if starts is None else starts.data_ptr(), None if tbl is None else tbl.data_ptr(),
+        0 if tbl is None else tbl.stride(0), 0 if tbl is None else k.shape[1],
+        None if mask is None else mask.data_ptr(), 0 if mask is None else mask.shape[-1], scale, int(causal),
+        window or 0, out.data_ptr(), row_max.data_ptr(), row_sum.data_ptr(), DTYPE_CODES[q.dtype], isa(),
+        torch.get_num_threads())
     if status == -2:
         raise MemoryError("ls_attention_fwd: out of memory for its key-block buffers")
     if status != 0:

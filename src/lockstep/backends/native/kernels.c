@@ -653,7 +653,9 @@ static void unary_item(void *ctx, int64_t item) {
 /* ---------------------------------------------------------------- attention forward
  * One query row (a query token and a query head) over the keys it may see: keys [lo, hi] of its
  * sequence, where hi = len_k - 1 (or its position, causal) and lo = 0 (or position - window + 1),
- * walked in 64-key blocks anchored at key 0 (fixed_order.KEY_BLOCK). Per block, for its visible keys j:
+ * and, with an explicit mask (masked_attention), only those of them the mask shows its token. They
+ * are walked in 64-key blocks (fixed_order.KEY_BLOCK) anchored at key 0, or with a mask at the
+ * first key the token may see (docs/adr/0015). Per block, for its visible keys j:
  *
  *   s_j = dot(q, k_j) * scale, dot the GEMM's (the file's header), so that the portable backward,
  *         which recomputes the scores with the native GEMM, finds the forward's scores bit for bit;
@@ -678,6 +680,9 @@ typedef struct {
     const char *q, *k, *v;
     const int64_t *cu_q, *len_k, *k_start, *table;
     int64_t table_stride, block_size, window;
+    int64_t kv_token, kv_head;  /* element strides of k and v between keys and between heads */
+    const unsigned char *mask;  /* NULL, or [Tq, mask_stride] bytes: key j visible to query token t */
+    int64_t mask_stride;
     float scale;
     int causal, dt, isa;
     float *out, *row_max, *row_sum;
@@ -759,13 +764,29 @@ AVX512_T INLINE z16 z16_div(z16 a, z16 b) { return _mm512_div_ps(a, b); }
 AVX512_T INLINE z16 z16_exp(z16 a) { return z_exp(a); }
 #endif
 
-/* Key j of sequence b: its row in k (and v), packed or through the block table. */
-static inline int64_t attn_key_row(const attn_job *J, int64_t b, int64_t j) {
+/* Key j of sequence b: the element offset of its head 0 in k (and v), packed or through the block table. */
+static inline int64_t attn_key_offset(const attn_job *J, int64_t b, int64_t j) {
     if (J->table) {
         int64_t blk = J->table[b * J->table_stride + j / J->block_size];
-        return blk * J->block_size + j % J->block_size;
+        return (blk * J->block_size + j % J->block_size) * J->kv_token;
     }
-    return J->k_start[b] + j;
+    return J->k_start[b] + j * J->kv_token;
+}
+
+/* The keys [lo, hi] of query token t (of sequence b, at `pos`) before any mask; lo > hi: none. */
+static inline void attn_interval(const attn_job *J, int64_t len_k, int64_t pos, int64_t *lo, int64_t *hi) {
+    *lo = J->window > 0 ? pos - J->window + 1 : 0;
+    *hi = J->causal ? pos : len_k - 1;
+    if (*lo < 0) *lo = 0;
+    if (*hi > len_k - 1) *hi = len_k - 1;
+}
+
+/* With a mask, [lo, hi] narrowed to the first and last key in it that the mask shows (global query row qt). */
+static inline void attn_mask_bounds(const attn_job *J, int64_t qt, int64_t *lo, int64_t *hi) {
+    if (!J->mask) return;
+    const unsigned char *m = J->mask + qt * J->mask_stride;
+    while (*lo <= *hi && !m[*lo]) (*lo)++;
+    while (*hi >= *lo && !m[*hi]) (*hi)--;
 }
 
 /* The scores of up to MR query rows (A, row stride lda bytes) against the block's keys from
@@ -776,7 +797,7 @@ static void attn_scores(const attn_job *J, int mr, const char *A, int64_t lda, c
     micro_fn micro = micro_of(J->isa);
     float lanes[MR * NR * LANES] __attribute__((aligned(64)));
     float folded[MR * NR];
-    int64_t ldb = J->Hkv * J->D * (J->dt == DT_F32 ? 4 : 2);
+    int64_t ldb = J->kv_token * (J->dt == DT_F32 ? 4 : 2);
     for (int j = ja & ~(NR - 1); j <= je; j += NR) {
         int nr = n - j < NR ? n - j : NR;
         int run = 1;
@@ -797,7 +818,9 @@ static void attn_scores(const attn_job *J, int mr, const char *A, int64_t lda, c
 
 /* One work item: tokens [t0, t1) of sequence b, with every query head of KV head hk: R = (t1 - t0) * G
  * rows, row i = token t0 + i / G, head hk * G + i % G. Qp holds their queries packed (as stored),
- * S their scores of one block, Vb the block's values widened to fp32 (16-bit dtypes only). */
+ * S their scores of one block, Vb the block's values widened to fp32 (16-bit dtypes only). The
+ * tokens that share a block anchor walk the blocks together, one anchor after another (without a
+ * mask every token's anchor is key 0: one walk); a row is touched by its own anchor's walk only. */
 #define ATTN_ITEM(P, T)                                                                             \
     T static void attn_item_##P(const attn_job *J, int64_t b, int64_t t0, int64_t t1, int64_t hk,     \
                                 char *Qp, float *S, float *Vb) {                                   \
@@ -806,40 +829,63 @@ static void attn_scores(const attn_job *J, int mr, const char *A, int64_t lda, c
         const int64_t es = J->dt == DT_F32 ? 4 : 2;                                                 \
         const int nd = (int)((D + 15) / 16);                                                        \
         const int R = (int)((t1 - t0) * G);                                                         \
-        int64_t first = INT64_MAX, last = -1;                                                       \
+        int64_t lo_of[KEY_BLOCK], hi_of[KEY_BLOCK]; /* each token's first and last visible key */   \
         for (int64_t t = t0; t < t1; t++) {                                                         \
-            int64_t pos = len_k - len_q + t;                                                        \
-            int64_t lo = J->window > 0 ? pos - J->window + 1 : 0, hi = J->causal ? pos : len_k - 1; \
-            if (lo < 0) lo = 0;                                                                     \
-            if (hi > len_k - 1) hi = len_k - 1;                                                     \
-            if (lo <= hi) { if (lo < first) first = lo; if (hi > last) last = hi; }                 \
+            attn_interval(J, len_k, len_k - len_q + t, &lo_of[t - t0], &hi_of[t - t0]);             \
+            attn_mask_bounds(J, q0 + t, &lo_of[t - t0], &hi_of[t - t0]);                            \
             memcpy(Qp + (t - t0) * G * D * es, J->q + ((q0 + t) * J->Hq + hk * G) * D * es, (size_t)(G * D * es)); \
         }                                                                                           \
-        if (last < 0) return;                                                                       \
         const char *krow[KEY_BLOCK], *vrow[KEY_BLOCK];                                              \
         float p[KEY_BLOCK] __attribute__((aligned(64)));                                            \
         float lanes[16];                                                                            \
-        for (int64_t k0 = first / KEY_BLOCK * KEY_BLOCK; k0 <= last; k0 += KEY_BLOCK) {            \
+        for (int64_t done = -1;;) {                                                                 \
+            /* The next anchor after `done`, and the keys its tokens see. */                       \
+            int64_t A = INT64_MAX, first = INT64_MAX, last = -1;                                    \
+            for (int64_t t = 0; t < t1 - t0; t++) {                                                 \
+                int64_t a = J->mask ? lo_of[t] : 0;                                                 \
+                if (lo_of[t] <= hi_of[t] && a > done && a < A) A = a;                               \
+            }                                                                                       \
+            if (A == INT64_MAX) break;                                                              \
+            for (int64_t t = 0; t < t1 - t0; t++)                                                   \
+                if (lo_of[t] <= hi_of[t] && (J->mask ? lo_of[t] : 0) == A) {                       \
+                    if (lo_of[t] < first) first = lo_of[t];                                         \
+                    if (hi_of[t] > last) last = hi_of[t];                                           \
+                }                                                                                   \
+            done = A;                                                                               \
+        for (int64_t k0 = A + (first - A) / KEY_BLOCK * KEY_BLOCK; k0 <= last; k0 += KEY_BLOCK) {   \
             int n = (int)(len_k - k0 < KEY_BLOCK ? len_k - k0 : KEY_BLOCK);                         \
             for (int j = 0; j < n; j++) {                                                           \
-                int64_t row = attn_key_row(J, b, k0 + j);                                           \
-                krow[j] = J->k + (row * J->Hkv + hk) * D * es;                                      \
-                vrow[j] = J->v + (row * J->Hkv + hk) * D * es;                                      \
+                int64_t off = attn_key_offset(J, b, k0 + j) + hk * J->kv_head;                      \
+                krow[j] = J->k + off * es;                                                          \
+                vrow[j] = J->v + off * es;                                                          \
                 if (J->dt != DT_F32)                                                                \
                     for (int c = 0; c < nd; c++) {                                                  \
                         int cnt = (int)(D - 16 * c < 16 ? D - 16 * c : 16);                         \
                         P##16_store(Vb + j * D + 16 * c, P##16_loadw(vrow[j], 16 * c, J->dt, cnt), cnt); \
                     }                                                                               \
             }                                                                                       \
-            /* Each row's visible keys of the block, [ja, je] (ja > je: none). */                   \
+            /* Each row's visible keys of the block: [ja, je] (ja > je: none), and with a mask the  \
+             * bits of those in it the mask shows. */                                              \
             int ja_of[MR], je_of[MR];                                                               \
+            uint64_t bits_of[MR];                                                                   \
             for (int i0 = 0; i0 < R; i0 += MR) {                                                    \
                 int mr = R - i0 < MR ? R - i0 : MR, ja_u = KEY_BLOCK, je_u = -1;                    \
                 for (int i = 0; i < mr; i++) {                                                      \
-                    int64_t pos = len_k - len_q + t0 + (i0 + i) / G;                                \
-                    int64_t lo = J->window > 0 ? pos - J->window + 1 : 0, hi = J->causal ? pos : len_k - 1; \
+                    int64_t t = (i0 + i) / G, lo = lo_of[t], hi = hi_of[t];                         \
+                    if (J->mask && lo != A) hi = -1; /* another anchor's row */                     \
                     if (lo < k0) lo = k0;                                                           \
                     if (hi > k0 + n - 1) hi = k0 + n - 1;                                           \
+                    bits_of[i] = 0;                                                                 \
+                    if (J->mask && lo <= hi) {                                                      \
+                        const unsigned char *m = J->mask + (q0 + t0 + t) * J->mask_stride + k0;     \
+                        for (int64_t j = lo - k0; j <= hi - k0; j++)                                \
+                            if (m[j]) bits_of[i] |= (uint64_t)1 << j;                               \
+                        if (!bits_of[i]) hi = lo - 1;                                               \
+                        else {                                                                      \
+                            lo = k0 + __builtin_ctzll(bits_of[i]);                                  \
+                            hi = k0 + 63 - __builtin_clzll(bits_of[i]);                             \
+                        }                                                                           \
+                    }                                                                               \
                     ja_of[i] = (int)(lo - k0);                                                      \
                     je_of[i] = (int)(hi - k0);                                                      \
                     if (ja_of[i] <= je_of[i]) {                                                     \
@@ -852,11 +898,13 @@ static void attn_scores(const attn_job *J, int mr, const char *A, int64_t lda, c
                 for (int i = 0; i < mr; i++) {                                                      \
                     int ja = ja_of[i], je = je_of[i];                                               \
                     if (ja > je) continue;                                                          \
+                    const uint64_t bits = bits_of[i];                                               \
+                    const int dense = J->mask == NULL;                                              \
                     const float *si = S + i * KEY_BLOCK;                                            \
                     int64_t r = (q0 + t0 + (i0 + i) / G) * J->Hq + hk * G + (i0 + i) % G;           \
                     float m = J->row_max[r], M = m;                                                 \
                     for (int j = ja; j <= je; j++)                                                  \
-                        if (si[j] > M || si[j] != si[j]) M = si[j];                                 \
+                        if ((dense || (bits >> j & 1)) && (si[j] > M || si[j] != si[j])) M = si[j]; \
                     if (m != m) M = m;                                                              \
                     float shift = M == -INFINITY ? 0.0f : M;                                        \
                     float alpha = s_exp(m - shift);                                                 \
@@ -868,7 +916,7 @@ static void attn_scores(const attn_job *J, int mr, const char *A, int64_t lda, c
                         P##16_store(p + 16 * c, P##16_exp(P##16_sub(P##16_load(si + 16 * c, 16), P##16_set(shift))), 16); \
                     }                                                                               \
                     for (int j = 0; j < KEY_BLOCK; j++)                                             \
-                        if (j < ja || j > je) p[j] = 0.0f;                                          \
+                        if (j < ja || j > je || !(dense || (bits >> j & 1))) p[j] = 0.0f;           \
                     P##16 sum = P##16_add(P##16_add(P##16_add(P##16_load(p, 16), P##16_load(p + 16, 16)), \
                                                     P##16_load(p + 32, 16)), P##16_load(p + 48, 16)); \
                     P##16_store(lanes, sum, 16);                                                    \
@@ -878,17 +926,22 @@ static void attn_scores(const attn_job *J, int mr, const char *A, int64_t lda, c
                         int cnt = (int)(D - 16 * c < 16 ? D - 16 * c : 16);                         \
                         P##16 pv = P##16_zero();                                                    \
                         if (J->dt == DT_F32)                                                        \
-                            for (int j = ja; j <= je; j++)                                          \
+                            for (int j = ja; j <= je; j++) {                                        \
+                                if (!(dense || (bits >> j & 1))) continue;                          \
                                 pv = P##16_fma(P##16_set(p[j]), P##16_load((const float *)vrow[j] + 16 * c, cnt), pv); \
+                            }                                                                       \
                         else                                                                        \
-                            for (int j = ja; j <= je; j++)                                          \
+                            for (int j = ja; j <= je; j++) {                                        \
+                                if (!(dense || (bits >> j & 1))) continue;                          \
                                 pv = P##16_fma(P##16_set(p[j]), P##16_load(Vb + j * D + 16 * c, cnt), pv); \
+                            }                                                                       \
                         P##16 a = P##16_load(o + 16 * c, cnt);                                      \
                         P##16_store(o + 16 * c, P##16_add(P##16_mul(a, P##16_set(alpha)), pv), cnt); \
                     }                                                                               \
                     J->row_max[r] = M;                                                              \
                 }                                                                                   \
             }                                                                                       \
+        }                                                                                           \
         }                                                                                           \
         for (int i = 0; i < R; i++) {                                                               \
             int64_t r = (q0 + t0 + i / G) * J->Hq + hk * G + i % G;                                 \
@@ -990,7 +1043,7 @@ static void rms_item(void *ctx, int64_t item) {
 
 /* ---------------------------------------------------------------- exported */
 
-int ls_abi_version(void) { return 2; }
+int ls_abi_version(void) { return 3; }
 
 /* Whether this CPU (and its OS) runs an instruction set: 0 scalar, 1 AVX2 + FMA + F16C, 2 AVX-512. */
 int ls_cpu_supports(int isa) {
@@ -1035,21 +1088,26 @@ int ls_gemm_nt(int64_t batch, int64_t M, int64_t N, int64_t K, const void *A, in
 }
 
 /* Attention forward over packed sequences (the order of the attention section above). q: [Tq, Hq, D]
- * contiguous, sequence b's queries at rows cu_q[b] .. cu_q[b + 1]; k, v: rows of [Hkv, D] contiguous,
- * sequence b's key j at row k_start[b] + j (packed), or, when table is not NULL, at row
- * table[b * table_stride + j / block_size] * block_size + j % block_size (a paged cache of
- * block_size-row blocks); len_k[b] keys. A query's position is len_k - len_q + its index. causal:
- * keys past the position are hidden; window > 0: keys at or before position - window are hidden.
+ * contiguous, sequence b's queries at rows cu_q[b] .. cu_q[b + 1]; k, v: head h of sequence b's key j
+ * at element k_start[b] + j * kv_token + h * kv_head (packed), or, when table is not NULL, at
+ * (table[b * table_stride + j / block_size] * block_size + j % block_size) * kv_token + h * kv_head
+ * (a paged cache of block_size-row blocks), its D elements contiguous; len_k[b] keys. A query's
+ * position is len_k - len_q + its index. causal: keys past the position are hidden; window > 0:
+ * keys at or before position - window are hidden. mask (or NULL): query row t (of q) sees key j only
+ * where mask[t * mask_stride + j] is nonzero, and its blocks start at the first key it sees.
  * out: fp32 [Tq, Hq, D]; row_max, row_sum: fp32 [Tq, Hq], each row's final m and l (rows outside
  * every sequence are not written). Returns 0, -1 for arguments it cannot take, -2 when memory runs
  * out. */
 int ls_attention_fwd(int64_t B, int64_t Hq, int64_t Hkv, int64_t D, const void *q, const void *k, const void *v,
-                     const int64_t *cu_q, const int64_t *len_k, const int64_t *k_start, const int64_t *table,
-                     int64_t table_stride, int64_t block_size, float scale, int causal, int64_t window, float *out,
-                     float *row_max, float *row_sum, int dt, int isa, int threads) {
+                     int64_t kv_token, int64_t kv_head, const int64_t *cu_q, const int64_t *len_k,
+                     const int64_t *k_start, const int64_t *table, int64_t table_stride, int64_t block_size,
+                     const unsigned char *mask, int64_t mask_stride, float scale, int causal, int64_t window,
+                     float *out, float *row_max, float *row_sum, int dt, int isa, int threads) {
     if (B < 0 || Hq <= 0 || Hkv <= 0 || Hq % Hkv || D <= 0 || window < 0 || dt < DT_F32 || dt > DT_F16 ||
-        !ls_cpu_supports(isa) || (table ? block_size <= 0 : k_start == NULL))
+        kv_token <= 0 || kv_head < 0 || !ls_cpu_supports(isa) || (table ? block_size <= 0 : k_start == NULL))
         return -1;
+    for (int64_t b = 0; mask && b < B; b++)
+        if (len_k[b] > mask_stride) return -1;
     for (int64_t b = 0; b < B; b++)
         if (cu_q[b + 1] < cu_q[b] || len_k[b] < 0) return -1;
     int64_t *item_start = (int64_t *)malloc((size_t)(B + 1) * 8);
@@ -1070,7 +1128,8 @@ int ls_attention_fwd(int64_t B, int64_t Hq, int64_t Hkv, int64_t D, const void *
         }
     }
     attn_job J = {B, Hq, Hkv, D, (const char *)q, (const char *)k, (const char *)v, cu_q, len_k, k_start, table,
-                  table_stride, block_size, window, scale, causal, dt, isa, out, row_max, row_sum, item_start, tokens, 0};
+                  table_stride, block_size, window, kv_token, kv_head, mask, mask_stride, scale, causal, dt, isa,
+                  out, row_max, row_sum, item_start, tokens, 0};
     /* Small problems run on the calling thread: waking workers would cost more than they save. */
     parallel_for(attn_item, &J, item_start[B], work * Hq * D < (int64_t)1 << 16 ? 1 : threads);
     free(item_start);
