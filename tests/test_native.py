@@ -17,6 +17,7 @@ import torch
 
 from lockstep import ops, registry
 from lockstep.backends.native import build, gemm, unary
+from lockstep.harness.check import num_threads
 
 from test_cpu_kernels import ATEN_CAPABILITIES, MKL_ISAS, ONEDNN_ISAS, require
 
@@ -351,3 +352,46 @@ def test_the_build_for_other_architectures_gives_the_same_bits(tmp_path, monkeyp
         monkeypatch.setenv("LOCKSTEP_CPU_ISA", "avx2")
         with pytest.raises(RuntimeError, match="ls_gemm_nt refused"):
             gemm.gemm_nt(torch.ones(2, 3), torch.ones(2, 3))
+
+
+@pytest.fixture(scope="module")
+def unfused():
+    """The native kernel set without its fused row reductions: fixed_order's PyTorch compositions on
+    the native GEMMs, exp and log."""
+    from lockstep.backends.native.cpu import KERNELS
+    from lockstep.fixed_order import register_cpu_kernels
+
+    register_cpu_kernels(KERNELS._replace(name="native-unfused", row_sum=None, log_softmax=None,
+                                          log_softmax_backward=None))
+    return "native-unfused"
+
+
+def test_row_sum_and_log_softmax_in_c_are_the_compositions_bit_for_bit(unfused):
+    """row_sum, log_softmax and its backward in C against fixed_order's compositions, at lengths
+    below, at and past the sum's 512 lanes and a 152k vocabulary, with NaN, Inf, -inf rows and -0.0
+    (whose padded sum is +0), on 1 and 2 threads."""
+    from lockstep import fixed_order as fo
+    from lockstep.backends.native.cpu import KERNELS
+
+    gen = torch.Generator().manual_seed(6)
+    for length in (1, 2, 3, 63, 64, 100, 511, 512, 513, 1025, 4097, 151936):
+        x = torch.randn(9, length, generator=gen) * 4
+        g = torch.randn(9, length, generator=gen)
+        if length > 3:
+            x[1, 2] = float("nan")
+            x[2, 1] = float("inf")
+            x[3] = float("-inf")
+            x[4] = -0.0
+            x[5, ::2] = -0.0
+            g[6, 3] = float("nan")
+        for threads in (1, 2):
+            with num_threads(threads):
+                with fo.cpu_kernels(unfused):
+                    want = (fo.row_sum(x), fo.log_softmax_rows(x), fo.log_softmax_rows_backward(g, x.clamp_max(0)))
+                with fo.cpu_kernels(KERNELS.name):
+                    got = (fo.row_sum(x), fo.log_softmax_rows(x), fo.log_softmax_rows_backward(g, x.clamp_max(0)))
+            for name, w, o in zip(("row_sum", "log_softmax", "backward"), want, got):
+                assert torch.equal(w.view(torch.int32), o.view(torch.int32)), (name, length, threads)
+    with fo.cpu_kernels(KERNELS.name):
+        assert fo.row_sum(torch.ones(4, 0)).tolist() == [0.0] * 4
+        assert torch.equal(fo.row_sum(torch.ones(2, 3, 700)), torch.full((2, 3), 700.0))

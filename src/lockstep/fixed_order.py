@@ -89,6 +89,9 @@ def row_sum(x: Tensor) -> Tensor:
     length = x.shape[-1]
     if length == 0:
         return x.new_zeros(x.shape[:-1])
+    kernels = _kernels_for(x)
+    if kernels is not None and kernels.row_sum is not None and x.dtype == torch.float32:
+        return kernels.row_sum(x.reshape(-1, length)).reshape(x.shape[:-1])
     width = SUM_WIDTH if length >= SUM_WIDTH else 1 << (length - 1).bit_length()
     padded = ceil_div(length, width) * width
     if padded != length:
@@ -112,12 +115,18 @@ def row_max(x: Tensor) -> Tensor:
 class CpuKernels(NamedTuple):
     """A set of CPU kernels for the arithmetic whose bits a library may choose: the GEMMs of
     `matmul_rows` and `weight_grad` (same signatures), and `exp` and `log` (fp32 in, fp32 out; MKL's
-    vector math gives them other bits under another instruction set)."""
+    vector math gives them other bits under another instruction set). Optionally, faster forms of
+    compositions whose bits are fixed here, which must give those bits: `row_sum` (fp32 [M, L] ->
+    [M]), and `log_softmax` (fp32 [M, V] -> y) with its `log_softmax_backward` (g, y -> dx), the
+    arithmetic of `log_softmax_rows` and `log_softmax_rows_backward` on their own exp and log."""
     name: str
     matmul_rows: Callable[..., Tensor]
     weight_grad: Callable[..., Tensor]
     exp: Callable[[Tensor], Tensor]
     log: Callable[[Tensor], Tensor]
+    row_sum: Callable[[Tensor], Tensor] | None = None
+    log_softmax: Callable[[Tensor], Tensor] | None = None
+    log_softmax_backward: Callable[[Tensor, Tensor], Tensor] | None = None
 
 
 _CPU_KERNELS: dict[str, CpuKernels] = {}
@@ -191,6 +200,26 @@ def log(x: Tensor) -> Tensor:
     """torch.log, on the selected CPU kernels when there are some for `x` (same dtype out)."""
     kernels = _kernels_for(x)
     return torch.log(x) if kernels is None else kernels.log(x)
+
+
+def log_softmax_rows(x: Tensor) -> Tensor:
+    """log_softmax of each row of x [M, V] (accumulation dtype): shifted = x - (exact row max), then
+    shifted - log(row_sum(exp(shifted))). On the selected CPU kernels' fused form when they have one
+    (the same bits; one pass over memory instead of several)."""
+    kernels = _kernels_for(x)
+    if kernels is not None and kernels.log_softmax is not None and x.dtype == torch.float32:
+        return kernels.log_softmax(x)
+    shifted = x - row_max(x)[:, None]
+    return shifted - log(row_sum(exp(shifted)))[:, None]
+
+
+def log_softmax_rows_backward(g: Tensor, y: Tensor) -> Tensor:
+    """The gradient of `log_softmax_rows` from its output y and the output's gradient g (both [M, V],
+    accumulation dtype): g - exp(y) * row_sum(g). On the fused form when the kernels have one."""
+    kernels = _kernels_for(g)
+    if kernels is not None and kernels.log_softmax_backward is not None and g.dtype == torch.float32:
+        return kernels.log_softmax_backward(g, y)
+    return g - exp(y) * row_sum(g)[:, None]
 
 
 def matmul_rows(a: Tensor, b: Tensor, bias: Tensor | None = None) -> Tensor:

@@ -11,9 +11,9 @@ import torch
 from torch import Tensor
 
 from ..backends.portable.gelu_mul import gelu_tanh, gelu_tanh_derivative
-from ..backends.portable.log_softmax import shifted_and_lse
 from ..backends.portable.rms_norm import inverse_rms
-from ..fixed_order import accumulate_dtype, column_sum, exp, matmul_rows, row_sum
+from ..fixed_order import (accumulate_dtype, column_sum, exp, log_softmax_rows, log_softmax_rows_backward, matmul_rows,
+                           row_sum)
 from ..softcap import softcap
 from . import state
 
@@ -162,8 +162,7 @@ def _log_softmax(self, dim, half_to_float):
     out_dtype = torch.float32 if half_to_float else self.dtype
     x = _last(self, dim)
     xf = x.to(accumulate_dtype(x.dtype))
-    shifted, lse = shifted_and_lse(xf.reshape(-1, xf.shape[-1] if xf.dim() else 1))
-    y = (shifted - lse[:, None]).reshape(xf.shape)
+    y = log_softmax_rows(xf.reshape(-1, xf.shape[-1] if xf.dim() else 1)).reshape(xf.shape)
     return y.to(out_dtype).movedim(-1, dim)
 
 
@@ -171,7 +170,8 @@ def _log_softmax_backward(grad_output, output, dim, input_dtype):
     g = _last(grad_output, dim)
     acc = accumulate_dtype(g.dtype)
     gf, yf = g.to(acc), _last(output, dim).to(acc)
-    dx = gf - exp(yf) * row_sum(gf)[..., None]
+    n = gf.shape[-1] if gf.dim() else 1
+    dx = log_softmax_rows_backward(gf.reshape(-1, n), yf.reshape(-1, n)).reshape(gf.shape)
     return dx.to(input_dtype).movedim(-1, dim)
 
 

@@ -26,7 +26,7 @@ SOURCE = Path(__file__).with_name("kernels.c")
 # -ffp-contract=off: the compiler must not fuse a multiply and an add that the source keeps apart.
 FLAGS = ["-O3", "-std=gnu11", "-shared", "-fPIC", "-pthread", "-ffp-contract=off", "-fno-fast-math"]
 ISAS = {"scalar": 0, "avx2": 1, "avx512": 2}
-ABI_VERSION = 3
+ABI_VERSION = 4
 
 
 class NativeUnavailable(RuntimeError):
@@ -95,6 +95,8 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.ls_attention_fwd.restype = cint
     lib.ls_rms_norm_fwd.argtypes = [i64, i64, ptr, ptr, flt, flt, ptr, ptr, cint, cint, cint]
     lib.ls_rms_norm_fwd.restype = cint
+    lib.ls_rows.argtypes = [i64, i64, ptr, ptr, ptr, cint, cint, cint]
+    lib.ls_rows.restype = cint
     lib.ls_unary.argtypes = [ptr, ptr, i64, cint, cint, cint]
     lib.ls_unary.restype = cint
     lib.ls_cpu_supports.argtypes = [cint]

@@ -6,9 +6,10 @@ import contextlib
 from typing import Iterator
 
 from ...fixed_order import CpuKernels, cpu_kernels, register_cpu_kernels
-from . import gemm, unary
+from . import gemm, rows, unary
 
-KERNELS = CpuKernels("native", gemm.matmul_rows, gemm.weight_grad, unary.exp, unary.log)
+KERNELS = CpuKernels("native", gemm.matmul_rows, gemm.weight_grad, unary.exp, unary.log, rows.row_sum,
+                     rows.log_softmax, rows.log_softmax_backward)
 register_cpu_kernels(KERNELS)
 
 

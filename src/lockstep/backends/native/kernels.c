@@ -1041,9 +1041,85 @@ static void rms_item(void *ctx, int64_t item) {
     }
 }
 
+/* ---------------------------------------------------------------- row sums and log_softmax
+ * row_sum is fixed_order.row_sum: the row cut into SUM_WIDTH-lane chunks (width the next power of
+ * two for rows shorter than SUM_WIDTH), the first chunk taken as it is (zero-padded), each later
+ * one added lane by lane in order (its padding adds +0), the lanes then folded pairwise (lane i
+ * with lane i + w / 2). log_softmax is the portable op's arithmetic on fp32 rows: the exact max,
+ * shifted = x - max, lse = log(row_sum(exp(shifted))), y = shifted - lse; its backward
+ * dx = g - exp(y) * row_sum(g). exp and log are the file's. Single IEEE operations throughout, so
+ * both backends give the same bits, on every instruction set. */
+
+static float row_sum_f32(const float *x, int64_t L, float *acc) {
+    if (L == 0) return 0.0f;
+    int64_t width = SUM_WIDTH;
+    if (L < SUM_WIDTH) for (width = 1; width < L; width *= 2) {}
+    for (int64_t l = 0; l < width; l++) acc[l] = l < L ? x[l] : 0.0f;
+    for (int64_t c = width; c < L; c += width) {
+        int64_t n = L - c < width ? L - c : width;
+        for (int64_t l = 0; l < n; l++) acc[l] = acc[l] + x[c + l];
+        for (int64_t l = n; l < width; l++) acc[l] = acc[l] + 0.0f; /* -0 + +0 is +0, as in the padded sum */
+    }
+    for (int64_t w = width / 2; w >= 1; w /= 2)
+        for (int64_t l = 0; l < w; l++) acc[l] = acc[l] + acc[l + w];
+    return acc[0];
+}
+
+static void unary_isa(int isa, const float *x, float *y, int64_t n, int fn) {
+#if LS_X86
+    if (isa == ISA_AVX512) { unary_avx512(x, y, n, fn); return; }
+    if (isa == ISA_AVX2) { unary_avx2(x, y, n, fn); return; }
+#endif
+    (void)isa;
+    unary_scalar(x, y, n, fn);
+}
+
+typedef struct {
+    const float *x; /* row_sum and forward: the rows; backward: g */
+    const float *y; /* backward: the forward's output */
+    float *out;     /* row_sum: [rows]; forward: y; backward: dx */
+    int64_t rows, L;
+    int mode, isa;  /* mode: 0 row_sum, 1 log_softmax forward, 2 its backward */
+    atomic_int failed;
+} rows_job;
+
+#define ROWS_ITEM 4 /* rows per work item */
+
+static void rows_item(void *ctx, int64_t item) {
+    rows_job *J = (rows_job *)ctx;
+    const int64_t L = J->L;
+    float acc[SUM_WIDTH];
+    float *e = NULL;
+    if (J->mode != 0 && !(e = (float *)malloc((size_t)(L > 0 ? L : 1) * 4))) {
+        atomic_store(&J->failed, 1);
+        return;
+    }
+    for (int64_t r = item * ROWS_ITEM; r < (item + 1) * ROWS_ITEM && r < J->rows; r++) {
+        const float *x = J->x + r * L;
+        if (J->mode == 0) {
+            J->out[r] = row_sum_f32(x, L, acc);
+        } else if (J->mode == 1) {
+            float m = -INFINITY, *y = J->out + r * L;
+            for (int64_t j = 0; j < L; j++)
+                if (x[j] > m || x[j] != x[j]) { m = x[j]; if (m != m) break; }
+            for (int64_t j = 0; j < L; j++) y[j] = x[j] - m;
+            unary_isa(J->isa, y, e, L, FN_EXP);
+            float lse = s_log(row_sum_f32(e, L, acc));
+            for (int64_t j = 0; j < L; j++) y[j] = y[j] - lse;
+        } else {
+            const float *y = J->y + r * L;
+            float *dx = J->out + r * L;
+            float sum = row_sum_f32(x, L, acc);
+            unary_isa(J->isa, y, e, L, FN_EXP);
+            for (int64_t j = 0; j < L; j++) dx[j] = x[j] - e[j] * sum;
+        }
+    }
+    free(e);
+}
+
 /* ---------------------------------------------------------------- exported */
 
-int ls_abi_version(void) { return 3; }
+int ls_abi_version(void) { return 4; }
 
 /* Whether this CPU (and its OS) runs an instruction set: 0 scalar, 1 AVX2 + FMA + F16C, 2 AVX-512. */
 int ls_cpu_supports(int isa) {
@@ -1146,6 +1222,17 @@ int ls_rms_norm_fwd(int64_t rows, int64_t H, const void *x, const void *w, float
     int64_t items = (rows + RMS_ROWS - 1) / RMS_ROWS;
     parallel_for(rms_item, &R, items, rows * H < (1 << 16) ? 1 : threads);
     return 0;
+}
+
+/* Over rows of L contiguous fp32 elements (the order of the row-sum section above): mode 0, out[r] =
+ * row_sum(x[r]); mode 1, out[r] = log_softmax(x[r]); mode 2, out[r] = its backward from g = x[r]
+ * and the forward's output y[r]. out may alias x in modes 1 and 2. Returns 0, -1 for arguments it
+ * cannot take, -2 when memory runs out. */
+int ls_rows(int64_t rows, int64_t L, const float *x, const float *y, float *out, int mode, int isa, int threads) {
+    if (rows < 0 || L < 0 || mode < 0 || mode > 2 || (mode == 2 && !y) || !ls_cpu_supports(isa)) return -1;
+    rows_job J = {x, y, out, rows, L, mode, isa, 0};
+    parallel_for(rows_item, &J, (rows + ROWS_ITEM - 1) / ROWS_ITEM, rows * L < (1 << 16) ? 1 : threads);
+    return atomic_load(&J.failed) ? -2 : 0;
 }
 
 /* y[i] = exp(x[i]) (fn 0) or log(x[i]) (fn 1) for i < n, fp32, contiguous; y may alias x. Returns 0,

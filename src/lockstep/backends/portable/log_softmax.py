@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ...fixed_order import accumulate_dtype, exp, log, records_cpu_kernels, restores_cpu_kernels, row_max, row_sum
+from ...fixed_order import (accumulate_dtype, exp, log, log_softmax_rows, log_softmax_rows_backward,
+                            records_cpu_kernels, restores_cpu_kernels, row_max, row_sum)
 from ...registry import register
 
 
@@ -19,8 +20,7 @@ class _LogSoftmax(torch.autograd.Function):
     @staticmethod
     @records_cpu_kernels
     def forward(ctx, x: Tensor) -> Tensor:
-        shifted, lse = shifted_and_lse(x.to(accumulate_dtype(x.dtype)))
-        y = shifted - lse[:, None]
+        y = log_softmax_rows(x.to(accumulate_dtype(x.dtype)))
         # The fp32 result is kept for backward: recomputing softmax from a bf16 output would lose
         # the precision the forward just paid for.
         ctx.save_for_backward(y)
@@ -31,8 +31,7 @@ class _LogSoftmax(torch.autograd.Function):
     @restores_cpu_kernels
     def backward(ctx, grad_y: Tensor):
         (y,) = ctx.saved_tensors
-        g = grad_y.contiguous().to(y.dtype)
-        return (g - exp(y) * row_sum(g)[:, None]).to(ctx.dtype)
+        return log_softmax_rows_backward(grad_y.contiguous().to(y.dtype), y).to(ctx.dtype)
 
 
 @register("portable", "log_softmax")
