@@ -348,3 +348,58 @@ def test_clear_errors():
             with grad_tree.unit_rows([0, 3, 2], 0):
                 pass
     assert grad_tree.capture("linear", weight, 4, True) is None, "outside a window the ops reduce as before"
+
+
+@pytest.mark.parametrize("first, units", [(0, 8), (3, 8), (0, 5), (5, 1), (6, 7), (0, 1)])
+def test_pieces_built_chunk_by_chunk_give_the_unit_trees_bits(first: int, units: int):
+    """grad_tree.per_piece with fixed_order.tree_node_into (the LM head's way: each aligned block of a
+    call's units as one piece, its node formed chunk by chunk from reused buffers) gives the bits
+    of per_unit's leaf-by-leaf tree, and the pieces are the maximal aligned blocks."""
+    from lockstep.fixed_order import tree_node_into
+
+    gen = torch.Generator().manual_seed(first * 31 + units)
+    leaves = [torch.randn(10, 3, generator=gen) * 10 ** torch.randint(-3, 4, (10, 3), generator=gen) for _ in range(units)]
+    pieces = grad_tree.aligned_pieces(first, units)
+    assert sum(size for _, size in pieces) == units and pieces[0][0] == first
+    assert all(start % size == 0 and size & (size - 1) == 0 for start, size in pieces)
+
+    def totals(build: Callable) -> Tensor:
+        tree = TreeSum()
+        for i in range(first):
+            tree.add(i, 1, torch.zeros(10, 3))
+        use = grad_tree.Use(tree, tuple(range(units + 1)), first, 1)
+        assert build(use) is None
+        return tree.total()
+
+    want = totals(lambda use: grad_tree.per_unit(use, units, lambda a, b: leaves[a].clone()))
+    spare: list[Tensor] = []
+
+    def node(bounds: list[int]) -> Tensor:
+        out = torch.empty(10, 3)
+        for rows in (slice(0, 6), slice(6, 10)):            # two "vocabulary chunks", the last narrower
+            tree_node_into(out[rows], len(bounds) - 1, spare,
+                           lambda i, buf: buf.copy_(leaves[bounds[i]][rows]))
+        return out
+
+    got = totals(lambda use: grad_tree.per_piece(use, units, node))
+    assert torch.equal(want.view(torch.int32), got.view(torch.int32))
+    assert len(spare) <= max(1, units).bit_length() + 1
+    with pytest.raises(ValueError, match="leaves: expected a power of two, got 3"):
+        tree_node_into(torch.empty(2), 3, [], lambda i, buf: buf.fill_(1.0))
+
+
+@pytest.mark.parametrize("sparse_first", [True, False])
+def test_a_tied_tables_sparse_and_dense_uses_add_with_the_dense_bits(sparse_first: bool):
+    """combine adds a tied table's RowSparse embedding total and its dense LM-head total without
+    densifying the sparse one, with the bits of dense + dense: -0.0 in the dense total becomes +0.0
+    outside the sparse rows, and -0.0 + -0.0 stays -0.0 inside them."""
+    d = torch.tensor([[-0.0, 1.0], [2.0, -0.0], [-0.0, -0.0], [3.0, float("nan")]])
+    s = grad_tree.RowSparse(torch.tensor([1, 2]), torch.tensor([[-0.0, -0.0], [-0.0, 5.0]]), 4)
+    params = {"w": torch.nn.Parameter(torch.zeros(4, 2))}
+    keys = [("w", "a", 0), ("w", "b", 0)]
+    totals = dict(zip(keys, (s, d) if sparse_first else (d, s)))
+    got = grad_tree.combine(totals, params)["w"]
+    want = s.dense() + d if sparse_first else d + s.dense()
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+    assert got[2, 0].item() == 0.0 and math.copysign(1, got[2, 0].item()) == -1
+    assert math.copysign(1, got[0, 0].item()) == 1

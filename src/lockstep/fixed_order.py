@@ -411,6 +411,33 @@ def _siblings(left: tuple[int, int, Tensor], right: tuple[int, int, Tensor]) -> 
     return left[1] == right[1] and left[0] % (2 * left[1]) == 0 and right[0] == left[0] + left[1]
 
 
+def tree_node_into(out: Tensor, leaves: int, spare: list[Tensor], leaf: Callable[[int, Tensor], Tensor]) -> Tensor:
+    """`out` = the canonical tree's node over `leaves` leaves (a power of two): each node is left +
+    right, as TreeSum forms it. leaf(i, buffer) writes leaf i into `buffer` (a contiguous tensor of
+    out's shape) and returns it. Leaves are made in order and merged as their siblings arrive, so at
+    most log2(leaves) + 1 buffers are live; they come from `spare` when they fit (out's shape or
+    larger in the first dimension) and go back to it for the next call."""
+    if leaves == 1:
+        return leaf(0, out)
+    stack: list[tuple[int, Tensor]] = []          # (size, buffer) of the nodes not yet merged
+    for i in range(leaves):
+        fits = spare and spare[-1].shape[0] >= out.shape[0] and spare[-1].shape[1:] == out.shape[1:]
+        base = spare.pop() if fits else torch.empty(out.shape, dtype=out.dtype, device=out.device)
+        node, size = leaf(i, base[:out.shape[0]]), 1
+        while stack and stack[-1][0] == size:
+            left_base = stack.pop()[1]
+            left = left_base[:out.shape[0]]
+            if i == leaves - 1 and not stack:
+                node = torch.add(left, node, out=out)
+                spare.extend([left_base, base])
+                return out
+            node = left.add_(node)
+            spare.append(base)
+            base, size = left_base, 2 * size
+        stack.append((size, base))
+    raise ValueError(f"leaves: expected a power of two, got {leaves}")
+
+
 class TreeSum:
     """A sum over the indices 0, 1, ..., n-1 in one canonical tree, fed in index order.
 

@@ -128,6 +128,15 @@ class RowSparse:
         out[only_left] = out[only_left] + 0.0              # left only: va + 0.0
         return RowSparse(rows, out, self.size)
 
+    def add_dense(self, d: Tensor, self_first: bool) -> Tensor:
+        """dense(self) + d (self_first) or d + dense(self), as a new dense tensor, without the zero
+        table: a row outside `rows` is 0.0 + d (which turns -0.0 into +0.0, as the dense add does)."""
+        zero = d.new_zeros(())
+        out = torch.add(zero, d) if self_first else torch.add(d, zero)
+        picked = d[self.rows]
+        out[self.rows] = self.values + picked if self_first else picked + self.values
+        return out
+
     def dense(self, dtype: torch.dtype | None = None) -> Tensor:
         """[size, D] in `dtype` (default: the values' dtype). Written directly in a narrower dtype,
         which gives the bits of densifying first and rounding after, without the wide table."""
@@ -154,6 +163,34 @@ def per_unit(use: Use | None, rows: int, partial: Callable[[int, int], "Tensor |
         return dense(partial(0, rows), dtype)
     for i in range(len(use.offsets) - 1):
         use.tree.add(use.first + i, 1, partial(use.offsets[i], use.offsets[i + 1]), donated=True)
+    return None
+
+
+def aligned_pieces(first: int, units: int) -> list[tuple[int, int]]:
+    """The units [first, first + units) as maximal aligned power-of-two blocks, in order: (start,
+    size) pairs, each a node of the canonical tree (fixed_order.TreeSum) over its units."""
+    pieces, start, end = [], first, first + units
+    while start < end:
+        size = start & -start if start else 1 << (end - 1).bit_length()
+        while start + size > end:
+            size //= 2
+        pieces.append((start, size))
+        start += size
+    return pieces
+
+
+def per_piece(use: Use | None, rows: int, node: Callable[[list[int]], Tensor]) -> Tensor | None:
+    """`per_unit` for an op that builds tree nodes itself: node(bounds) must return the canonical
+    tree's node over the units whose row offsets (in the call) are `bounds` [size + 1], that is, the
+    pairwise sum of the units' partials, left + right, as `fixed_order.TreeSum` forms it; each
+    aligned block of the call's units goes to the unit tree as one piece. Outside a unit tree it
+    returns node([0, rows]), the one partial over all rows. The same bits as `per_unit` with the
+    units' partials, with one piece-sized tensor written per piece instead of one per unit."""
+    if use is None:
+        return node([0, rows])
+    for start, size in aligned_pieces(use.first, len(use.offsets) - 1):
+        i = start - use.first
+        use.tree.add(start, size, node(list(use.offsets[i:i + size + 1])), donated=True)
     return None
 
 
@@ -224,11 +261,13 @@ def combine(totals: dict[tuple[str, str, int], Tensor], params: dict[str, torch.
     A parameter's uses are added in key order. `gather(name, total)` then collects the rows of a
     total whose per-token rows tensor parallelism splits (q and k norms over heads); a total with
     one more dimension than its parameter is reduced over it by the canonical tree."""
-    grads: dict[str, Tensor] = {}
+    sums: dict[str, Tensor | RowSparse] = {}
     for key in sorted(totals):
-        name, total = key[0], dense(totals[key])
-        grads[name] = total if name not in grads else grads[name] + total
-    for name, g in grads.items():
+        name, total = key[0], totals[key]
+        sums[name] = total if name not in sums else _plus(sums[name], total)
+    grads: dict[str, Tensor] = {}
+    for name, g in sums.items():
+        g = dense(g)
         if gather is not None:
             g = gather(name, g)
         if g.dim() == params[name].dim() + 1:
@@ -238,6 +277,18 @@ def combine(totals: dict[tuple[str, str, int], Tensor], params: dict[str, torch.
             raise RuntimeError(f"gradient of {name}: shape {tuple(grads[name].shape)}, expected "
                                f"{tuple(params[name].shape)}")
     return grads
+
+
+def _plus(left: "Tensor | RowSparse", right: "Tensor | RowSparse") -> "Tensor | RowSparse":
+    """left + right with the bits of dense(left) + dense(right); a sparse operand is never densified
+    (a tied embedding's table is vocabulary-sized)."""
+    if isinstance(left, RowSparse) and isinstance(right, RowSparse):
+        return left + right
+    if isinstance(left, RowSparse):
+        return left.add_dense(right, self_first=True)
+    if isinstance(right, RowSparse):
+        return right.add_dense(left, self_first=False)
+    return left + right
 
 
 def linear_param_grads(use_w: Use | None, use_b: Use | None, grad_y: Tensor, x: Tensor, dtype: torch.dtype,

@@ -23,6 +23,7 @@ from ...fixed_order import (
     restores_cpu_kernels,
     row_max,
     row_sum,
+    tree_node_into,
     weight_grad,
 )
 from ...registry import register
@@ -141,11 +142,15 @@ class _SelectedLogprobs(torch.autograd.Function):
         # dtype, so that small probabilities do not underflow in fp16.
         gemm = torch.bfloat16 if hidden.dtype == torch.bfloat16 else acc
 
-        def rows_backward(first: int, stop: int) -> Tensor | None:
-            """d(hidden) of rows [first, stop) into dh, and their weight gradient (or None)."""
+        def piece_backward(bounds: list[int]) -> Tensor | None:
+            """d(hidden) of rows [bounds[0], bounds[-1]) into dh, and the weight gradient of the
+            units with those row bounds: their canonical tree node (grad_tree.per_piece), formed
+            chunk by chunk, or None."""
+            first, stop = bounds[0], bounds[-1]
             h = hidden[first:stop]
             # every chunk written
             dw = grad_tree.empty(ctx.use, weight.shape, acc, weight.device) if need_w else None
+            spare: list[Tensor] = []
             for start in range(0, weight.shape[0], VOCAB_CHUNK):
                 logits, slope = _chunk_logits(h, weight, start, acc, ctx.temperature, ctx.cap)
                 # d log p(t) / d logit_j = [j == t] - p_j
@@ -160,11 +165,13 @@ class _SelectedLogprobs(torch.autograd.Function):
                 if need_h:
                     dh[first:stop] = dh[first:stop] + matmul_rows(dlogits.to(gemm), weight[start:stop_v].to(gemm)).to(acc)
                 if need_w:
-                    weight_grad(dlogits, hidden_acc[first:stop], out=dw[start:stop_v])
+                    tree_node_into(dw[start:stop_v], len(bounds) - 1, spare, lambda i, out: weight_grad(
+                        dlogits[bounds[i] - first:bounds[i + 1] - first], hidden_acc[bounds[i]:bounds[i + 1]], out=out))
             return dw
 
-        # Unit by unit inside a unit tree, so that one vocabulary-sized partial is held at a time.
-        dw = grad_tree.per_unit(ctx.use, hidden.shape[0], rows_backward)
+        # A piece of units at a time inside a unit tree: its logits and d(hidden) over all its rows,
+        # its units' weight gradients combined chunk by chunk, one vocabulary-sized tensor per piece.
+        dw = grad_tree.per_piece(ctx.use, hidden.shape[0], piece_backward)
         return (dh.to(hidden.dtype) if need_h else None), (None if dw is None else dw.to(weight.dtype)), None, None, None
 
 
