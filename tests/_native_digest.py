@@ -1,8 +1,8 @@
 """Print a digest of the native backend's outputs and gradients, for tests/test_native.py.
 
 Every op of the harness (forward and backward, fp32, bf16 and fp16, small sizes), attention by
-packed prefill with gradients and by paged decode, and masked attention (left padding) with
-gradients. One digest per thread count (1, 2, 3) of one process; the instruction set and the BLAS
+packed prefill with gradients and by paged decode, masked attention (left padding) with
+gradients, and a bf16 GEMM on inputs that reach every case of the bf16 order. One digest per thread count (1, 2, 3) of one process; the instruction set and the BLAS
 selections come from the environment, which the kernel libraries read once, so the test starts a
 fresh process for each.
 
@@ -18,6 +18,7 @@ import sys
 import torch
 
 from lockstep.backends.native.build import isa_name
+from lockstep.backends.native.gemm import gemm_nt
 from lockstep.harness.attention_check import AttnCase, AttnSizes, _paged_decode
 from lockstep.harness.masked_attention_check import MaskedCase, MaskedSizes
 from lockstep.harness.check import Pool, run
@@ -38,8 +39,45 @@ def _update(h: "hashlib._Hash", label: str, t: torch.Tensor | None) -> None:
         h.update(t.detach().contiguous().view(torch.uint8).numpy().tobytes())
 
 
+def bf16_edge_operands(rows: int = 64, k: int = 103) -> tuple[torch.Tensor, torch.Tensor]:
+    """bf16 GEMM operands that reach every case of the bf16 order (kernels.c): rows of tiny values
+    and denormals whose products and partial sums fall at and just below 2^-126 (where the order
+    flushes what plain rounding keeps), rows that cancel their neighbours, rows of ordinary values,
+    and Inf and NaN in two rows."""
+    gen = torch.Generator().manual_seed(11)
+    tiny = torch.arange(rows)[:, None] % 3 != 2                     # two rows in three
+    exponent = torch.where(tiny, 62 + torch.randint(0, 4, (rows, k), generator=gen),
+                           110 + torch.randint(0, 30, (rows, k), generator=gen))
+    exponent = torch.where(torch.rand(rows, k, generator=gen) < 0.1, 0, exponent)       # zeros and denormals
+    special = (torch.arange(rows)[:, None] % 16 == 6) & (torch.rand(rows, k, generator=gen) < 0.05)
+    exponent = torch.where(special, 255, exponent)                                      # Inf and NaN
+    bits = (torch.randint(0, 2, (rows, k), generator=gen) << 15) | (exponent << 7) | torch.randint(
+        0, 128, (rows, k), generator=gen)
+    x = bits.to(torch.int16).view(torch.bfloat16)
+    x[1::4] = -x[0::4][: x[1::4].shape[0]]                          # rows that cancel their neighbours
+    a, b = x, x.flip(0).roll(3, 1)
+    a[2], b[2] = BF16_TININESS
+    return a, b
+
+
+def _tininess_case(k: int = 103) -> tuple[torch.Tensor, torch.Tensor]:
+    """One row pair whose dot is exactly 0 in the bf16 order and 2^-126 with plain rounding: lane 0
+    reaches 2^-126 + 2^-149, then adds -1.375 x 2^-149; the exact sum, rounded to 24 bits with an
+    unbounded exponent, is 2^-126 - 2^-150, tiny, so it is flushed (kernels.c's header)."""
+    a, b = torch.zeros(k), torch.zeros(k)
+    a[1], b[1] = 2.0 ** -63, 2.0 ** -63             # odd step of chunk 0: 2^-126
+    a[0], b[0] = 2.0 ** -75, 2.0 ** -74             # even step: + 2^-149
+    a[33], b[33] = -1.375 * 2.0 ** -75, 2.0 ** -74  # odd step of chunk 1: - 1.375 x 2^-149
+    return a.bfloat16(), b.bfloat16()
+
+
+BF16_TININESS = _tininess_case()
+
+
 def digest() -> str:
     h = hashlib.sha256()
+    a, b = bf16_edge_operands()
+    _update(h, "bf16 edge GEMM", gemm_nt(a, b))
     for dtype in DTYPES:
         for name, spec in SPECS.items():
             pool = Pool(spec, dtype, SIZES, seed=0, grad=spec.differentiable)

@@ -23,7 +23,8 @@ from test_cpu_kernels import ATEN_CAPABILITIES, MKL_ISAS, ONEDNN_ISAS, require
 
 ROOT = Path(__file__).resolve().parent.parent
 DIGEST = Path(__file__).with_name("_native_digest.py")
-ISA_FLAGS = {"scalar": set(), "avx2": {"avx2", "fma", "f16c"}, "avx512": {"avx512f", "avx512bw", "avx512vl"}}
+ISA_FLAGS = {"scalar": set(), "avx2": {"avx2", "fma", "f16c"}, "avx512": {"avx512f", "avx512bw", "avx512vl"},
+             "avx512bf16": {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"}}
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
@@ -96,12 +97,12 @@ def test_gemm_bits_across_instruction_sets_threads_rows_and_tails(dtype, isa):
     assert (outs[0].double() - ref).abs().max() < 1e-4 * ref.abs().max()
 
 
-@pytest.mark.parametrize("dtype, rows", [(torch.float32, 3), (torch.bfloat16, 6), (torch.float16, 6)], ids=str)
+@pytest.mark.parametrize("dtype, rows", [(torch.float32, 3), (torch.float16, 6)], ids=str)
 def test_gemm_order_is_the_documented_one(dtype, rows):
     """kernels.c's order, restated in Python: 16 lanes over K, each one fp32 FMA chain from k = 0
     (emulated exactly in float64 then rounded, as an FMA rounds once), folded by the fixed tree
-    (in vector form on AVX2 and AVX-512). 16-bit operands are widened exactly first; more rows than
-    one micro-tile."""
+    (in vector form on AVX2 and AVX-512). fp16 operands are widened exactly first; more rows than
+    one micro-tile. (bf16 has its own order: test_bf16_gemm_order_is_the_documented_one.)"""
     gen = torch.Generator().manual_seed(1)
     a = torch.randn(rows, 45, generator=gen).to(dtype)
     b = torch.randn(2, 45, generator=gen).to(dtype)
@@ -176,7 +177,7 @@ def test_gemm_argument_errors_name_the_argument():
 
 def test_a_forced_instruction_set_must_be_known_and_runnable(monkeypatch):
     monkeypatch.setenv("LOCKSTEP_CPU_ISA", "sse9")
-    with pytest.raises(ValueError, match=r"LOCKSTEP_CPU_ISA: expected one of \['scalar', 'avx2', 'avx512'\], got 'sse9'"):
+    with pytest.raises(ValueError, match=r"LOCKSTEP_CPU_ISA: expected one of \['scalar', 'avx2', 'avx512', 'avx512bf16'\], got 'sse9'"):
         build.isa()
     missing = [name for name in build.ISAS if name not in build.supported_isas()]
     if missing:
@@ -217,13 +218,13 @@ def test_attention_order_is_the_documented_one(dtype):
     n, d, window, scale = 70, 20, 67, 0.3
     q, k, v = (torch.randn(n, h, d, generator=gen).to(dtype) for h in (2, 1, 1))
     out, row_max, row_sum = attention_forward(q, k, v, [0, n], [n], [0], None, scale, True, window)
-    qf, kf, vf = q.float(), k.float(), v.float()
+    vf = v.float()
     for t in (0, 40, 63, 64, 69):
         one, _, _ = attention_forward(q[t:t + 1], k[:t + 1], v[:t + 1], [0, 1], [t + 1], [0], None, scale, True,
                                       window)
         assert torch.equal(one[0], out[t]), t
         for h in range(2):
-            m, l, o = _attention_row(qf[t, h], kf[:, 0], vf[:, 0], [j for j in range(t + 1) if j > t - window], 0,
+            m, l, o = _attention_row(q[t, h], k[:, 0], vf[:, 0], [j for j in range(t + 1) if j > t - window], 0,
                                      scale)
             assert torch.equal(row_max[t, h], m) and torch.equal(row_sum[t, h], l), (t, h)
             assert torch.equal(out[t, h], o), (t, h)
@@ -231,7 +232,8 @@ def test_attention_order_is_the_documented_one(dtype):
 
 def _attention_row(q, k, v, keys, anchor, scale):
     """kernels.c's arithmetic for one query row q [D] over the visible `keys` (ascending indices
-    into k, v [L, D], fp32), in 64-key blocks from `anchor`: (row max, row sum, output)."""
+    into k [L, D], in q's dtype: the scores are the GEMM's dot of that dtype, and v [L, D] fp32),
+    in 64-key blocks from `anchor`: (row max, row sum, output)."""
     d = q.shape[0]
     m, l, acc = torch.tensor(float("-inf")), torch.tensor(0.0), torch.zeros(d)
     for k0 in range(anchor, k.shape[0], 64):
@@ -273,7 +275,7 @@ def test_masked_attention_order_is_the_documented_one(dtype):
     visible[0, :, 2] = visible[1, :, 7] = True
     visible[1, 3] = False
     out, lse = ops.masked_attention(q, k, v, visible, scale)
-    qf, kf, vf = q.float(), k.float(), v.float()
+    vf = v.float()
     for i in range(b):
         for t in range(lq):
             keys = torch.nonzero(visible[i, t])[:, 0].tolist()
@@ -281,7 +283,7 @@ def test_masked_attention_order_is_the_documented_one(dtype):
                                                 scale)
             assert torch.equal(one[0, :, 0], out[i, :, t]) and torch.equal(one_lse[0, :, 0], lse[i, :, t]), (i, t)
             for h in range(4):
-                m, l, o = _attention_row(qf[i, h, t], kf[i, h // 2], vf[i, h // 2], keys, keys[0] if keys else 0,
+                m, l, o = _attention_row(q[i, h, t], k[i, h // 2], vf[i, h // 2], keys, keys[0] if keys else 0,
                                          scale)
                 assert torch.equal(out[i, h, t].float(), o.to(dtype).float()), (i, t, h)
                 assert torch.equal(lse[i, h, t], m + unary.log(l[None])[0]), (i, t, h)
@@ -336,6 +338,7 @@ def test_the_build_for_other_architectures_gives_the_same_bits(tmp_path, monkeyp
     import _native_digest
     from lockstep.backends.native import attention as native_attention
     from lockstep.backends.native import rms_norm as native_rms_norm
+    from lockstep.backends.native import rows as native_rows
 
     so = tmp_path / "kernels_no_x86.so"
     done = subprocess.run([build.compiler(), *build.FLAGS, "-DLS_NO_X86", "-o", str(so), str(build.SOURCE), "-lm"],
@@ -344,8 +347,8 @@ def test_the_build_for_other_architectures_gives_the_same_bits(tmp_path, monkeyp
     monkeypatch.setenv("LOCKSTEP_CPU_ISA", "scalar")
     want = _native_digest.digest()
     other = build.declare(ctypes.CDLL(str(so)))
-    assert [other.ls_cpu_supports(code) for code in build.ISAS.values()] == [1, 0, 0]
-    for module in (gemm, unary, native_attention, native_rms_norm):
+    assert [other.ls_cpu_supports(code) for code in build.ISAS.values()] == [1, 0, 0, 0]
+    for module in (gemm, unary, native_attention, native_rms_norm, native_rows):
         monkeypatch.setattr(module, "library", lambda: other)
     assert _native_digest.digest() == want
     if "avx2" in build.supported_isas():  # the ops did run on `other`: it refuses an x86 path
@@ -395,3 +398,32 @@ def test_row_sum_and_log_softmax_in_c_are_the_compositions_bit_for_bit(unfused):
     with fo.cpu_kernels(KERNELS.name):
         assert fo.row_sum(torch.ones(4, 0)).tolist() == [0.0] * 4
         assert torch.equal(fo.row_sum(torch.ones(2, 3, 700)), torch.full((2, 3), 700.0))
+
+
+def test_bf16_gemm_order_is_the_documented_one():
+    """kernels.c's bf16 order restated in Python (K = 75: two full 32-element chunks and a
+    zero-filled one): lane j of chunk c adds the product of element 32 c + 2 j + 1, then of 32 c + 2 j,
+    each by one fma, then the 16 lanes fold. And the flush at the smallest normal that the order
+    defines (tininess after rounding with an unbounded exponent): a dot that plain rounding leaves at
+    2^-126 is 0."""
+    from _native_digest import BF16_TININESS
+
+    gen = torch.Generator().manual_seed(8)
+    k = 75
+    a, b = (torch.randn(n, k, generator=gen).bfloat16() for n in (3, 5))
+    got = gemm.gemm_nt(a, b)
+    af, bf = (torch.nn.functional.pad(t.float(), (0, 96 - k)) for t in (a, b))
+    for i in range(3):
+        for j in range(5):
+            lanes = torch.zeros(16)
+            for c in range(0, 96, 32):
+                for odd in (1, 0):
+                    idx = torch.arange(16) * 2 + c + odd
+                    lanes = _fma32(af[i, idx], bf[j, idx], lanes)
+            t = lanes[:8] + lanes[8:]
+            u = t[:4] + t[4:]
+            v = u[:2] + u[2:]
+            assert torch.equal(got[i, j], v[0] + v[1]), (i, j)
+    x, y = BF16_TININESS
+    assert gemm.gemm_nt(x[None], y[None]).item() == 0.0
+    assert (x.double() * y.double()).sum().item() > 0.99 * 2.0 ** -126     # the exact dot: just below 2^-126

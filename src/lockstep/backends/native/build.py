@@ -5,8 +5,10 @@ and the flags stay the same: a fresh Linux machine needs only `cc`, no CUDA and 
 Anything that stops the build or the load raises `NativeUnavailable` with the reason, which the
 registry prints in one line before it falls back to the portable backend.
 
-LOCKSTEP_CPU_ISA=scalar|avx2|avx512 forces an instruction set (all three give the same bits;
-tests run each on one machine); unset, the widest one the CPU runs is used.
+LOCKSTEP_CPU_ISA=scalar|avx2|avx512|avx512bf16 forces an instruction set (all give the same bits;
+tests run each on one machine); unset, the widest one the CPU runs is used. avx512bf16 is the
+AVX-512 path with the VDPBF16PS instruction for bf16 products, offered only where the instruction
+passes a self-test against the bf16 order's definition (kernels.c).
 LOCKSTEP_CACHE_DIR overrides the cache folder (default: $XDG_CACHE_HOME/lockstep or ~/.cache/lockstep).
 """
 
@@ -24,9 +26,10 @@ from pathlib import Path
 
 SOURCE = Path(__file__).with_name("kernels.c")
 # -ffp-contract=off: the compiler must not fuse a multiply and an add that the source keeps apart.
-FLAGS = ["-O3", "-std=gnu11", "-shared", "-fPIC", "-pthread", "-ffp-contract=off", "-fno-fast-math"]
-ISAS = {"scalar": 0, "avx2": 1, "avx512": 2}
-ABI_VERSION = 4
+# -frounding-math: nor move arithmetic across the MXCSR changes around the bf16 tiles.
+FLAGS = ["-O3", "-std=gnu11", "-shared", "-fPIC", "-pthread", "-ffp-contract=off", "-fno-fast-math", "-frounding-math"]
+ISAS = {"scalar": 0, "avx2": 1, "avx512": 2, "avx512bf16": 3}
+ABI_VERSION = 5
 
 
 class NativeUnavailable(RuntimeError):

@@ -6,6 +6,14 @@
  *   k = j, j + 16, j + 32, ... < K, in increasing k, from s_j = +0. The lanes then fold in a fixed
  *   tree: t_j = s_j + s_{j+8}, u_j = t_j + t_{j+4}, v_j = u_j + u_{j+2}, r = v_0 + v_1.
  *
+ * bf16 has its own order, the arithmetic of the VDPBF16PS instruction as Intel's SDM specifies it
+ * (docs/adr/0018): 16 lanes over chunks of 32 elements; lane j of chunk c takes k = 32 c + 2 j + 1,
+ * then k = 32 c + 2 j, each as s_j = ftz(fma(daz(a[k]), daz(b[k]), s_j)), from s_j = +0, the chunk
+ * past K zero-filled (daz: a denormal input is a zero of its sign; ftz: so is a denormal result;
+ * the product is exact and rounded once, with the add). The lanes then fold as above. CPUs with
+ * AVX512_BF16 run the instruction itself (after a self-test against this definition); the other
+ * paths compute the definition.
+ *
  * The scalar, AVX2 and AVX-512 paths perform exactly these IEEE operations (an AVX2 register holds
  * half of the lanes, an AVX-512 register all 16, the scalar path one), so their bits agree. bf16
  * and fp16 inputs are widened exactly to fp32 before they are multiplied. Threads divide the output
@@ -35,7 +43,8 @@
 #define NR 4 /* columns of a micro-tile */
 
 enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2 };
-enum { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };
+/* ISA_AVX512_BF16: the AVX-512 path with the VDPBF16PS instruction for bf16 products. */
+enum { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX512 = 2, ISA_AVX512_BF16 = 3 };
 
 #define INLINE static inline __attribute__((always_inline))
 
@@ -70,6 +79,36 @@ INLINE float load_scalar(const char *p, int64_t k, int dt) {
     return dt == DT_BF16 ? bf16_to_f32(h) : f16_to_f32(h);
 }
 
+/* A denormal as a zero of its sign (daz of an input, ftz of a result). */
+static inline float flush_denormal(float x) {
+    uint32_t u;
+    memcpy(&u, &x, 4);
+    if ((u & 0x7f800000u) == 0) u &= 0x80000000u;
+    memcpy(&x, &u, 4);
+    return x;
+}
+
+/* A step of the bf16 order whose fma result r is +-2^-126, the smallest normal: the instruction
+ * flushes it when the exact result, rounded to 24 bits with an unbounded exponent, is below 2^-126
+ * (tininess after rounding), though r, rounded in the denormal range, is normal. The product is
+ * exact in double (two 8-bit significands) and the sum rounds once more, to 53 bits, which keeps
+ * the 24-bit rounding (53 >= 2 * 24 + 2); scaling by 2^64 moves the 24-bit rounding out of the
+ * denormal range. Rare (a sum within 2^-149 of 2^-126), so the vector paths call it per lane. */
+static float bf16_min_normal_step(float a, float b, float s, float r) {
+    double d = (double)a * (double)b + (double)s;
+    return fabsf((float)(d * 0x1p64)) < 0x1p-62f ? copysignf(0.0f, r) : r;
+}
+
+/* One step of the bf16 order: ftz(fma(a, b, s)) with the instruction's tininess (a, b, s flushed). */
+static inline float bf16_step(float a, float b, float s) {
+    float r = fmaf(a, b, s);
+    uint32_t u;
+    memcpy(&u, &r, 4);
+    u &= 0x7fffffffu;
+    if (u == 0x00800000u) return bf16_min_normal_step(a, b, s, r);
+    return u < 0x00800000u ? copysignf(0.0f, r) : r;
+}
+
 /* The fixed fold of the 16 lanes (same code for every ISA). */
 static inline float fold16(const float *s) {
     float t[8], u[4], v[2];
@@ -83,8 +122,34 @@ static inline float fold16(const float *s) {
  * A micro-tile: rows i < mr of A (each K elements, row stride lda bytes) against rows j < nr of B
  * (likewise, ldb), leaving each output's 16 lane sums in lanes[(i * NR + j) * 16 + l]. */
 
+#define BF16_CHUNK 32 /* bf16 elements per chunk of the bf16 order: two per lane */
+
+/* The bf16 order (the file's header) in scalar code. */
+INLINE void tile_scalar_bf16(int mr, int nr, int64_t K, const char *A, int64_t lda, const char *B, int64_t ldb,
+                             float *lanes) {
+    float s[MR][NR][LANES];
+    memset(s, 0, sizeof(s));
+    for (int64_t k0 = 0; k0 < K; k0 += BF16_CHUNK)
+        for (int l = 0; l < LANES; l++)
+            for (int odd = 1; odd >= 0; odd--) {
+                int64_t k = k0 + 2 * l + odd;
+                float b[NR];
+                for (int j = 0; j < nr; j++) b[j] = k < K ? flush_denormal(load_scalar(B + j * ldb, k, DT_BF16)) : 0.0f;
+                for (int i = 0; i < mr; i++) {
+                    float a = k < K ? flush_denormal(load_scalar(A + i * lda, k, DT_BF16)) : 0.0f;
+                    for (int j = 0; j < nr; j++) s[i][j][l] = bf16_step(a, b[j], s[i][j][l]);
+                }
+            }
+    for (int i = 0; i < mr; i++)
+        for (int j = 0; j < nr; j++) memcpy(lanes + (i * NR + j) * LANES, s[i][j], sizeof(s[i][j]));
+}
+
 INLINE void tile_scalar(int dt, int mr, int nr, int64_t K, const char *A, int64_t lda, const char *B,
                         int64_t ldb, float *lanes) {
+    if (dt == DT_BF16) {
+        tile_scalar_bf16(mr, nr, K, A, lda, B, ldb, lanes);
+        return;
+    }
     float s[MR][NR][LANES];
     memset(s, 0, sizeof(s));
     for (int64_t k0 = 0; k0 < K; k0 += LANES) {
@@ -167,8 +232,73 @@ AVX2_T INLINE void tile_avx2_half(int dt, int mr, int nr, int64_t K, const char 
         for (int j = 0; j < nr; j++) _mm256_storeu_ps(lanes + (i * NR + j) * LANES + 8 * half, acc[i][j]);
 }
 
+/* The bf16 order's flushes in hardware: MXCSR's DAZ (denormal inputs read as zeros of their sign)
+ * and FTZ (a result that is tiny after rounding, with an unbounded exponent, becomes a zero of its
+ * sign), which is the step VDPBF16PS performs. Set around the bf16 tiles only, and restored. */
+AVX2_T INLINE unsigned int ftz_daz_begin(void) {
+    unsigned int csr = _mm_getcsr();
+    _mm_setcsr(csr | 0x8040u);
+    return csr;
+}
+
+AVX2_T INLINE void ftz_daz_end(unsigned int csr) { _mm_setcsr(csr); }
+
+/* 16 bf16 elements from element k (zero-filled past `count`) as their 8 even and 8 odd elements
+ * widened, each flushed (daz). */
+AVX2_T INLINE void load_pairs8(const char *p, int64_t k, int count, __m256 *even, __m256 *odd) {
+    const char *q = p + k * 2;
+    char buf[32];
+    if (count < 16) {
+        memset(buf, 0, sizeof(buf));
+        if (count > 0) memcpy(buf, q, (size_t)count * 2);
+        q = buf;
+    }
+    __m256i w = _mm256_loadu_si256((const __m256i *)q);
+    *even = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+    *odd = _mm256_castsi256_ps(_mm256_and_si256(w, _mm256_set1_epi32((int)0xffff0000u)));
+}
+
+/* The bf16 order with 8 of the 16 lanes per register: half h holds lanes 8 h .. 8 h + 7, the 16
+ * elements from 32 c + 16 h of each chunk. */
+AVX2_T INLINE void tile_avx2_bf16_half(int mr, int nr, int64_t K, const char *A, int64_t lda, const char *B,
+                                       int64_t ldb, float *lanes, int half) {
+    __m256 acc[MR][NR];
+    _Pragma("GCC unroll 4")
+    for (int i = 0; i < MR; i++)
+        _Pragma("GCC unroll 4")
+        for (int j = 0; j < NR; j++) acc[i][j] = _mm256_setzero_ps();
+    for (int64_t k0 = 0; k0 < K; k0 += BF16_CHUNK) {
+        int64_t k = k0 + 16 * half;
+        int count = K - k < 16 ? (int)(K - k) : 16;
+        __m256 ae[MR], ao[MR];
+        _Pragma("GCC unroll 4")
+        for (int i = 0; i < mr; i++) load_pairs8(A + i * lda, k, count, &ae[i], &ao[i]);
+        _Pragma("GCC unroll 4")
+        for (int j = 0; j < nr; j++) {
+            __m256 be, bo;
+            load_pairs8(B + j * ldb, k, count, &be, &bo);
+            _Pragma("GCC unroll 4")
+            for (int i = 0; i < mr; i++) {
+                acc[i][j] = _mm256_fmadd_ps(ao[i], bo, acc[i][j]);
+                acc[i][j] = _mm256_fmadd_ps(ae[i], be, acc[i][j]);
+            }
+        }
+    }
+    _Pragma("GCC unroll 4")
+    for (int i = 0; i < mr; i++)
+        _Pragma("GCC unroll 4")
+        for (int j = 0; j < nr; j++) _mm256_storeu_ps(lanes + (i * NR + j) * LANES + 8 * half, acc[i][j]);
+}
+
 AVX2_T INLINE void tile_avx2(int dt, int mr, int nr, int64_t K, const char *A, int64_t lda, const char *B,
                              int64_t ldb, float *lanes) {
+    if (dt == DT_BF16) {
+        unsigned int csr = ftz_daz_begin();
+        tile_avx2_bf16_half(mr, nr, K, A, lda, B, ldb, lanes, 0);
+        tile_avx2_bf16_half(mr, nr, K, A, lda, B, ldb, lanes, 1);
+        ftz_daz_end(csr);
+        return;
+    }
     tile_avx2_half(dt, mr, nr, K, A, lda, B, ldb, lanes, 0);
     tile_avx2_half(dt, mr, nr, K, A, lda, B, ldb, lanes, 1);
 }
@@ -185,8 +315,85 @@ AVX512_T INLINE __m512 load16(const char *p, int64_t k, int dt, int count) {
     return _mm512_cvtph_ps(h);
 }
 
+/* 32 bf16 elements from element k, zero-filled past `count`. */
+AVX512_T INLINE __m512i load32_bf16(const char *p, int64_t k, int count) {
+    const char *q = p + k * 2;
+    if (count >= 32) return _mm512_loadu_si512(q);
+    return _mm512_maskz_loadu_epi16((__mmask32)((1ull << count) - 1ull), q);
+}
+
+/* The bf16 order on 16 lanes, computed from its definition (AVX-512 without AVX512_BF16). */
+AVX512_T INLINE void tile_avx512_bf16(int mr, int nr, int64_t K, const char *A, int64_t lda, const char *B,
+                                      int64_t ldb, float *lanes) {
+    __m512 acc[MR][NR];
+    _Pragma("GCC unroll 4")
+    for (int i = 0; i < MR; i++)
+        _Pragma("GCC unroll 4")
+        for (int j = 0; j < NR; j++) acc[i][j] = _mm512_setzero_ps();
+    const __m512i high = _mm512_set1_epi32((int)0xffff0000u);
+    for (int64_t k0 = 0; k0 < K; k0 += BF16_CHUNK) {
+        int count = K - k0 < BF16_CHUNK ? (int)(K - k0) : BF16_CHUNK;
+        __m512 ae[MR], ao[MR];
+        _Pragma("GCC unroll 4")
+        for (int i = 0; i < mr; i++) {
+            __m512i w = load32_bf16(A + i * lda, k0, count);
+            ae[i] = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+            ao[i] = _mm512_castsi512_ps(_mm512_and_si512(w, high));
+        }
+        _Pragma("GCC unroll 4")
+        for (int j = 0; j < nr; j++) {
+            __m512i w = load32_bf16(B + j * ldb, k0, count);
+            __m512 be = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+            __m512 bo = _mm512_castsi512_ps(_mm512_and_si512(w, high));
+            _Pragma("GCC unroll 4")
+            for (int i = 0; i < mr; i++) {
+                acc[i][j] = _mm512_fmadd_ps(ao[i], bo, acc[i][j]);
+                acc[i][j] = _mm512_fmadd_ps(ae[i], be, acc[i][j]);
+            }
+        }
+    }
+    _Pragma("GCC unroll 4")
+    for (int i = 0; i < mr; i++)
+        _Pragma("GCC unroll 4")
+        for (int j = 0; j < nr; j++) _mm512_storeu_ps(lanes + (i * NR + j) * LANES, acc[i][j]);
+}
+
+#define AVX512BF16_T __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma,f16c")))
+
+/* The bf16 order by the instruction itself: one VDPBF16PS per chunk does both of a lane's steps. */
+AVX512BF16_T INLINE void tile_avx512bf16_bf16(int mr, int nr, int64_t K, const char *A, int64_t lda,
+                                              const char *B, int64_t ldb, float *lanes) {
+    __m512 acc[MR][NR];
+    _Pragma("GCC unroll 4")
+    for (int i = 0; i < MR; i++)
+        _Pragma("GCC unroll 4")
+        for (int j = 0; j < NR; j++) acc[i][j] = _mm512_setzero_ps();
+    for (int64_t k0 = 0; k0 < K; k0 += BF16_CHUNK) {
+        int count = K - k0 < BF16_CHUNK ? (int)(K - k0) : BF16_CHUNK;
+        __m512i a[MR];
+        _Pragma("GCC unroll 4")
+        for (int i = 0; i < mr; i++) a[i] = load32_bf16(A + i * lda, k0, count);
+        _Pragma("GCC unroll 4")
+        for (int j = 0; j < nr; j++) {
+            __m512i b = load32_bf16(B + j * ldb, k0, count);
+            _Pragma("GCC unroll 4")
+            for (int i = 0; i < mr; i++) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], (__m512bh)a[i], (__m512bh)b);
+        }
+    }
+    _Pragma("GCC unroll 4")
+    for (int i = 0; i < mr; i++)
+        _Pragma("GCC unroll 4")
+        for (int j = 0; j < nr; j++) _mm512_storeu_ps(lanes + (i * NR + j) * LANES, acc[i][j]);
+}
+
 AVX512_T INLINE void tile_avx512(int dt, int mr, int nr, int64_t K, const char *A, int64_t lda, const char *B,
                                  int64_t ldb, float *lanes) {
+    if (dt == DT_BF16) {
+        unsigned int csr = ftz_daz_begin();
+        tile_avx512_bf16(mr, nr, K, A, lda, B, ldb, lanes);
+        ftz_daz_end(csr);
+        return;
+    }
     __m512 acc[MR][NR];
     _Pragma("GCC unroll 4")
     for (int i = 0; i < MR; i++)
@@ -243,6 +450,16 @@ static void fold_tile(int isa, const float *lanes, int mr, int nr, float *out) {
     fold_tile_scalar(lanes, mr, nr, out);
 }
 
+/* A bf16 dot's NaN as the one quiet NaN: the instruction and the code that defines it may carry
+ * another NaN's sign and payload; the bits of every other value agree. */
+static void canonical_nans(float *x, int n) {
+    for (int i = 0; i < n; i++)
+        if (x[i] != x[i]) {
+            uint32_t u = 0x7fc00000u;
+            memcpy(&x[i], &u, 4);
+        }
+}
+
 /* ---------------------------------------------------------------- GEMM driver */
 
 typedef struct {
@@ -293,12 +510,25 @@ DEFINE_TILE_DISPATCH(micro_scalar, tile_scalar, )
 #if LS_X86
 DEFINE_TILE_DISPATCH(micro_avx2, tile_avx2, AVX2_T)
 DEFINE_TILE_DISPATCH(micro_avx512, tile_avx512, AVX512_T)
+
+#define tile_avx512bf16_bf16_dt(DT, ...) tile_avx512bf16_bf16(__VA_ARGS__)
+
+/* The AVX-512 path with the instruction for bf16; fp32 and fp16 as micro_avx512. */
+AVX512BF16_T static void micro_avx512bf16(int dt, int mr, int nr, int64_t K, const char *A, int64_t lda,
+                                          const char *B, int64_t ldb, float *lanes) {
+    if (dt == DT_BF16) {
+        TILE_CASES(tile_avx512bf16_bf16_dt, DT_BF16)
+    } else {
+        micro_avx512(dt, mr, nr, K, A, lda, B, ldb, lanes);
+    }
+}
 #endif
 
 typedef void (*micro_fn)(int, int, int, int64_t, const char *, int64_t, const char *, int64_t, float *);
 
 static micro_fn micro_of(int isa) {
 #if LS_X86
+    if (isa == ISA_AVX512_BF16) return micro_avx512bf16;
     if (isa == ISA_AVX512) return micro_avx512;
     if (isa == ISA_AVX2) return micro_avx2;
 #endif
@@ -324,6 +554,7 @@ static void gemm_item(void *ctx, int64_t item) {
             int nr = (int)(n1 - n < NR ? n1 - n : NR);
             micro(g->dt, mr, nr, g->K, A + m * g->lda, g->lda, B + n * g->ldb, g->ldb, lanes);
             fold_tile(g->isa, lanes, mr, nr, folded);
+            if (g->dt == DT_BF16) canonical_nans(folded, MR * NR);
             for (int i = 0; i < mr; i++)
                 for (int j = 0; j < nr; j++) {
                     float r = folded[i * NR + j];
@@ -644,7 +875,7 @@ static void unary_item(void *ctx, int64_t item) {
     const unary_job *u = (const unary_job *)ctx;
     int64_t start = item * UNARY_CHUNK, n = u->n - start < UNARY_CHUNK ? u->n - start : UNARY_CHUNK;
 #if LS_X86
-    if (u->isa == ISA_AVX512) { unary_avx512(u->x + start, u->y + start, n, u->fn); return; }
+    if (u->isa >= ISA_AVX512) { unary_avx512(u->x + start, u->y + start, n, u->fn); return; }
     if (u->isa == ISA_AVX2) { unary_avx2(u->x + start, u->y + start, n, u->fn); return; }
 #endif
     unary_scalar(u->x + start, u->y + start, n, u->fn);
@@ -811,6 +1042,7 @@ static void attn_scores(const attn_job *J, int mr, const char *A, int64_t lda, c
                 for (int i = 0; i < mr; i++) folded[i * NR + jj] = fold16(lanes + i * NR * LANES);
             }
         }
+        if (J->dt == DT_BF16) canonical_nans(folded, MR * NR);
         for (int i = 0; i < mr; i++)
             for (int jj = 0; jj < nr; jj++) s[i * KEY_BLOCK + j + jj] = folded[i * NR + jj] * J->scale;
     }
@@ -982,7 +1214,7 @@ static void attn_item(void *ctx, int64_t item) {
     float *Vb = S + MR * KEY_BLOCK;
     char *Qp = (char *)(Vb + vb);
 #if LS_X86
-    if (J->isa == ISA_AVX512) attn_item_z(J, b, t0, t1, hk, Qp, S, Vb);
+    if (J->isa >= ISA_AVX512) attn_item_z(J, b, t0, t1, hk, Qp, S, Vb);
     else if (J->isa == ISA_AVX2) attn_item_a(J, b, t0, t1, hk, Qp, S, Vb);
     else
 #endif
@@ -1067,7 +1299,7 @@ static float row_sum_f32(const float *x, int64_t L, float *acc) {
 
 static void unary_isa(int isa, const float *x, float *y, int64_t n, int fn) {
 #if LS_X86
-    if (isa == ISA_AVX512) { unary_avx512(x, y, n, fn); return; }
+    if (isa >= ISA_AVX512) { unary_avx512(x, y, n, fn); return; }
     if (isa == ISA_AVX2) { unary_avx2(x, y, n, fn); return; }
 #endif
     (void)isa;
@@ -1119,18 +1351,67 @@ static void rows_item(void *ctx, int64_t item) {
 
 /* ---------------------------------------------------------------- exported */
 
-int ls_abi_version(void) { return 4; }
+int ls_abi_version(void) { return 5; }
 
-/* Whether this CPU (and its OS) runs an instruction set: 0 scalar, 1 AVX2 + FMA + F16C, 2 AVX-512. */
+#if LS_X86
+/* The bf16 tiles on inputs that reach every case of the definition (denormal inputs, sums that
+ * round to and just below 2^-126, Inf, NaN, cancellation): the instruction's lanes must equal the
+ * definition's, NaN for NaN. A CPU whose VDPBF16PS differed would run the definition instead. */
+AVX512BF16_T static int dpbf16_matches_definition(void) {
+    enum { K = 96 + 7 };
+    uint16_t a[MR][K], b[NR][K];
+    uint64_t x = 0x9e3779b97f4a7c15ull;
+    float got[MR * NR * LANES], want[MR * NR * LANES];
+    for (int round = 0; round < 64; round++) {
+        for (int r = 0; r < MR + NR; r++)
+            for (int k = 0; k < K; k++) {
+                x ^= x << 13; x ^= x >> 7; x ^= x << 17;
+                uint16_t sign = (uint16_t)((x >> 3 & 1) << 15), man = (uint16_t)(x >> 8 & 0x7f);
+                int kind = (int)(x >> 20) % 16, e;
+                if (kind == 0) e = 0;                                  /* zero or denormal */
+                else if (kind == 1) e = 255;                           /* Inf or NaN */
+                else if (kind < 6) e = 60 + (int)(x >> 30) % 8;        /* products near 2^-126 */
+                else e = 110 + (int)(x >> 30) % 30;
+                uint16_t v = (uint16_t)(sign | e << 7 | man);
+                if (r < MR) a[r][k] = v; else b[r - MR][k] = v;
+            }
+        /* Rows of equal and opposite values, whose sums cancel to near 0 and 2^-126. */
+        for (int k = 0; k < K; k++) a[1][k] = a[0][k] ^ (k % 3 ? 0x8000 : 0);
+        tile_scalar_bf16(MR, NR, K, (const char *)a, K * 2, (const char *)b, K * 2, want);
+        tile_avx512bf16_bf16(MR, NR, K, (const char *)a, K * 2, (const char *)b, K * 2, got);
+        for (int i = 0; i < MR * NR * LANES; i++) {
+            uint32_t g, w;
+            memcpy(&g, &got[i], 4);
+            memcpy(&w, &want[i], 4);
+            if (g != w && !(got[i] != got[i] && want[i] != want[i])) return 0;
+        }
+    }
+    return 1;
+}
+#endif
+
+/* Whether this CPU (and its OS) runs an instruction set: 0 scalar, 1 AVX2 + FMA + F16C, 2 AVX-512,
+ * 3 AVX-512 with AVX512_BF16 (when its VDPBF16PS passes the self-test). */
+#if LS_X86
+static int dpbf16_ok = -1;
+static pthread_once_t dpbf16_once = PTHREAD_ONCE_INIT;
+static void dpbf16_check(void) { dpbf16_ok = dpbf16_matches_definition(); }
+#endif
+
 int ls_cpu_supports(int isa) {
     if (isa == ISA_SCALAR) return 1;
 #if LS_X86
     __builtin_cpu_init();
     int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
     if (isa == ISA_AVX2) return avx2;
-    if (isa == ISA_AVX512)
-        return avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-               __builtin_cpu_supports("avx512vl");
+    int avx512 = avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                 __builtin_cpu_supports("avx512vl");
+    if (isa == ISA_AVX512) return avx512;
+    if (isa == ISA_AVX512_BF16) {
+        if (!avx512 || !__builtin_cpu_supports("avx512bf16")) return 0;
+        pthread_once(&dpbf16_once, dpbf16_check);
+        return dpbf16_ok;
+    }
 #endif
     return 0;
 }
