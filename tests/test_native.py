@@ -218,13 +218,13 @@ def test_attention_order_is_the_documented_one(dtype):
     n, d, window, scale = 70, 20, 67, 0.3
     q, k, v = (torch.randn(n, h, d, generator=gen).to(dtype) for h in (2, 1, 1))
     out, row_max, row_sum = attention_forward(q, k, v, [0, n], [n], [0], None, scale, True, window)
-    vf = v.float()
+    qf, kf, vf = q.float(), k.float(), v.float()
     for t in (0, 40, 63, 64, 69):
         one, _, _ = attention_forward(q[t:t + 1], k[:t + 1], v[:t + 1], [0, 1], [t + 1], [0], None, scale, True,
                                       window)
         assert torch.equal(one[0], out[t]), t
         for h in range(2):
-            m, l, o = _attention_row(q[t, h], k[:, 0], vf[:, 0], [j for j in range(t + 1) if j > t - window], 0,
+            m, l, o = _attention_row(qf[t, h], kf[:, 0], vf[:, 0], [j for j in range(t + 1) if j > t - window], 0,
                                      scale)
             assert torch.equal(row_max[t, h], m) and torch.equal(row_sum[t, h], l), (t, h)
             assert torch.equal(out[t, h], o), (t, h)
@@ -232,8 +232,8 @@ def test_attention_order_is_the_documented_one(dtype):
 
 def _attention_row(q, k, v, keys, anchor, scale):
     """kernels.c's arithmetic for one query row q [D] over the visible `keys` (ascending indices
-    into k [L, D], in q's dtype: the scores are the GEMM's dot of that dtype, and v [L, D] fp32),
-    in 64-key blocks from `anchor`: (row max, row sum, output)."""
+    into k, v [L, D], fp32: 16-bit operands widened first, as the kernel's scores are the fp32
+    GEMM's dot of the widened values), in 64-key blocks from `anchor`: (row max, row sum, output)."""
     d = q.shape[0]
     m, l, acc = torch.tensor(float("-inf")), torch.tensor(0.0), torch.zeros(d)
     for k0 in range(anchor, k.shape[0], 64):
@@ -275,7 +275,7 @@ def test_masked_attention_order_is_the_documented_one(dtype):
     visible[0, :, 2] = visible[1, :, 7] = True
     visible[1, 3] = False
     out, lse = ops.masked_attention(q, k, v, visible, scale)
-    vf = v.float()
+    qf, kf, vf = q.float(), k.float(), v.float()
     for i in range(b):
         for t in range(lq):
             keys = torch.nonzero(visible[i, t])[:, 0].tolist()
@@ -283,7 +283,7 @@ def test_masked_attention_order_is_the_documented_one(dtype):
                                                 scale)
             assert torch.equal(one[0, :, 0], out[i, :, t]) and torch.equal(one_lse[0, :, 0], lse[i, :, t]), (i, t)
             for h in range(4):
-                m, l, o = _attention_row(q[i, h, t], k[i, h // 2], vf[i, h // 2], keys, keys[0] if keys else 0,
+                m, l, o = _attention_row(qf[i, h, t], kf[i, h // 2], vf[i, h // 2], keys, keys[0] if keys else 0,
                                          scale)
                 assert torch.equal(out[i, h, t].float(), o.to(dtype).float()), (i, t, h)
                 assert torch.equal(lse[i, h, t], m + unary.log(l[None])[0]), (i, t, h)

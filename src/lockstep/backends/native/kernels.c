@@ -42,7 +42,10 @@
 #define MR 4 /* rows of a micro-tile */
 #define NR 4 /* columns of a micro-tile */
 
-enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2 };
+/* DT_BF16_WIDE (internal): bf16 operands in the fp32 order, widened first; attention's scores use
+ * it, so that the portable backward, which recomputes them from widened operands by the fp32 GEMM,
+ * finds the forward's scores bit for bit (ADR 0016). */
+enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2, DT_BF16_WIDE = 3 };
 /* ISA_AVX512_BF16: the AVX-512 path with the VDPBF16PS instruction for bf16 products. */
 enum { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX512 = 2, ISA_AVX512_BF16 = 3 };
 
@@ -76,7 +79,7 @@ static inline float f16_to_f32(uint16_t h) {
 INLINE float load_scalar(const char *p, int64_t k, int dt) {
     if (dt == DT_F32) return ((const float *)p)[k];
     uint16_t h = ((const uint16_t *)p)[k];
-    return dt == DT_BF16 ? bf16_to_f32(h) : f16_to_f32(h);
+    return dt == DT_BF16 || dt == DT_BF16_WIDE ? bf16_to_f32(h) : f16_to_f32(h);
 }
 
 /* A denormal as a zero of its sign (daz of an input, ftz of a result). */
@@ -188,7 +191,7 @@ AVX2_T INLINE __m256 load8(const char *p, int64_t k, int dt, int count) {
     }
     if (dt == DT_F32) return _mm256_loadu_ps((const float *)q);
     __m128i h = _mm_loadu_si128((const __m128i *)q);
-    if (dt == DT_BF16) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    if (dt == DT_BF16 || dt == DT_BF16_WIDE) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
     return _mm256_cvtph_ps(h);
 }
 
@@ -311,7 +314,7 @@ AVX512_T INLINE __m512 load16(const char *p, int64_t k, int dt, int count) {
      * lanes neither load nor fault. Both give the same values. */
     if (dt == DT_F32) return count >= 16 ? _mm512_loadu_ps(q) : _mm512_maskz_loadu_ps(m, q);
     __m256i h = count >= 16 ? _mm256_loadu_si256((const __m256i *)q) : _mm256_maskz_loadu_epi16(m, q);
-    if (dt == DT_BF16) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    if (dt == DT_BF16 || dt == DT_BF16_WIDE) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
     return _mm512_cvtph_ps(h);
 }
 
@@ -501,6 +504,8 @@ typedef struct {
             TILE_CASES(fn, DT_F32)                                                                  \
         } else if (dt == DT_BF16) {                                                                 \
             TILE_CASES(fn, DT_BF16)                                                                 \
+        } else if (dt == DT_BF16_WIDE) {                                                            \
+            TILE_CASES(fn, DT_BF16_WIDE)                                                            \
         } else {                                                                                    \
             TILE_CASES(fn, DT_F16)                                                                  \
         }                                                                                           \
@@ -888,8 +893,9 @@ static void unary_item(void *ctx, int64_t item) {
  * are walked in 64-key blocks (fixed_order.KEY_BLOCK) anchored at key 0, or with a mask at the
  * first key the token may see (docs/adr/0015). Per block, for its visible keys j:
  *
- *   s_j = dot(q, k_j) * scale, dot the GEMM's (the file's header), so that the portable backward,
- *         which recomputes the scores with the native GEMM, finds the forward's scores bit for bit;
+ *   s_j = dot(q, k_j) * scale, dot the GEMM's fp32 order (the file's header; bf16 widened first),
+ *         so that the portable backward, which recomputes the scores from widened operands with the
+ *         native GEMM, finds the forward's scores bit for bit;
  *   M = max(m, s_j over j) (NaN propagates); shift = M, or 0 where M = -inf;
  *   alpha = exp(m - shift); p_j = exp(s_j - shift), and p = 0 for the block's other slots;
  *   l = l * alpha + fold16(((p[0:16] + p[16:32]) + p[32:48]) + p[48:64]);
@@ -1029,20 +1035,20 @@ static void attn_scores(const attn_job *J, int mr, const char *A, int64_t lda, c
     float lanes[MR * NR * LANES] __attribute__((aligned(64)));
     float folded[MR * NR];
     int64_t ldb = J->kv_token * (J->dt == DT_F32 ? 4 : 2);
+    int dt = J->dt == DT_BF16 ? DT_BF16_WIDE : J->dt;
     for (int j = ja & ~(NR - 1); j <= je; j += NR) {
         int nr = n - j < NR ? n - j : NR;
         int run = 1;
         while (run < nr && krow[j + run] == krow[j] + run * ldb) run++;
         if (run == nr) {
-            micro(J->dt, mr, nr, J->D, A, lda, krow[j], ldb, lanes);
+            micro(dt, mr, nr, J->D, A, lda, krow[j], ldb, lanes);
             fold_tile(J->isa, lanes, mr, nr, folded);
         } else { /* one key at a time: row i's lanes land at (i * NR) * LANES */
             for (int jj = 0; jj < nr; jj++) {
-                micro(J->dt, mr, 1, J->D, A, lda, krow[j + jj], ldb, lanes);
+                micro(dt, mr, 1, J->D, A, lda, krow[j + jj], ldb, lanes);
                 for (int i = 0; i < mr; i++) folded[i * NR + jj] = fold16(lanes + i * NR * LANES);
             }
         }
-        if (J->dt == DT_BF16) canonical_nans(folded, MR * NR);
         for (int i = 0; i < mr; i++)
             for (int jj = 0; jj < nr; jj++) s[i * KEY_BLOCK + j + jj] = folded[i * NR + jj] * J->scale;
     }
