@@ -246,9 +246,41 @@ AVX2_T INLINE unsigned int ftz_daz_begin(void) {
 
 AVX2_T INLINE void ftz_daz_end(unsigned int csr) { _mm_setcsr(csr); }
 
-/* 16 bf16 elements from element k (zero-filled past `count`) as their 8 even and 8 odd elements
- * widened, each flushed (daz). */
-AVX2_T INLINE void load_pairs8(const char *p, int64_t k, int count, __m256 *even, __m256 *odd) {
+/* The bf16 order computed from its definition, W of the 16 lanes per register (the flushes are
+ * MXCSR's, set by the caller): register half h holds lanes W h .. W h + W - 1, the 2 W elements from
+ * 32 c + 2 W h of each chunk. load_pairs_P gives them as their W even and W odd elements, widened. */
+#define BF16_DEFINED_TILE(P, T, VEC, W, ZERO, FMA, STORE)                                           \
+    T INLINE void tile_bf16_##P(int mr, int nr, int64_t K, const char *A, int64_t lda, const char *B,   \
+                                int64_t ldb, float *lanes, int half) {                               \
+        VEC acc[MR][NR];                                                                            \
+        _Pragma("GCC unroll 4")                                                                     \
+        for (int i = 0; i < MR; i++)                                                                \
+            _Pragma("GCC unroll 4")                                                                 \
+            for (int j = 0; j < NR; j++) acc[i][j] = ZERO();                                        \
+        for (int64_t k0 = 0; k0 < K; k0 += BF16_CHUNK) {                                            \
+            int64_t k = k0 + 2 * W * half;                                                          \
+            int count = K - k < 2 * W ? (int)(K - k) : 2 * W;                                       \
+            VEC ae[MR], ao[MR];                                                                     \
+            _Pragma("GCC unroll 4")                                                                 \
+            for (int i = 0; i < mr; i++) load_pairs_##P(A + i * lda, k, count, &ae[i], &ao[i]);     \
+            _Pragma("GCC unroll 4")                                                                 \
+            for (int j = 0; j < nr; j++) {                                                          \
+                VEC be, bo;                                                                         \
+                load_pairs_##P(B + j * ldb, k, count, &be, &bo);                                    \
+                _Pragma("GCC unroll 4")                                                             \
+                for (int i = 0; i < mr; i++) {                                                      \
+                    acc[i][j] = FMA(ao[i], bo, acc[i][j]);                                          \
+                    acc[i][j] = FMA(ae[i], be, acc[i][j]);                                          \
+                }                                                                                   \
+            }                                                                                       \
+        }                                                                                           \
+        _Pragma("GCC unroll 4")                                                                     \
+        for (int i = 0; i < mr; i++)                                                                \
+            _Pragma("GCC unroll 4")                                                                 \
+            for (int j = 0; j < nr; j++) STORE(lanes + (i * NR + j) * LANES + W * half, acc[i][j]);  \
+    }
+
+AVX2_T INLINE void load_pairs_a(const char *p, int64_t k, int count, __m256 *even, __m256 *odd) {
     const char *q = p + k * 2;
     char buf[32];
     if (count < 16) {
@@ -261,44 +293,14 @@ AVX2_T INLINE void load_pairs8(const char *p, int64_t k, int count, __m256 *even
     *odd = _mm256_castsi256_ps(_mm256_and_si256(w, _mm256_set1_epi32((int)0xffff0000u)));
 }
 
-/* The bf16 order with 8 of the 16 lanes per register: half h holds lanes 8 h .. 8 h + 7, the 16
- * elements from 32 c + 16 h of each chunk. */
-AVX2_T INLINE void tile_avx2_bf16_half(int mr, int nr, int64_t K, const char *A, int64_t lda, const char *B,
-                                       int64_t ldb, float *lanes, int half) {
-    __m256 acc[MR][NR];
-    _Pragma("GCC unroll 4")
-    for (int i = 0; i < MR; i++)
-        _Pragma("GCC unroll 4")
-        for (int j = 0; j < NR; j++) acc[i][j] = _mm256_setzero_ps();
-    for (int64_t k0 = 0; k0 < K; k0 += BF16_CHUNK) {
-        int64_t k = k0 + 16 * half;
-        int count = K - k < 16 ? (int)(K - k) : 16;
-        __m256 ae[MR], ao[MR];
-        _Pragma("GCC unroll 4")
-        for (int i = 0; i < mr; i++) load_pairs8(A + i * lda, k, count, &ae[i], &ao[i]);
-        _Pragma("GCC unroll 4")
-        for (int j = 0; j < nr; j++) {
-            __m256 be, bo;
-            load_pairs8(B + j * ldb, k, count, &be, &bo);
-            _Pragma("GCC unroll 4")
-            for (int i = 0; i < mr; i++) {
-                acc[i][j] = _mm256_fmadd_ps(ao[i], bo, acc[i][j]);
-                acc[i][j] = _mm256_fmadd_ps(ae[i], be, acc[i][j]);
-            }
-        }
-    }
-    _Pragma("GCC unroll 4")
-    for (int i = 0; i < mr; i++)
-        _Pragma("GCC unroll 4")
-        for (int j = 0; j < nr; j++) _mm256_storeu_ps(lanes + (i * NR + j) * LANES + 8 * half, acc[i][j]);
-}
+BF16_DEFINED_TILE(a, AVX2_T, __m256, 8, _mm256_setzero_ps, _mm256_fmadd_ps, _mm256_storeu_ps)
 
 AVX2_T INLINE void tile_avx2(int dt, int mr, int nr, int64_t K, const char *A, int64_t lda, const char *B,
                              int64_t ldb, float *lanes) {
     if (dt == DT_BF16) {
         unsigned int csr = ftz_daz_begin();
-        tile_avx2_bf16_half(mr, nr, K, A, lda, B, ldb, lanes, 0);
-        tile_avx2_bf16_half(mr, nr, K, A, lda, B, ldb, lanes, 1);
+        tile_bf16_a(mr, nr, K, A, lda, B, ldb, lanes, 0);
+        tile_bf16_a(mr, nr, K, A, lda, B, ldb, lanes, 1);
         ftz_daz_end(csr);
         return;
     }
@@ -325,41 +327,14 @@ AVX512_T INLINE __m512i load32_bf16(const char *p, int64_t k, int count) {
     return _mm512_maskz_loadu_epi16((__mmask32)((1ull << count) - 1ull), q);
 }
 
-/* The bf16 order on 16 lanes, computed from its definition (AVX-512 without AVX512_BF16). */
-AVX512_T INLINE void tile_avx512_bf16(int mr, int nr, int64_t K, const char *A, int64_t lda, const char *B,
-                                      int64_t ldb, float *lanes) {
-    __m512 acc[MR][NR];
-    _Pragma("GCC unroll 4")
-    for (int i = 0; i < MR; i++)
-        _Pragma("GCC unroll 4")
-        for (int j = 0; j < NR; j++) acc[i][j] = _mm512_setzero_ps();
-    const __m512i high = _mm512_set1_epi32((int)0xffff0000u);
-    for (int64_t k0 = 0; k0 < K; k0 += BF16_CHUNK) {
-        int count = K - k0 < BF16_CHUNK ? (int)(K - k0) : BF16_CHUNK;
-        __m512 ae[MR], ao[MR];
-        _Pragma("GCC unroll 4")
-        for (int i = 0; i < mr; i++) {
-            __m512i w = load32_bf16(A + i * lda, k0, count);
-            ae[i] = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
-            ao[i] = _mm512_castsi512_ps(_mm512_and_si512(w, high));
-        }
-        _Pragma("GCC unroll 4")
-        for (int j = 0; j < nr; j++) {
-            __m512i w = load32_bf16(B + j * ldb, k0, count);
-            __m512 be = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
-            __m512 bo = _mm512_castsi512_ps(_mm512_and_si512(w, high));
-            _Pragma("GCC unroll 4")
-            for (int i = 0; i < mr; i++) {
-                acc[i][j] = _mm512_fmadd_ps(ao[i], bo, acc[i][j]);
-                acc[i][j] = _mm512_fmadd_ps(ae[i], be, acc[i][j]);
-            }
-        }
-    }
-    _Pragma("GCC unroll 4")
-    for (int i = 0; i < mr; i++)
-        _Pragma("GCC unroll 4")
-        for (int j = 0; j < nr; j++) _mm512_storeu_ps(lanes + (i * NR + j) * LANES, acc[i][j]);
+AVX512_T INLINE void load_pairs_z(const char *p, int64_t k, int count, __m512 *even, __m512 *odd) {
+    __m512i w = load32_bf16(p, k, count);
+    *even = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+    *odd = _mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32((int)0xffff0000u)));
 }
+
+/* AVX-512 without AVX512_BF16: all 16 lanes in one register. */
+BF16_DEFINED_TILE(z, AVX512_T, __m512, 16, _mm512_setzero_ps, _mm512_fmadd_ps, _mm512_storeu_ps)
 
 #define AVX512BF16_T __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma,f16c")))
 
@@ -393,7 +368,7 @@ AVX512_T INLINE void tile_avx512(int dt, int mr, int nr, int64_t K, const char *
                                  int64_t ldb, float *lanes) {
     if (dt == DT_BF16) {
         unsigned int csr = ftz_daz_begin();
-        tile_avx512_bf16(mr, nr, K, A, lda, B, ldb, lanes);
+        tile_bf16_z(mr, nr, K, A, lda, B, ldb, lanes, 0);
         ftz_daz_end(csr);
         return;
     }
