@@ -2,9 +2,9 @@
 
 Every op of the harness (forward and backward, fp32, bf16 and fp16, small sizes), attention by
 packed prefill with gradients and by paged decode, masked attention (left padding) with
-gradients, and a bf16 GEMM on inputs that reach every case of the bf16 order. One digest per thread count (1, 2, 3) of one process; the instruction set and the BLAS
-selections come from the environment, which the kernel libraries read once, so the test starts a
-fresh process for each.
+gradients, and a bf16 GEMM on inputs that reach every case of the bf16 order. One digest per
+thread count (1, 2, 3) of one process; the instruction set and the BLAS selections come from the
+environment, which the kernel libraries read once, so the test starts a fresh process for each.
 
     python tests/_native_digest.py   ->   {"isa": "avx512", "digests": {"1": "...", "2": ..., "3": ...}}
 """
@@ -43,7 +43,7 @@ def bf16_edge_operands(rows: int = 64, k: int = 103) -> tuple[torch.Tensor, torc
     """bf16 GEMM operands that reach every case of the bf16 order (kernels.c): rows of tiny values
     and denormals whose products and partial sums fall at and just below 2^-126 (where the order
     flushes what plain rounding keeps), rows that cancel their neighbours, rows of ordinary values,
-    and Inf and NaN in two rows."""
+    Inf and NaN in every 16th row, and row 2 of each operand the constructed tininess case."""
     gen = torch.Generator().manual_seed(11)
     tiny = torch.arange(rows)[:, None] % 3 != 2                     # two rows in three
     exponent = torch.where(tiny, 62 + torch.randint(0, 4, (rows, k), generator=gen),

@@ -202,6 +202,12 @@ def log(x: Tensor) -> Tensor:
     return torch.log(x) if kernels is None else kernels.log(x)
 
 
+def shifted_and_lse(x: Tensor) -> tuple[Tensor, Tensor]:
+    """For rows x [M, V] (accumulation dtype): (x - exact row max, log row_sum(exp(x - max))) per row."""
+    shifted = x - row_max(x)[:, None]
+    return shifted, log(row_sum(exp(shifted)))
+
+
 def log_softmax_rows(x: Tensor) -> Tensor:
     """log_softmax of each row of x [M, V] (accumulation dtype): shifted = x - (exact row max), then
     shifted - log(row_sum(exp(shifted))). On the selected CPU kernels' fused form when they have one
@@ -209,8 +215,8 @@ def log_softmax_rows(x: Tensor) -> Tensor:
     kernels = _kernels_for(x)
     if kernels is not None and kernels.log_softmax is not None and x.dtype == torch.float32:
         return kernels.log_softmax(x)
-    shifted = x - row_max(x)[:, None]
-    return shifted - log(row_sum(exp(shifted)))[:, None]
+    shifted, lse = shifted_and_lse(x)
+    return shifted - lse[:, None]
 
 
 def log_softmax_rows_backward(g: Tensor, y: Tensor) -> Tensor:

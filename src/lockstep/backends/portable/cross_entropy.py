@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ...fixed_order import accumulate_dtype, exp, records_cpu_kernels, reduce_losses, restores_cpu_kernels, row_scale
+from ...fixed_order import (accumulate_dtype, exp, records_cpu_kernels, reduce_losses, restores_cpu_kernels, row_scale,
+                            shifted_and_lse)
 from ...registry import register
-from .log_softmax import shifted_and_lse
 
 
 class _CrossEntropy(torch.autograd.Function):

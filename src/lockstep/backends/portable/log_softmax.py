@@ -5,15 +5,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ...fixed_order import (accumulate_dtype, exp, log, log_softmax_rows, log_softmax_rows_backward,
-                            records_cpu_kernels, restores_cpu_kernels, row_max, row_sum)
+from ...fixed_order import (accumulate_dtype, log_softmax_rows, log_softmax_rows_backward, records_cpu_kernels,
+                            restores_cpu_kernels)
 from ...registry import register
-
-
-def shifted_and_lse(xf: Tensor) -> tuple[Tensor, Tensor]:
-    """For rows xf [M, V] (accumulation dtype): (xf - max, log sum exp(xf - max)) per row."""
-    shifted = xf - row_max(xf)[:, None]
-    return shifted, log(row_sum(exp(shifted)))
 
 
 class _LogSoftmax(torch.autograd.Function):
