@@ -6,7 +6,7 @@ gradients, and a bf16 GEMM on inputs that reach every case of the bf16 order. On
 thread count (1, 2, 3) of one process; the instruction set and the BLAS selections come from the
 environment, which the kernel libraries read once, so the test starts a fresh process for each.
 
-    python tests/_native_digest.py   ->   {"isa": "avx512", "digests": {"1": "...", "2": ..., "3": ...}}
+    python tests/_native_digest.py   ->   {"isa": "avx512", "pool": "openmp", "digests": {"1": "...", ...}}
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import sys
 
 import torch
 
-from lockstep.backends.native.build import isa_name
+from lockstep.backends.native.build import isa_name, pool_name
 from lockstep.backends.native.gemm import gemm_nt
 from lockstep.harness.attention_check import AttnCase, AttnSizes, _paged_decode
 from lockstep.harness.masked_attention_check import MaskedCase, MaskedSizes
@@ -106,7 +106,7 @@ def main() -> int:
     for threads in (1, 2, 3):
         torch.set_num_threads(threads)
         out[str(threads)] = digest()
-    print(json.dumps({"isa": isa_name(), "digests": out}))
+    print(json.dumps({"isa": isa_name(), "pool": pool_name(), "digests": out}))
     return 0
 
 

@@ -63,6 +63,22 @@ def test_every_instruction_set_gives_the_same_bits_for_every_op(name, widest):
     assert got["digests"] == widest["digests"]
 
 
+def test_threads_come_from_torchs_openmp_runtime_or_the_librarys_own_with_the_same_bits(widest):
+    """torch's OpenMP threads run the kernels' parallel work where torch has an OpenMP runtime (the
+    pip wheels' libgomp); LOCKSTEP_NATIVE_POOL=own forces the library's threads. One digest."""
+    runtime = build.openmp_runtime()
+    assert widest["pool"] == ("openmp" if runtime else "own"), runtime
+    own = digest({"LOCKSTEP_NATIVE_POOL": "own"})
+    assert own["pool"] == "own"
+    assert own["digests"] == widest["digests"]
+
+
+def test_a_forced_pool_must_be_known(monkeypatch):
+    monkeypatch.setenv("LOCKSTEP_NATIVE_POOL", "tbb")
+    with pytest.raises(ValueError, match=r"LOCKSTEP_NATIVE_POOL: expected one of \['openmp', 'own'\], got 'tbb'"):
+        build.pool_name()
+
+
 @pytest.mark.parametrize("env", [{"MKL_ENABLE_INSTRUCTIONS": "AVX2"}, {"ONEDNN_MAX_CPU_ISA": "AVX2"},
                                  {"ATEN_CPU_CAPABILITY": "default"}], ids=lambda e: "=".join(*e.items()))
 def test_the_bits_do_not_follow_pytorchs_kernel_selection(env, widest):
@@ -166,11 +182,39 @@ def test_ops_under_native_and_portable_agree_within_the_contract(dtype):
                                rtol=1e-2 if dtype != torch.float32 else 1e-5)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_gemm_rounds_to_bf16_in_the_kernel_as_torch_rounds_its_fp32_result(dtype):
+    """out_dtype=bf16 gives the bits of the fp32 result's .to(torch.bfloat16), bias included: ties
+    (to even), overflow to Inf, subnormals, and NaN (torch writes 0xffff)."""
+    gen = torch.Generator().manual_seed(5)
+    a, b = torch.randn(37, 70, generator=gen), torch.randn(29, 70, generator=gen)
+    a[0, :] = 0.0
+    a[0, 0], b[:, 0] = 1.0, torch.tensor([1 + 2**-8, 1 + 3 * 2**-8, 3.4e38, -3.4e38, 1e-40, 2.0**-130, float("inf"),
+                                          float("-inf"), float("nan")] + [1 + 2**-9] * 20)
+    a[3, 5] = float("nan")
+    a, b = a.to(dtype), b.to(dtype)
+    bias = torch.randn(29, generator=gen)
+    for with_bias in (None, bias):
+        want = gemm.gemm_nt(a, b, with_bias).to(torch.bfloat16)
+        got = gemm.gemm_nt(a, b, with_bias, out_dtype=torch.bfloat16)
+        assert got.dtype == torch.bfloat16
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    row0 = gemm.gemm_nt(a[:1].float(), b[:9].float(), out_dtype=torch.bfloat16)
+    if dtype == torch.float32:   # the edge values themselves survive only in fp32 operands
+        assert row0.view(torch.int16)[0, :8].tolist() == [16256, 16258, 32640, -128, 1, 8, 32640, -128]
+        assert row0.view(torch.int16)[0, 8].item() == -1
+
+
 def test_gemm_argument_errors_name_the_argument():
     with pytest.raises(ValueError, match=r"a, b: expected \[\(B,\) M, K\] and \[\(B,\) N, K\], got \(3, 4\) and \(2, 5\)"):
         gemm.gemm_nt(torch.ones(3, 4), torch.ones(2, 5))
-    with pytest.raises(ValueError, match="out: expected an fp32 tensor of shape"):
+    with pytest.raises(ValueError, match=r"out: expected a torch.float32 tensor of shape \(3, 2\) with unit column "
+                                         r"stride, got torch.float64"):
         gemm.gemm_nt(torch.ones(3, 4), torch.ones(2, 4), out=torch.empty(3, 2, dtype=torch.float64))
+    with pytest.raises(ValueError, match="out: expected a torch.bfloat16 tensor of shape"):
+        gemm.gemm_nt(torch.ones(3, 4), torch.ones(2, 4), out=torch.empty(3, 2), out_dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="out_dtype: expected torch.float32 or torch.bfloat16, got torch.float16"):
+        gemm.gemm_nt(torch.ones(3, 4), torch.ones(2, 4), out_dtype=torch.float16)
     with pytest.raises(ValueError, match="out: expected a contiguous torch.float32 tensor of shape"):
         gemm.weight_grad(torch.ones(3, 4), torch.ones(3, 5), out=torch.empty(5, 4))
 

@@ -9,6 +9,10 @@ LOCKSTEP_CPU_ISA=scalar|avx2|avx512|avx512bf16 forces an instruction set (all gi
 tests run each on one machine); unset, the widest one the CPU runs is used. avx512bf16 is the
 AVX-512 path with the VDPBF16PS instruction for bf16 products, offered only where the instruction
 passes a self-test against the bf16 order's definition (kernels.c).
+Parallel work runs on torch's own OpenMP threads when torch runs on an OpenMP runtime that offers
+GCC's entry point (libgomp, or Intel's libiomp5); otherwise on the library's own threads.
+LOCKSTEP_NATIVE_POOL=own forces the library's threads (the bits are the same: threads divide whole
+outputs).
 LOCKSTEP_CACHE_DIR overrides the cache folder (default: $XDG_CACHE_HOME/lockstep or ~/.cache/lockstep).
 """
 
@@ -29,7 +33,8 @@ SOURCE = Path(__file__).with_name("kernels.c")
 # -frounding-math: nor move arithmetic across the MXCSR changes around the bf16 tiles.
 FLAGS = ["-O3", "-std=gnu11", "-shared", "-fPIC", "-pthread", "-ffp-contract=off", "-fno-fast-math", "-frounding-math"]
 ISAS = {"scalar": 0, "avx2": 1, "avx512": 2, "avx512bf16": 3}
-ABI_VERSION = 5
+POOLS = ("openmp", "own")
+ABI_VERSION = 6
 
 
 class NativeUnavailable(RuntimeError):
@@ -84,13 +89,51 @@ def library() -> ctypes.CDLL:
         raise NativeUnavailable(f"the compiled kernels could not be loaded: {e}") from e
     if lib.ls_abi_version() != ABI_VERSION:
         raise NativeUnavailable(f"kernel library ABI {lib.ls_abi_version()}, expected {ABI_VERSION}")
-    return declare(lib)
+    lib = declare(lib)
+    lib.ls_use_openmp(_gomp_parallel(os.environ.get("LOCKSTEP_NATIVE_POOL") or "openmp"))
+    return lib
+
+
+def openmp_runtime() -> str | None:
+    """The path of the OpenMP runtime that torch's threads run on in this process (libgomp, or
+    libiomp5, which offers GCC's entry points too), or None (none loaded, or no /proc to look in)."""
+    import torch  # noqa: F401  (loads the runtime torch links)
+
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return None
+    for line in maps.splitlines():
+        fields = line.split(maxsplit=5)
+        if len(fields) == 6 and os.path.basename(fields[5]).startswith(("libgomp", "libiomp5")):
+            return fields[5]
+    return None
+
+
+def _gomp_parallel(pool: str) -> int | None:
+    """The address of GOMP_parallel in torch's OpenMP runtime, for pool "openmp"; None for "own"
+    or when there is no such runtime."""
+    if pool not in POOLS:
+        raise ValueError(f"LOCKSTEP_NATIVE_POOL: expected one of {list(POOLS)}, got {pool!r}")
+    runtime = openmp_runtime() if pool == "openmp" else None
+    if runtime is None:
+        return None
+    try:
+        return ctypes.cast(ctypes.CDLL(runtime).GOMP_parallel, ctypes.c_void_p).value
+    except (OSError, AttributeError):
+        return None
+
+
+def pool_name() -> str:
+    """Which threads run the kernels' parallel work: "openmp" (torch's) or "own"."""
+    library()
+    return "openmp" if _gomp_parallel(os.environ.get("LOCKSTEP_NATIVE_POOL") or "openmp") else "own"
 
 
 def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     """`lib` with the argument and result types of kernels.c's exported functions."""
     i64, ptr, cint = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-    lib.ls_gemm_nt.argtypes = [i64, i64, i64, i64, ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, ptr, cint, cint, cint]
+    lib.ls_gemm_nt.argtypes = [i64, i64, i64, i64, ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, ptr, cint, cint, cint, cint]
     lib.ls_gemm_nt.restype = cint
     flt = ctypes.c_float
     lib.ls_attention_fwd.argtypes = [i64, i64, i64, i64, ptr, ptr, ptr, i64, i64, ptr, ptr, ptr, ptr, i64, i64, ptr,
@@ -104,6 +147,8 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.ls_unary.restype = cint
     lib.ls_cpu_supports.argtypes = [cint]
     lib.ls_cpu_supports.restype = cint
+    lib.ls_use_openmp.argtypes = [ptr]
+    lib.ls_use_openmp.restype = None
     return lib
 
 

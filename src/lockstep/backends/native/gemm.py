@@ -15,6 +15,7 @@ from torch import Tensor
 from .build import isa, library
 
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+OUT_CODES = {torch.float32: 0, torch.bfloat16: 1}
 
 
 def _rows_contiguous(x: Tensor) -> Tensor:
@@ -22,20 +23,25 @@ def _rows_contiguous(x: Tensor) -> Tensor:
     return x if x.stride(-1) == 1 or x.shape[-1] <= 1 else x.contiguous()
 
 
-def gemm_nt(a: Tensor, b: Tensor, bias: Tensor | None = None, out: Tensor | None = None) -> Tensor:
+def gemm_nt(a: Tensor, b: Tensor, bias: Tensor | None = None, out: Tensor | None = None,
+            out_dtype: torch.dtype = torch.float32) -> Tensor:
     """dot products of rows: a [M, K] or [B, M, K], b [N, K] or [B, N, K] (any dtype of fp32, bf16,
-    fp16; any row and batch strides) -> fp32 [(B,) M, N], plus an fp32-widened bias [N] added once
-    after each dot. `out`: an fp32 tensor of that shape with unit column stride, written in place."""
+    fp16; any row and batch strides) -> [(B,) M, N] in `out_dtype`, plus an fp32-widened bias [N]
+    added once after each dot. out_dtype fp32 keeps each dot's fp32 result; bf16 rounds it in the
+    kernel to the bits `.to(torch.bfloat16)` gives, without an fp32 copy. `out`: a tensor of that
+    shape and dtype with unit column stride, written in place."""
     if a.dim() != b.dim() or a.dim() not in (2, 3) or a.shape[-1] != b.shape[-1] or a.shape[:-2] != b.shape[:-2]:
         raise ValueError(f"a, b: expected [(B,) M, K] and [(B,) N, K], got {tuple(a.shape)} and {tuple(b.shape)}")
+    if out_dtype not in OUT_CODES:
+        raise ValueError(f"out_dtype: expected torch.float32 or torch.bfloat16, got {out_dtype}")
     if a.dtype != b.dtype or a.dtype not in DTYPE_CODES:
         a, b = a.float(), b.float()
     a, b = _rows_contiguous(a), _rows_contiguous(b)
     shape = a.shape[:-1] + (b.shape[-2],)
     if out is None:
-        out = torch.empty(shape, dtype=torch.float32)
-    elif out.shape != shape or out.dtype != torch.float32 or (out.shape[-1] > 1 and out.stride(-1) != 1):
-        raise ValueError(f"out: expected an fp32 tensor of shape {tuple(shape)} with unit column stride, got "
+        out = torch.empty(shape, dtype=out_dtype)
+    elif out.shape != shape or out.dtype != out_dtype or (out.shape[-1] > 1 and out.stride(-1) != 1):
+        raise ValueError(f"out: expected a {out_dtype} tensor of shape {tuple(shape)} with unit column stride, got "
                          f"{out.dtype} {tuple(out.shape)} strides {out.stride()}")
     if bias is not None:
         bias = bias.float().contiguous()
@@ -49,15 +55,17 @@ def gemm_nt(a: Tensor, b: Tensor, bias: Tensor | None = None, out: Tensor | None
         b.data_ptr(), b.stride(-2) if n > 1 else k, b.stride(0) if batched else 0,
         out.data_ptr(), out.stride(-2) if m > 1 else n, out.stride(0) if batched else 0,
         None if bias is None else bias.data_ptr(),
-        DTYPE_CODES[a.dtype], isa(), torch.get_num_threads())
+        DTYPE_CODES[a.dtype], OUT_CODES[out_dtype], isa(), torch.get_num_threads())
     if status != 0:
         raise RuntimeError(f"ls_gemm_nt refused a [{bsz}, {m}, {k}] x [{n}, {k}] {a.dtype} product")
     return out
 
 
 def matmul_rows(a: Tensor, b: Tensor, bias: Tensor | None = None) -> Tensor:
-    """a @ b (+ bias): a [(B,) M, K], b [(B,) K, N] (a transposed view is free) -> a's dtype."""
-    return gemm_nt(a, b.transpose(-1, -2), bias).to(a.dtype)
+    """a @ b (+ bias): a [(B,) M, K], b [(B,) K, N] (a transposed view is free) -> a's dtype. A bf16
+    result is rounded in the kernel (the bits of the fp32 result's `.to(torch.bfloat16)`)."""
+    out_dtype = torch.bfloat16 if a.dtype == torch.bfloat16 else torch.float32
+    return gemm_nt(a, b.transpose(-1, -2), bias, out_dtype=out_dtype).to(a.dtype)
 
 
 def weight_grad(grad_out: Tensor, inp: Tensor, out: Tensor | None = None) -> Tensor:

@@ -246,17 +246,28 @@ AVX2_T INLINE unsigned int ftz_daz_begin(void) {
 
 AVX2_T INLINE void ftz_daz_end(unsigned int csr) { _mm_setcsr(csr); }
 
+/* The accumulators as they stand at this point of the program: the compiler may move no
+ * arithmetic on them across it (nor, so, across the MXCSR change that it brackets). */
+#define PIN_ACC(acc, REG)                                                                           \
+    _Pragma("GCC unroll 4")                                                                         \
+    for (int i = 0; i < MR; i++)                                                                    \
+        _Pragma("GCC unroll 4")                                                                     \
+        for (int j = 0; j < NR; j++) __asm__ volatile("" : REG(acc[i][j]))
+
 /* The bf16 order computed from its definition, W of the 16 lanes per register (the flushes are
- * MXCSR's, set by the caller): register half h holds lanes W h .. W h + W - 1, the 2 W elements from
- * 32 c + 2 W h of each chunk. load_pairs_P gives them as their W even and W odd elements, widened. */
-#define BF16_DEFINED_TILE(P, T, VEC, W, ZERO, FMA, STORE)                                           \
+ * MXCSR's, set around the FMAs only, so that FINISH's adds, the fold, keep denormals): register
+ * half h holds lanes W h .. W h + W - 1, the 2 W elements from 32 c + 2 W h of each chunk.
+ * load_pairs_P gives them as their W even and W odd elements, widened. */
+#define BF16_DEFINED_TILE(P, T, VEC, REG, W, ZERO, FMA, FINISH)                                     \
     T INLINE void tile_bf16_##P(int mr, int nr, int64_t K, const char *A, int64_t lda, const char *B,   \
-                                int64_t ldb, float *lanes, int half) {                               \
+                                int64_t ldb, float *dst, int half) {                                 \
         VEC acc[MR][NR];                                                                            \
         _Pragma("GCC unroll 4")                                                                     \
         for (int i = 0; i < MR; i++)                                                                \
             _Pragma("GCC unroll 4")                                                                 \
             for (int j = 0; j < NR; j++) acc[i][j] = ZERO();                                        \
+        PIN_ACC(acc, REG);                                                                          \
+        unsigned int csr = ftz_daz_begin();                                                         \
         for (int64_t k0 = 0; k0 < K; k0 += BF16_CHUNK) {                                            \
             int64_t k = k0 + 2 * W * half;                                                          \
             int count = K - k < 2 * W ? (int)(K - k) : 2 * W;                                       \
@@ -274,10 +285,10 @@ AVX2_T INLINE void ftz_daz_end(unsigned int csr) { _mm_setcsr(csr); }
                 }                                                                                   \
             }                                                                                       \
         }                                                                                           \
-        _Pragma("GCC unroll 4")                                                                     \
-        for (int i = 0; i < mr; i++)                                                                \
-            _Pragma("GCC unroll 4")                                                                 \
-            for (int j = 0; j < nr; j++) STORE(lanes + (i * NR + j) * LANES + W * half, acc[i][j]);  \
+        PIN_ACC(acc, REG);                                                                          \
+        ftz_daz_end(csr);                                                                           \
+        PIN_ACC(acc, REG);                                                                          \
+        FINISH(acc, dst, half, mr, nr);                                                             \
     }
 
 AVX2_T INLINE void load_pairs_a(const char *p, int64_t k, int count, __m256 *even, __m256 *odd) {
@@ -293,20 +304,53 @@ AVX2_T INLINE void load_pairs_a(const char *p, int64_t k, int count, __m256 *eve
     *odd = _mm256_castsi256_ps(_mm256_and_si256(w, _mm256_set1_epi32((int)0xffff0000u)));
 }
 
-BF16_DEFINED_TILE(a, AVX2_T, __m256, 8, _mm256_setzero_ps, _mm256_fmadd_ps, _mm256_storeu_ps)
+/* AVX2 leaves each output's lanes W h .. W h + 7 in lanes[(i * NR + j) * 16 + ...] for the fold. */
+#define STORE_HALF_A(acc, lanes, half, mr, nr)                                                       \
+    _Pragma("GCC unroll 4")                                                                         \
+    for (int i = 0; i < mr; i++)                                                                    \
+        _Pragma("GCC unroll 4")                                                                     \
+        for (int j = 0; j < nr; j++) _mm256_storeu_ps(lanes + (i * NR + j) * LANES + 8 * half, acc[i][j])
+
+BF16_DEFINED_TILE(a, AVX2_T, __m256, "+x", 8, _mm256_setzero_ps, _mm256_fmadd_ps, STORE_HALF_A)
 
 AVX2_T INLINE void tile_avx2(int dt, int mr, int nr, int64_t K, const char *A, int64_t lda, const char *B,
                              int64_t ldb, float *lanes) {
     if (dt == DT_BF16) {
-        unsigned int csr = ftz_daz_begin();
         tile_bf16_a(mr, nr, K, A, lda, B, ldb, lanes, 0);
         tile_bf16_a(mr, nr, K, A, lda, B, ldb, lanes, 1);
-        ftz_daz_end(csr);
         return;
     }
     tile_avx2_half(dt, mr, nr, K, A, lda, B, ldb, lanes, 0);
     tile_avx2_half(dt, mr, nr, K, A, lda, B, ldb, lanes, 1);
 }
+
+/* The fold (the file's header) of a whole micro-tile in registers: acc[i * NR + j] holds output
+ * (i, j)'s 16 lanes; out[i * NR + j] gets its folded sum. Every level adds the lower-indexed lanes
+ * to the higher ones, as fold16 does, four or eight outputs per instruction: t (halves of 256
+ * bits), u (quarters), v (pairs), r (single lanes). Unused outputs' accumulators must be zeros. */
+AVX512_T INLINE void fold_tile_z(const __m512 *acc, float *out) {
+    __m512 t[8], u[4], v[2];
+    _Pragma("GCC unroll 8")
+    for (int p = 0; p < 8; p++) /* t[p]: t of outputs 2p, 2p + 1 */
+        t[p] = _mm512_add_ps(_mm512_shuffle_f32x4(acc[2 * p], acc[2 * p + 1], 0x44),
+                             _mm512_shuffle_f32x4(acc[2 * p], acc[2 * p + 1], 0xEE));
+    _Pragma("GCC unroll 4")
+    for (int p = 0; p < 4; p++) /* u[p]: u of outputs 4p .. 4p + 3, one per quarter */
+        u[p] = _mm512_add_ps(_mm512_shuffle_f32x4(t[2 * p], t[2 * p + 1], 0x88),
+                             _mm512_shuffle_f32x4(t[2 * p], t[2 * p + 1], 0xDD));
+    _Pragma("GCC unroll 2")
+    for (int p = 0; p < 2; p++) { /* quarter q of v[p]: v of outputs 8p + q and 8p + 4 + q */
+        __m512d a = _mm512_castps_pd(u[2 * p]), b = _mm512_castps_pd(u[2 * p + 1]);
+        v[p] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+    }
+    /* lane 4 q + m of r: output 4 m + q, so out[l] = r[4 (l % 4) + l / 4] */
+    __m512 r = _mm512_add_ps(_mm512_shuffle_ps(v[0], v[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                             _mm512_shuffle_ps(v[0], v[1], _MM_SHUFFLE(3, 1, 3, 1)));
+    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    _mm512_storeu_ps(out, _mm512_permutexvar_ps(order, r));
+}
+
+#define FOLD_Z(acc, out, half, mr, nr) fold_tile_z(&acc[0][0], out)
 
 AVX512_T INLINE __m512 load16(const char *p, int64_t k, int dt, int count) {
     int es = dt == DT_F32 ? 4 : 2;
@@ -334,14 +378,14 @@ AVX512_T INLINE void load_pairs_z(const char *p, int64_t k, int count, __m512 *e
 }
 
 /* AVX-512 without AVX512_BF16: all 16 lanes in one register. */
-BF16_DEFINED_TILE(z, AVX512_T, __m512, 16, _mm512_setzero_ps, _mm512_fmadd_ps, _mm512_storeu_ps)
+BF16_DEFINED_TILE(z, AVX512_T, __m512, "+v", 16, _mm512_setzero_ps, _mm512_fmadd_ps, FOLD_Z)
 
 #define AVX512BF16_T __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma,f16c")))
 
-/* The bf16 order by the instruction itself: one VDPBF16PS per chunk does both of a lane's steps. */
-AVX512BF16_T INLINE void tile_avx512bf16_bf16(int mr, int nr, int64_t K, const char *A, int64_t lda,
-                                              const char *B, int64_t ldb, float *lanes) {
-    __m512 acc[MR][NR];
+/* The bf16 order by the instruction itself: one VDPBF16PS per chunk does both of a lane's steps.
+ * acc[i][j]: output (i, j)'s lanes (zeros outside mr x nr). */
+AVX512BF16_T INLINE void dpbf16_lanes(int mr, int nr, int64_t K, const char *A, int64_t lda, const char *B,
+                                      int64_t ldb, __m512 acc[MR][NR]) {
     _Pragma("GCC unroll 4")
     for (int i = 0; i < MR; i++)
         _Pragma("GCC unroll 4")
@@ -358,18 +402,19 @@ AVX512BF16_T INLINE void tile_avx512bf16_bf16(int mr, int nr, int64_t K, const c
             for (int i = 0; i < mr; i++) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], (__m512bh)a[i], (__m512bh)b);
         }
     }
-    _Pragma("GCC unroll 4")
-    for (int i = 0; i < mr; i++)
-        _Pragma("GCC unroll 4")
-        for (int j = 0; j < nr; j++) _mm512_storeu_ps(lanes + (i * NR + j) * LANES, acc[i][j]);
+}
+
+AVX512BF16_T INLINE void tile_avx512bf16_bf16(int mr, int nr, int64_t K, const char *A, int64_t lda,
+                                              const char *B, int64_t ldb, float *out) {
+    __m512 acc[MR][NR];
+    dpbf16_lanes(mr, nr, K, A, lda, B, ldb, acc);
+    fold_tile_z(&acc[0][0], out);
 }
 
 AVX512_T INLINE void tile_avx512(int dt, int mr, int nr, int64_t K, const char *A, int64_t lda, const char *B,
-                                 int64_t ldb, float *lanes) {
+                                 int64_t ldb, float *out) {
     if (dt == DT_BF16) {
-        unsigned int csr = ftz_daz_begin();
-        tile_bf16_z(mr, nr, K, A, lda, B, ldb, lanes, 0);
-        ftz_daz_end(csr);
+        tile_bf16_z(mr, nr, K, A, lda, B, ldb, out, 0);
         return;
     }
     __m512 acc[MR][NR];
@@ -389,10 +434,7 @@ AVX512_T INLINE void tile_avx512(int dt, int mr, int nr, int64_t K, const char *
             for (int i = 0; i < mr; i++) acc[i][j] = _mm512_fmadd_ps(a[i], b, acc[i][j]);
         }
     }
-    _Pragma("GCC unroll 4")
-    for (int i = 0; i < mr; i++)
-        _Pragma("GCC unroll 4")
-        for (int j = 0; j < nr; j++) _mm512_storeu_ps(lanes + (i * NR + j) * LANES, acc[i][j]);
+    fold_tile_z(&acc[0][0], out);
 }
 #endif
 
@@ -405,7 +447,7 @@ static void fold_tile_scalar(const float *lanes, int mr, int nr, float *out) {
 }
 
 #if LS_X86
-AVX2_T static void fold_tile_avx2(const float *lanes, int mr, int nr, float *out) {
+AVX2_T __attribute__((noinline)) static void fold_tile_avx2(const float *lanes, int mr, int nr, float *out) {
     for (int i = 0; i < mr; i++)
         for (int j = 0; j < nr; j++) {
             const float *s = lanes + (i * NR + j) * LANES;
@@ -417,15 +459,31 @@ AVX2_T static void fold_tile_avx2(const float *lanes, int mr, int nr, float *out
 }
 #endif
 
-static void fold_tile(int isa, const float *lanes, int mr, int nr, float *out) {
-#if LS_X86
-    if (isa != ISA_SCALAR) {
-        fold_tile_avx2(lanes, mr, nr, out);
-        return;
-    }
-#endif
-    (void)isa;
+/* Whole micro-tiles for the paths that fold from memory: the tile's lanes, then their fold. */
+INLINE void tile_scalar_folded(int dt, int mr, int nr, int64_t K, const char *A, int64_t lda, const char *B,
+                               int64_t ldb, float *out) {
+    float lanes[MR * NR * LANES];
+    tile_scalar(dt, mr, nr, K, A, lda, B, ldb, lanes);
     fold_tile_scalar(lanes, mr, nr, out);
+}
+
+#if LS_X86
+AVX2_T INLINE void tile_avx2_folded(int dt, int mr, int nr, int64_t K, const char *A, int64_t lda, const char *B,
+                                    int64_t ldb, float *out) {
+    float lanes[MR * NR * LANES] __attribute__((aligned(64)));
+    tile_avx2(dt, mr, nr, K, A, lda, B, ldb, lanes);
+    fold_tile_avx2(lanes, mr, nr, out);
+}
+#endif
+
+/* fp32 to bf16 as torch rounds on CPU (Tensor.to): to nearest, ties to even, overflow to Inf,
+ * subnormals kept; every NaN becomes 0xffff. The GEMM's bf16 output then has the bits that the fp32
+ * output followed by .to(torch.bfloat16) has, without the fp32 copy. */
+static inline uint16_t f32_to_bf16(float x) {
+    if (x != x) return 0xffffu;
+    uint32_t u;
+    memcpy(&u, &x, 4);
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
 /* A bf16 dot's NaN as the one quiet NaN: the instruction and the code that defines it may carry
@@ -444,37 +502,38 @@ typedef struct {
     int64_t batch, M, N, K;
     const char *A, *B;
     int64_t lda, ldb, sa, sb; /* bytes */
-    float *C;
-    int64_t ldc, sc; /* floats */
+    void *C;
+    int64_t ldc, sc; /* elements of C */
     const float *bias;
-    int dt, isa;
+    int dt, isa, c_bf16; /* c_bf16: C holds bf16, each result rounded as torch rounds fp32 to bf16 */
     int64_t mb, nb, m_tiles, n_tiles; /* item tile: mb rows x nb columns */
 } gemm_job;
 
-/* Specialise a tile function for constant (dt, mr, nr) so the compiler unrolls it fully. */
+/* Specialise a tile function for constant (dt, mr, nr) so the compiler unrolls it fully. Each
+ * leaves output (i, j)'s folded dot in out[i * NR + j]. */
 #define TILE_CASES(fn, DT)                                                                          \
     switch (mr * 8 + nr) {                                                                          \
-    case 1 * 8 + 1: fn(DT, 1, 1, K, A, lda, B, ldb, lanes); break;                                  \
-    case 1 * 8 + 2: fn(DT, 1, 2, K, A, lda, B, ldb, lanes); break;                                  \
-    case 1 * 8 + 3: fn(DT, 1, 3, K, A, lda, B, ldb, lanes); break;                                  \
-    case 1 * 8 + 4: fn(DT, 1, 4, K, A, lda, B, ldb, lanes); break;                                  \
-    case 2 * 8 + 1: fn(DT, 2, 1, K, A, lda, B, ldb, lanes); break;                                  \
-    case 2 * 8 + 2: fn(DT, 2, 2, K, A, lda, B, ldb, lanes); break;                                  \
-    case 2 * 8 + 3: fn(DT, 2, 3, K, A, lda, B, ldb, lanes); break;                                  \
-    case 2 * 8 + 4: fn(DT, 2, 4, K, A, lda, B, ldb, lanes); break;                                  \
-    case 3 * 8 + 1: fn(DT, 3, 1, K, A, lda, B, ldb, lanes); break;                                  \
-    case 3 * 8 + 2: fn(DT, 3, 2, K, A, lda, B, ldb, lanes); break;                                  \
-    case 3 * 8 + 3: fn(DT, 3, 3, K, A, lda, B, ldb, lanes); break;                                  \
-    case 3 * 8 + 4: fn(DT, 3, 4, K, A, lda, B, ldb, lanes); break;                                  \
-    case 4 * 8 + 1: fn(DT, 4, 1, K, A, lda, B, ldb, lanes); break;                                  \
-    case 4 * 8 + 2: fn(DT, 4, 2, K, A, lda, B, ldb, lanes); break;                                  \
-    case 4 * 8 + 3: fn(DT, 4, 3, K, A, lda, B, ldb, lanes); break;                                  \
-    default: fn(DT, 4, 4, K, A, lda, B, ldb, lanes); break;                                         \
+    case 1 * 8 + 1: fn(DT, 1, 1, K, A, lda, B, ldb, out); break;                                  \
+    case 1 * 8 + 2: fn(DT, 1, 2, K, A, lda, B, ldb, out); break;                                  \
+    case 1 * 8 + 3: fn(DT, 1, 3, K, A, lda, B, ldb, out); break;                                  \
+    case 1 * 8 + 4: fn(DT, 1, 4, K, A, lda, B, ldb, out); break;                                  \
+    case 2 * 8 + 1: fn(DT, 2, 1, K, A, lda, B, ldb, out); break;                                  \
+    case 2 * 8 + 2: fn(DT, 2, 2, K, A, lda, B, ldb, out); break;                                  \
+    case 2 * 8 + 3: fn(DT, 2, 3, K, A, lda, B, ldb, out); break;                                  \
+    case 2 * 8 + 4: fn(DT, 2, 4, K, A, lda, B, ldb, out); break;                                  \
+    case 3 * 8 + 1: fn(DT, 3, 1, K, A, lda, B, ldb, out); break;                                  \
+    case 3 * 8 + 2: fn(DT, 3, 2, K, A, lda, B, ldb, out); break;                                  \
+    case 3 * 8 + 3: fn(DT, 3, 3, K, A, lda, B, ldb, out); break;                                  \
+    case 3 * 8 + 4: fn(DT, 3, 4, K, A, lda, B, ldb, out); break;                                  \
+    case 4 * 8 + 1: fn(DT, 4, 1, K, A, lda, B, ldb, out); break;                                  \
+    case 4 * 8 + 2: fn(DT, 4, 2, K, A, lda, B, ldb, out); break;                                  \
+    case 4 * 8 + 3: fn(DT, 4, 3, K, A, lda, B, ldb, out); break;                                  \
+    default: fn(DT, 4, 4, K, A, lda, B, ldb, out); break;                                         \
     }
 
 #define DEFINE_TILE_DISPATCH(name, fn, T)                                                           \
     T static void name(int dt, int mr, int nr, int64_t K, const char *A, int64_t lda, const char *B, \
-                       int64_t ldb, float *lanes) {                                                 \
+                       int64_t ldb, float *out) {                                                   \
         if (dt == DT_F32) {                                                                         \
             TILE_CASES(fn, DT_F32)                                                                  \
         } else if (dt == DT_BF16) {                                                                 \
@@ -486,20 +545,20 @@ typedef struct {
         }                                                                                           \
     }
 
-DEFINE_TILE_DISPATCH(micro_scalar, tile_scalar, )
+DEFINE_TILE_DISPATCH(micro_scalar, tile_scalar_folded, )
 #if LS_X86
-DEFINE_TILE_DISPATCH(micro_avx2, tile_avx2, AVX2_T)
+DEFINE_TILE_DISPATCH(micro_avx2, tile_avx2_folded, AVX2_T)
 DEFINE_TILE_DISPATCH(micro_avx512, tile_avx512, AVX512_T)
 
 #define tile_avx512bf16_bf16_dt(DT, ...) tile_avx512bf16_bf16(__VA_ARGS__)
 
 /* The AVX-512 path with the instruction for bf16; fp32 and fp16 as micro_avx512. */
 AVX512BF16_T static void micro_avx512bf16(int dt, int mr, int nr, int64_t K, const char *A, int64_t lda,
-                                          const char *B, int64_t ldb, float *lanes) {
+                                          const char *B, int64_t ldb, float *out) {
     if (dt == DT_BF16) {
         TILE_CASES(tile_avx512bf16_bf16_dt, DT_BF16)
     } else {
-        micro_avx512(dt, mr, nr, K, A, lda, B, ldb, lanes);
+        micro_avx512(dt, mr, nr, K, A, lda, B, ldb, out);
     }
 }
 #endif
@@ -524,21 +583,24 @@ static void gemm_item(void *ctx, int64_t item) {
     int64_t m0 = (r / g->n_tiles) * g->mb, n0 = (r % g->n_tiles) * g->nb;
     int64_t m1 = m0 + g->mb < g->M ? m0 + g->mb : g->M, n1 = n0 + g->nb < g->N ? n0 + g->nb : g->N;
     micro_fn micro = micro_of(g->isa);
-    float lanes[MR * NR * LANES] __attribute__((aligned(64)));
     float folded[MR * NR];
     const char *A = g->A + b * g->sa, *B = g->B + b * g->sb;
-    float *C = g->C + b * g->sc;
+    float *C = (float *)g->C + b * g->sc;
+    uint16_t *C16 = (uint16_t *)g->C + b * g->sc;
     for (int64_t m = m0; m < m1; m += MR) {
         int mr = (int)(m1 - m < MR ? m1 - m : MR);
         for (int64_t n = n0; n < n1; n += NR) {
             int nr = (int)(n1 - n < NR ? n1 - n : NR);
-            micro(g->dt, mr, nr, g->K, A + m * g->lda, g->lda, B + n * g->ldb, g->ldb, lanes);
-            fold_tile(g->isa, lanes, mr, nr, folded);
+            micro(g->dt, mr, nr, g->K, A + m * g->lda, g->lda, B + n * g->ldb, g->ldb, folded);
             if (g->dt == DT_BF16) canonical_nans(folded, MR * NR);
             for (int i = 0; i < mr; i++)
                 for (int j = 0; j < nr; j++) {
                     float r = folded[i * NR + j];
-                    C[(m + i) * g->ldc + n + j] = g->bias ? r + g->bias[n + j] : r;
+                    if (g->bias) r += g->bias[n + j];
+                    if (g->c_bf16)
+                        C16[(m + i) * g->ldc + n + j] = f32_to_bf16(r);
+                    else
+                        C[(m + i) * g->ldc + n + j] = r;
                 }
         }
     }
@@ -602,11 +664,38 @@ static void pool_after_fork_in_child(void) {
 static pthread_once_t atfork_once = PTHREAD_ONCE_INIT;
 static void install_atfork(void) { pthread_atfork(NULL, NULL, pool_after_fork_in_child); }
 
+/* torch's own OpenMP threads, when the loader hands us its runtime's GOMP_parallel (ls_use_openmp):
+ * a second pool of threads would compete for the cores with OpenMP's, which spin for a while after
+ * each torch op, and each pool would lose time to the other. The items are the same either way. */
+typedef void (*gomp_parallel_fn)(void (*)(void *), void *, unsigned, unsigned);
+static gomp_parallel_fn gomp_parallel = NULL;
+
+typedef struct {
+    void (*fn)(void *, int64_t);
+    void *ctx;
+    int64_t n_items;
+    atomic_llong next;
+} omp_job;
+
+static void omp_team_member(void *arg) {
+    omp_job *j = (omp_job *)arg;
+    for (;;) {
+        int64_t i = atomic_fetch_add(&j->next, 1);
+        if (i >= j->n_items) return;
+        j->fn(j->ctx, i);
+    }
+}
+
 static void parallel_for(void (*fn)(void *, int64_t), void *ctx, int64_t n_items, int threads) {
     if (threads > n_items) threads = (int)n_items;
     if (threads > MAX_WORKERS + 1) threads = MAX_WORKERS + 1;
     if (threads <= 1) {
         for (int64_t i = 0; i < n_items; i++) fn(ctx, i);
+        return;
+    }
+    if (gomp_parallel) {
+        omp_job j = {fn, ctx, n_items, 0};
+        gomp_parallel(omp_team_member, &j, (unsigned)threads, 0);
         return;
     }
     pthread_once(&atfork_once, install_atfork);
@@ -1007,8 +1096,7 @@ static inline void attn_mask_bounds(const attn_job *J, int64_t qt, int64_t *lo, 
 static void attn_scores(const attn_job *J, int mr, const char *A, int64_t lda, const char *const *krow, int n,
                         int ja, int je, float *s) {
     micro_fn micro = micro_of(J->isa);
-    float lanes[MR * NR * LANES] __attribute__((aligned(64)));
-    float folded[MR * NR];
+    float folded[MR * NR], one[MR * NR];
     int64_t ldb = J->kv_token * (J->dt == DT_F32 ? 4 : 2);
     int dt = J->dt == DT_BF16 ? DT_BF16_WIDE : J->dt;
     for (int j = ja & ~(NR - 1); j <= je; j += NR) {
@@ -1016,12 +1104,11 @@ static void attn_scores(const attn_job *J, int mr, const char *A, int64_t lda, c
         int run = 1;
         while (run < nr && krow[j + run] == krow[j] + run * ldb) run++;
         if (run == nr) {
-            micro(dt, mr, nr, J->D, A, lda, krow[j], ldb, lanes);
-            fold_tile(J->isa, lanes, mr, nr, folded);
-        } else { /* one key at a time: row i's lanes land at (i * NR) * LANES */
+            micro(dt, mr, nr, J->D, A, lda, krow[j], ldb, folded);
+        } else { /* one key at a time */
             for (int jj = 0; jj < nr; jj++) {
-                micro(dt, mr, 1, J->D, A, lda, krow[j + jj], ldb, lanes);
-                for (int i = 0; i < mr; i++) folded[i * NR + jj] = fold16(lanes + i * NR * LANES);
+                micro(dt, mr, 1, J->D, A, lda, krow[j + jj], ldb, one);
+                for (int i = 0; i < mr; i++) folded[i * NR + jj] = one[i * NR];
             }
         }
         for (int i = 0; i < mr; i++)
@@ -1332,7 +1419,11 @@ static void rows_item(void *ctx, int64_t item) {
 
 /* ---------------------------------------------------------------- exported */
 
-int ls_abi_version(void) { return 5; }
+int ls_abi_version(void) { return 6; }
+
+/* Run parallel work on the OpenMP runtime whose GOMP_parallel (GCC's ABI: fn, data, team size,
+ * flags) is `fn`, or on the library's own threads when `fn` is NULL. */
+void ls_use_openmp(void *fn) { gomp_parallel = (gomp_parallel_fn)fn; }
 
 #if LS_X86
 /* The bf16 tiles on inputs that reach every case of the definition (denormal inputs, sums that
@@ -1359,7 +1450,9 @@ AVX512BF16_T static int dpbf16_matches_definition(void) {
         /* Rows of equal and opposite values, whose sums cancel to near 0 and 2^-126. */
         for (int k = 0; k < K; k++) a[1][k] = a[0][k] ^ (k % 3 ? 0x8000 : 0);
         tile_scalar_bf16(MR, NR, K, (const char *)a, K * 2, (const char *)b, K * 2, want);
-        tile_avx512bf16_bf16(MR, NR, K, (const char *)a, K * 2, (const char *)b, K * 2, got);
+        __m512 acc[MR][NR];
+        dpbf16_lanes(MR, NR, K, (const char *)a, K * 2, (const char *)b, K * 2, acc);
+        for (int q = 0; q < MR * NR; q++) _mm512_storeu_ps(got + q * LANES, acc[q / NR][q % NR]);
         for (int i = 0; i < MR * NR * LANES; i++) {
             uint32_t g, w;
             memcpy(&g, &got[i], 4);
@@ -1399,17 +1492,20 @@ int ls_cpu_supports(int isa) {
 
 /* C[b, m, n] = dot(A[b, m, :], B[b, n, :]) (+ bias[n]) for b < batch, m < M, n < N, in the order
  * of the file's header. A, B: rows of K contiguous elements of dtype dt (0 fp32, 1 bf16, 2 fp16);
- * row strides lda, ldb and batch strides sa, sb in elements. C: fp32, row stride ldc, batch
- * stride sc in elements. bias: fp32 [N] or NULL, added once after the fold. Returns 0, or -1 for
- * arguments it cannot take. */
+ * row strides lda, ldb and batch strides sa, sb in elements. C: dtype c_dt (0 fp32, 1 bf16: each
+ * fp32 result rounded by f32_to_bf16), row stride ldc, batch stride sc in elements. bias: fp32 [N]
+ * or NULL, added once after the fold, before any rounding to bf16. Returns 0, or -1 for arguments
+ * it cannot take. */
 int ls_gemm_nt(int64_t batch, int64_t M, int64_t N, int64_t K, const void *A, int64_t lda, int64_t sa,
-               const void *B, int64_t ldb, int64_t sb, float *C, int64_t ldc, int64_t sc, const float *bias,
-               int dt, int isa, int threads) {
-    if (batch < 0 || M < 0 || N < 0 || K < 0 || dt < DT_F32 || dt > DT_F16 || !ls_cpu_supports(isa)) return -1;
+               const void *B, int64_t ldb, int64_t sb, void *C, int64_t ldc, int64_t sc, const float *bias,
+               int dt, int c_dt, int isa, int threads) {
+    if (batch < 0 || M < 0 || N < 0 || K < 0 || dt < DT_F32 || dt > DT_F16 || c_dt < DT_F32 || c_dt > DT_BF16 ||
+        !ls_cpu_supports(isa))
+        return -1;
     if (batch == 0 || M == 0 || N == 0) return 0;
     int64_t es = dt == DT_F32 ? 4 : 2;
     gemm_job g = {batch, M, N, K, (const char *)A, (const char *)B, lda * es, ldb * es, sa * es, sb * es,
-                  C, ldc, sc, bias, dt, isa, 0, 0, 0, 0};
+                  C, ldc, sc, bias, dt, isa, c_dt == DT_BF16, 0, 0, 0, 0};
     /* Item tiles sized for the caches only (never for the bits): a column panel of about 256 KB of
      * B stays in L2 while 64-row blocks of A stream past it. */
     int64_t nb = (256 * 1024) / (K * es + 1);
