@@ -593,15 +593,18 @@ static void gemm_item(void *ctx, int64_t item) {
             int nr = (int)(n1 - n < NR ? n1 - n : NR);
             micro(g->dt, mr, nr, g->K, A + m * g->lda, g->lda, B + n * g->ldb, g->ldb, folded);
             if (g->dt == DT_BF16) canonical_nans(folded, MR * NR);
-            for (int i = 0; i < mr; i++)
-                for (int j = 0; j < nr; j++) {
-                    float r = folded[i * NR + j];
-                    if (g->bias) r += g->bias[n + j];
-                    if (g->c_bf16)
-                        C16[(m + i) * g->ldc + n + j] = f32_to_bf16(r);
-                    else
-                        C[(m + i) * g->ldc + n + j] = r;
-                }
+            if (g->bias)
+                for (int i = 0; i < mr; i++)
+                    for (int j = 0; j < nr; j++) folded[i * NR + j] += g->bias[n + j];
+            if (g->c_bf16) {
+                for (int i = 0; i < mr; i++)
+                    for (int j = 0; j < nr; j++) C16[(m + i) * g->ldc + n + j] = f32_to_bf16(folded[i * NR + j]);
+            } else if (nr == NR) { /* whole rows of the tile: one 16-byte copy each */
+                for (int i = 0; i < mr; i++) memcpy(C + (m + i) * g->ldc + n, folded + i * NR, NR * sizeof(float));
+            } else {
+                for (int i = 0; i < mr; i++)
+                    for (int j = 0; j < nr; j++) C[(m + i) * g->ldc + n + j] = folded[i * NR + j];
+            }
         }
     }
 }
