@@ -92,12 +92,14 @@ def test_the_bits_do_not_follow_pytorchs_kernel_selection(env, widest):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_gemm_bits_across_instruction_sets_threads_rows_and_tails(dtype, isa):
-    """K = 1029 leaves a tail in every lane width; 37 x 301 outputs leave partial micro-tiles; big enough
-    to run on several threads."""
+@pytest.mark.parametrize("k", [1029, 4133], ids=lambda k: f"K={k}")
+def test_gemm_bits_across_instruction_sets_threads_rows_and_tails(dtype, k, isa):
+    """K = 1029 and 4133 leave a tail in every lane width (4133: rows of 8 KB or more, which the
+    kernel runs in blocks of K); 37 x 301 outputs leave partial micro-tiles and items; big enough to
+    run on several threads."""
     gen = torch.Generator().manual_seed(0)
-    a = torch.randn(37, 1029, generator=gen).to(dtype)
-    b = torch.randn(301, 1029, generator=gen).to(dtype)
+    a = torch.randn(37, k, generator=gen).to(dtype)
+    b = torch.randn(301, k, generator=gen).to(dtype)
     bias = torch.randn(301, generator=gen)
     outs = []
     for name in build.ISAS:
@@ -134,6 +136,32 @@ def test_gemm_order_is_the_documented_one(dtype, rows):
             u = [t[j] + t[j + 4] for j in range(4)]
             v = [u[j] + u[j + 2] for j in range(2)]
             assert torch.equal(got[m, n], v[0] + v[1]), (m, n)
+
+
+@pytest.mark.parametrize("dtype, k", [(torch.float32, 2048 * 2 + 37), (torch.bfloat16, 4096 * 2 + 75)], ids=str)
+def test_a_long_k_in_blocks_keeps_the_documented_order(dtype, k):
+    """Rows of 8 KB or more run in blocks of K, each tile's lanes carried from block to block: the
+    order's bits, restated in Python (fp32: lane k % 16 adds element k; bf16: lane j of chunk c adds
+    element 32 c + 2 j + 1, then 32 c + 2 j), then the fold."""
+    gen = torch.Generator().manual_seed(9)
+    a, b = torch.randn(5, k, generator=gen).to(dtype), torch.randn(6, k, generator=gen).to(dtype)
+    got = gemm.gemm_nt(a, b)
+    width = 16 if dtype == torch.float32 else 32
+    padded = -(-k // width) * width
+    af = torch.nn.functional.pad(a.float(), (0, padded - k))[:, None, :].expand(5, 6, padded)
+    bf = torch.nn.functional.pad(b.float(), (0, padded - k))[None, :, :].expand(5, 6, padded)
+    lanes = torch.zeros(5, 6, 16)
+    for c in range(0, padded, width):
+        if dtype == torch.float32:
+            lanes = _fma32(af[..., c:c + 16], bf[..., c:c + 16], lanes)
+        else:
+            for odd in (1, 0):
+                idx = torch.arange(16) * 2 + c + odd
+                lanes = _fma32(af[..., idx], bf[..., idx], lanes)
+    t = lanes[..., :8] + lanes[..., 8:]
+    u = t[..., :4] + t[..., 4:]
+    v = u[..., :2] + u[..., 2:]
+    assert torch.equal(got, v[..., 0] + v[..., 1])
 
 
 def test_weight_grad_of_rows_appended_with_zero_gradient_is_unchanged():

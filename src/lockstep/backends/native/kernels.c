@@ -123,15 +123,20 @@ static inline float fold16(const float *s) {
 
 /* ---------------------------------------------------------------- micro-tiles
  * A micro-tile: rows i < mr of A (each K elements, row stride lda bytes) against rows j < nr of B
- * (likewise, ldb), leaving each output's 16 lane sums in lanes[(i * NR + j) * 16 + l]. */
+ * (likewise, ldb), leaving each output's 16 lane sums in lanes[(i * NR + j) * 16 + l]. The lanes
+ * start from init's (same layout) when init is not NULL, from +0 otherwise: a dot product cut at a
+ * chunk boundary and continued from its lanes performs the same operations as in one piece. */
 
 #define BF16_CHUNK 32 /* bf16 elements per chunk of the bf16 order: two per lane */
 
 /* The bf16 order (the file's header) in scalar code. */
 INLINE void tile_scalar_bf16(int mr, int nr, int64_t K, const char *A, int64_t lda, const char *B, int64_t ldb,
-                             float *lanes) {
+                             const float *init, float *lanes) {
     float s[MR][NR][LANES];
-    memset(s, 0, sizeof(s));
+    if (init)
+        memcpy(s, init, sizeof(s));
+    else
+        memset(s, 0, sizeof(s));
     for (int64_t k0 = 0; k0 < K; k0 += BF16_CHUNK)
         for (int l = 0; l < LANES; l++)
             for (int odd = 1; odd >= 0; odd--) {
@@ -148,13 +153,16 @@ INLINE void tile_scalar_bf16(int mr, int nr, int64_t K, const char *A, int64_t l
 }
 
 INLINE void tile_scalar(int dt, int mr, int nr, int64_t K, const char *A, int64_t lda, const char *B,
-                        int64_t ldb, float *lanes) {
+                        int64_t ldb, const float *init, float *lanes) {
     if (dt == DT_BF16) {
-        tile_scalar_bf16(mr, nr, K, A, lda, B, ldb, lanes);
+        tile_scalar_bf16(mr, nr, K, A, lda, B, ldb, init, lanes);
         return;
     }
     float s[MR][NR][LANES];
-    memset(s, 0, sizeof(s));
+    if (init)
+        memcpy(s, init, sizeof(s));
+    else
+        memset(s, 0, sizeof(s));
     for (int64_t k0 = 0; k0 < K; k0 += LANES) {
         int rem = K - k0 < LANES ? (int)(K - k0) : LANES; /* the padded lanes would add fma(0, 0, s) = s */
         for (int l = 0; l < rem; l++) {
@@ -198,12 +206,13 @@ AVX2_T INLINE __m256 load8(const char *p, int64_t k, int dt, int count) {
 /* AVX2 holds 8 of the 16 lanes: `half` 0 runs lanes 0-7 (k = 16 q + 0..7), half 1 lanes 8-15. Each
  * lane's chain is the same sequence of FMAs as in the scalar path. */
 AVX2_T INLINE void tile_avx2_half(int dt, int mr, int nr, int64_t K, const char *A, int64_t lda, const char *B,
-                                  int64_t ldb, float *lanes, int half) {
+                                  int64_t ldb, const float *init, float *lanes, int half) {
     __m256 acc[MR][NR];
     _Pragma("GCC unroll 4")
     for (int i = 0; i < MR; i++)
         _Pragma("GCC unroll 4")
-        for (int j = 0; j < NR; j++) acc[i][j] = _mm256_setzero_ps();
+        for (int j = 0; j < NR; j++)
+            acc[i][j] = init ? _mm256_loadu_ps(init + (i * NR + j) * LANES + 8 * half) : _mm256_setzero_ps();
     int64_t k0 = 0;
     for (; k0 + LANES <= K; k0 += LANES) {
         __m256 a[MR];
@@ -258,14 +267,15 @@ AVX2_T INLINE void ftz_daz_end(unsigned int csr) { _mm_setcsr(csr); }
  * MXCSR's, set around the FMAs only, so that FINISH's adds, the fold, keep denormals): register
  * half h holds lanes W h .. W h + W - 1, the 2 W elements from 32 c + 2 W h of each chunk.
  * load_pairs_P gives them as their W even and W odd elements, widened. */
-#define BF16_DEFINED_TILE(P, T, VEC, REG, W, ZERO, FMA, FINISH)                                     \
+#define BF16_DEFINED_TILE(P, T, VEC, REG, W, ZERO, LOAD, FMA, FINISH)                               \
     T INLINE void tile_bf16_##P(int mr, int nr, int64_t K, const char *A, int64_t lda, const char *B,   \
-                                int64_t ldb, float *dst, int half) {                                 \
+                                int64_t ldb, float *init, float *dst, int half) {                    \
         VEC acc[MR][NR];                                                                            \
         _Pragma("GCC unroll 4")                                                                     \
         for (int i = 0; i < MR; i++)                                                                \
             _Pragma("GCC unroll 4")                                                                 \
-            for (int j = 0; j < NR; j++) acc[i][j] = ZERO();                                        \
+            for (int j = 0; j < NR; j++)                                                            \
+                acc[i][j] = init ? LOAD(init + (i * NR + j) * LANES + W * half) : ZERO();           \
         PIN_ACC(acc, REG);                                                                          \
         unsigned int csr = ftz_daz_begin();                                                         \
         for (int64_t k0 = 0; k0 < K; k0 += BF16_CHUNK) {                                            \
@@ -288,7 +298,7 @@ AVX2_T INLINE void ftz_daz_end(unsigned int csr) { _mm_setcsr(csr); }
         PIN_ACC(acc, REG);                                                                          \
         ftz_daz_end(csr);                                                                           \
         PIN_ACC(acc, REG);                                                                          \
-        FINISH(acc, dst, half, mr, nr);                                                             \
+        FINISH(acc, init, dst, half, mr, nr);                                                       \
     }
 
 AVX2_T INLINE void load_pairs_a(const char *p, int64_t k, int count, __m256 *even, __m256 *odd) {
@@ -305,23 +315,23 @@ AVX2_T INLINE void load_pairs_a(const char *p, int64_t k, int count, __m256 *eve
 }
 
 /* AVX2 leaves each output's lanes W h .. W h + 7 in lanes[(i * NR + j) * 16 + ...] for the fold. */
-#define STORE_HALF_A(acc, lanes, half, mr, nr)                                                       \
+#define STORE_HALF_A(acc, init, lanes, half, mr, nr)                                                 \
     _Pragma("GCC unroll 4")                                                                         \
     for (int i = 0; i < mr; i++)                                                                    \
         _Pragma("GCC unroll 4")                                                                     \
         for (int j = 0; j < nr; j++) _mm256_storeu_ps(lanes + (i * NR + j) * LANES + 8 * half, acc[i][j])
 
-BF16_DEFINED_TILE(a, AVX2_T, __m256, "+x", 8, _mm256_setzero_ps, _mm256_fmadd_ps, STORE_HALF_A)
+BF16_DEFINED_TILE(a, AVX2_T, __m256, "+x", 8, _mm256_setzero_ps, _mm256_loadu_ps, _mm256_fmadd_ps, STORE_HALF_A)
 
 AVX2_T INLINE void tile_avx2(int dt, int mr, int nr, int64_t K, const char *A, int64_t lda, const char *B,
-                             int64_t ldb, float *lanes) {
+                             int64_t ldb, float *init, float *lanes) {
     if (dt == DT_BF16) {
-        tile_bf16_a(mr, nr, K, A, lda, B, ldb, lanes, 0);
-        tile_bf16_a(mr, nr, K, A, lda, B, ldb, lanes, 1);
+        tile_bf16_a(mr, nr, K, A, lda, B, ldb, init, lanes, 0);
+        tile_bf16_a(mr, nr, K, A, lda, B, ldb, init, lanes, 1);
         return;
     }
-    tile_avx2_half(dt, mr, nr, K, A, lda, B, ldb, lanes, 0);
-    tile_avx2_half(dt, mr, nr, K, A, lda, B, ldb, lanes, 1);
+    tile_avx2_half(dt, mr, nr, K, A, lda, B, ldb, init, lanes, 0);
+    tile_avx2_half(dt, mr, nr, K, A, lda, B, ldb, init, lanes, 1);
 }
 
 /* The fold (the file's header) of a whole micro-tile in registers: acc[i * NR + j] holds output
@@ -350,7 +360,18 @@ AVX512_T INLINE void fold_tile_z(const __m512 *acc, float *out) {
     _mm512_storeu_ps(out, _mm512_permutexvar_ps(order, r));
 }
 
-#define FOLD_Z(acc, out, half, mr, nr) fold_tile_z(&acc[0][0], out)
+/* The AVX-512 tiles' ending: given init (a dot product to be continued), the lanes go back there;
+ * otherwise out[i * NR + j] gets the folded sums. */
+AVX512_T INLINE void finish_tile_z(const __m512 *acc, float *init, float *out) {
+    if (init) {
+        _Pragma("GCC unroll 16")
+        for (int q = 0; q < MR * NR; q++) _mm512_storeu_ps(init + q * LANES, acc[q]);
+    } else {
+        fold_tile_z(acc, out);
+    }
+}
+
+#define FOLD_Z(acc, init, out, half, mr, nr) finish_tile_z(&acc[0][0], init, out)
 
 AVX512_T INLINE __m512 load16(const char *p, int64_t k, int dt, int count) {
     int es = dt == DT_F32 ? 4 : 2;
@@ -378,18 +399,18 @@ AVX512_T INLINE void load_pairs_z(const char *p, int64_t k, int count, __m512 *e
 }
 
 /* AVX-512 without AVX512_BF16: all 16 lanes in one register. */
-BF16_DEFINED_TILE(z, AVX512_T, __m512, "+v", 16, _mm512_setzero_ps, _mm512_fmadd_ps, FOLD_Z)
+BF16_DEFINED_TILE(z, AVX512_T, __m512, "+v", 16, _mm512_setzero_ps, _mm512_loadu_ps, _mm512_fmadd_ps, FOLD_Z)
 
 #define AVX512BF16_T __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma,f16c")))
 
 /* The bf16 order by the instruction itself: one VDPBF16PS per chunk does both of a lane's steps.
  * acc[i][j]: output (i, j)'s lanes (zeros outside mr x nr). */
 AVX512BF16_T INLINE void dpbf16_lanes(int mr, int nr, int64_t K, const char *A, int64_t lda, const char *B,
-                                      int64_t ldb, __m512 acc[MR][NR]) {
+                                      int64_t ldb, const float *init, __m512 acc[MR][NR]) {
     _Pragma("GCC unroll 4")
     for (int i = 0; i < MR; i++)
         _Pragma("GCC unroll 4")
-        for (int j = 0; j < NR; j++) acc[i][j] = _mm512_setzero_ps();
+        for (int j = 0; j < NR; j++) acc[i][j] = init ? _mm512_loadu_ps(init + (i * NR + j) * LANES) : _mm512_setzero_ps();
     for (int64_t k0 = 0; k0 < K; k0 += BF16_CHUNK) {
         int count = K - k0 < BF16_CHUNK ? (int)(K - k0) : BF16_CHUNK;
         __m512i a[MR];
@@ -405,23 +426,23 @@ AVX512BF16_T INLINE void dpbf16_lanes(int mr, int nr, int64_t K, const char *A, 
 }
 
 AVX512BF16_T INLINE void tile_avx512bf16_bf16(int mr, int nr, int64_t K, const char *A, int64_t lda,
-                                              const char *B, int64_t ldb, float *out) {
+                                              const char *B, int64_t ldb, float *init, float *out) {
     __m512 acc[MR][NR];
-    dpbf16_lanes(mr, nr, K, A, lda, B, ldb, acc);
-    fold_tile_z(&acc[0][0], out);
+    dpbf16_lanes(mr, nr, K, A, lda, B, ldb, init, acc);
+    finish_tile_z(&acc[0][0], init, out);
 }
 
 AVX512_T INLINE void tile_avx512(int dt, int mr, int nr, int64_t K, const char *A, int64_t lda, const char *B,
-                                 int64_t ldb, float *out) {
+                                 int64_t ldb, float *init, float *out) {
     if (dt == DT_BF16) {
-        tile_bf16_z(mr, nr, K, A, lda, B, ldb, out, 0);
+        tile_bf16_z(mr, nr, K, A, lda, B, ldb, init, out, 0);
         return;
     }
     __m512 acc[MR][NR];
     _Pragma("GCC unroll 4")
     for (int i = 0; i < MR; i++)
         _Pragma("GCC unroll 4")
-        for (int j = 0; j < NR; j++) acc[i][j] = _mm512_setzero_ps();
+        for (int j = 0; j < NR; j++) acc[i][j] = init ? _mm512_loadu_ps(init + (i * NR + j) * LANES) : _mm512_setzero_ps();
     for (int64_t k0 = 0; k0 < K; k0 += LANES) {
         int count = K - k0 < LANES ? (int)(K - k0) : LANES;
         __m512 a[MR];
@@ -434,7 +455,7 @@ AVX512_T INLINE void tile_avx512(int dt, int mr, int nr, int64_t K, const char *
             for (int i = 0; i < mr; i++) acc[i][j] = _mm512_fmadd_ps(a[i], b, acc[i][j]);
         }
     }
-    fold_tile_z(&acc[0][0], out);
+    finish_tile_z(&acc[0][0], init, out);
 }
 #endif
 
@@ -459,20 +480,21 @@ AVX2_T __attribute__((noinline)) static void fold_tile_avx2(const float *lanes, 
 }
 #endif
 
-/* Whole micro-tiles for the paths that fold from memory: the tile's lanes, then their fold. */
+/* Whole micro-tiles for the paths that fold from memory: the tile's lanes (back into init, for a
+ * dot product to be continued), else their fold into out. */
 INLINE void tile_scalar_folded(int dt, int mr, int nr, int64_t K, const char *A, int64_t lda, const char *B,
-                               int64_t ldb, float *out) {
+                               int64_t ldb, float *init, float *out) {
     float lanes[MR * NR * LANES];
-    tile_scalar(dt, mr, nr, K, A, lda, B, ldb, lanes);
-    fold_tile_scalar(lanes, mr, nr, out);
+    tile_scalar(dt, mr, nr, K, A, lda, B, ldb, init, init ? init : lanes);
+    if (!init) fold_tile_scalar(lanes, mr, nr, out);
 }
 
 #if LS_X86
 AVX2_T INLINE void tile_avx2_folded(int dt, int mr, int nr, int64_t K, const char *A, int64_t lda, const char *B,
-                                    int64_t ldb, float *out) {
+                                    int64_t ldb, float *init, float *out) {
     float lanes[MR * NR * LANES] __attribute__((aligned(64)));
-    tile_avx2(dt, mr, nr, K, A, lda, B, ldb, lanes);
-    fold_tile_avx2(lanes, mr, nr, out);
+    tile_avx2(dt, mr, nr, K, A, lda, B, ldb, init, init ? init : lanes);
+    if (!init) fold_tile_avx2(lanes, mr, nr, out);
 }
 #endif
 
@@ -507,33 +529,35 @@ typedef struct {
     const float *bias;
     int dt, isa, c_bf16; /* c_bf16: C holds bf16, each result rounded as torch rounds fp32 to bf16 */
     int64_t mb, nb, m_tiles, n_tiles; /* item tile: mb rows x nb columns */
+    int64_t kc;                       /* K in blocks of kc elements (kc >= K: one piece) */
 } gemm_job;
 
 /* Specialise a tile function for constant (dt, mr, nr) so the compiler unrolls it fully. Each
- * leaves output (i, j)'s folded dot in out[i * NR + j]. */
+ * leaves output (i, j)'s folded dot in out[i * NR + j], or, given init (lanes to continue from),
+ * its lanes back in init. */
 #define TILE_CASES(fn, DT)                                                                          \
     switch (mr * 8 + nr) {                                                                          \
-    case 1 * 8 + 1: fn(DT, 1, 1, K, A, lda, B, ldb, out); break;                                  \
-    case 1 * 8 + 2: fn(DT, 1, 2, K, A, lda, B, ldb, out); break;                                  \
-    case 1 * 8 + 3: fn(DT, 1, 3, K, A, lda, B, ldb, out); break;                                  \
-    case 1 * 8 + 4: fn(DT, 1, 4, K, A, lda, B, ldb, out); break;                                  \
-    case 2 * 8 + 1: fn(DT, 2, 1, K, A, lda, B, ldb, out); break;                                  \
-    case 2 * 8 + 2: fn(DT, 2, 2, K, A, lda, B, ldb, out); break;                                  \
-    case 2 * 8 + 3: fn(DT, 2, 3, K, A, lda, B, ldb, out); break;                                  \
-    case 2 * 8 + 4: fn(DT, 2, 4, K, A, lda, B, ldb, out); break;                                  \
-    case 3 * 8 + 1: fn(DT, 3, 1, K, A, lda, B, ldb, out); break;                                  \
-    case 3 * 8 + 2: fn(DT, 3, 2, K, A, lda, B, ldb, out); break;                                  \
-    case 3 * 8 + 3: fn(DT, 3, 3, K, A, lda, B, ldb, out); break;                                  \
-    case 3 * 8 + 4: fn(DT, 3, 4, K, A, lda, B, ldb, out); break;                                  \
-    case 4 * 8 + 1: fn(DT, 4, 1, K, A, lda, B, ldb, out); break;                                  \
-    case 4 * 8 + 2: fn(DT, 4, 2, K, A, lda, B, ldb, out); break;                                  \
-    case 4 * 8 + 3: fn(DT, 4, 3, K, A, lda, B, ldb, out); break;                                  \
-    default: fn(DT, 4, 4, K, A, lda, B, ldb, out); break;                                         \
+    case 1 * 8 + 1: fn(DT, 1, 1, K, A, lda, B, ldb, init, out); break;                                  \
+    case 1 * 8 + 2: fn(DT, 1, 2, K, A, lda, B, ldb, init, out); break;                                  \
+    case 1 * 8 + 3: fn(DT, 1, 3, K, A, lda, B, ldb, init, out); break;                                  \
+    case 1 * 8 + 4: fn(DT, 1, 4, K, A, lda, B, ldb, init, out); break;                                  \
+    case 2 * 8 + 1: fn(DT, 2, 1, K, A, lda, B, ldb, init, out); break;                                  \
+    case 2 * 8 + 2: fn(DT, 2, 2, K, A, lda, B, ldb, init, out); break;                                  \
+    case 2 * 8 + 3: fn(DT, 2, 3, K, A, lda, B, ldb, init, out); break;                                  \
+    case 2 * 8 + 4: fn(DT, 2, 4, K, A, lda, B, ldb, init, out); break;                                  \
+    case 3 * 8 + 1: fn(DT, 3, 1, K, A, lda, B, ldb, init, out); break;                                  \
+    case 3 * 8 + 2: fn(DT, 3, 2, K, A, lda, B, ldb, init, out); break;                                  \
+    case 3 * 8 + 3: fn(DT, 3, 3, K, A, lda, B, ldb, init, out); break;                                  \
+    case 3 * 8 + 4: fn(DT, 3, 4, K, A, lda, B, ldb, init, out); break;                                  \
+    case 4 * 8 + 1: fn(DT, 4, 1, K, A, lda, B, ldb, init, out); break;                                  \
+    case 4 * 8 + 2: fn(DT, 4, 2, K, A, lda, B, ldb, init, out); break;                                  \
+    case 4 * 8 + 3: fn(DT, 4, 3, K, A, lda, B, ldb, init, out); break;                                  \
+    default: fn(DT, 4, 4, K, A, lda, B, ldb, init, out); break;                                         \
     }
 
 #define DEFINE_TILE_DISPATCH(name, fn, T)                                                           \
     T static void name(int dt, int mr, int nr, int64_t K, const char *A, int64_t lda, const char *B, \
-                       int64_t ldb, float *out) {                                                   \
+                       int64_t ldb, float *init, float *out) {                                      \
         if (dt == DT_F32) {                                                                         \
             TILE_CASES(fn, DT_F32)                                                                  \
         } else if (dt == DT_BF16) {                                                                 \
@@ -554,16 +578,16 @@ DEFINE_TILE_DISPATCH(micro_avx512, tile_avx512, AVX512_T)
 
 /* The AVX-512 path with the instruction for bf16; fp32 and fp16 as micro_avx512. */
 AVX512BF16_T static void micro_avx512bf16(int dt, int mr, int nr, int64_t K, const char *A, int64_t lda,
-                                          const char *B, int64_t ldb, float *out) {
+                                          const char *B, int64_t ldb, float *init, float *out) {
     if (dt == DT_BF16) {
         TILE_CASES(tile_avx512bf16_bf16_dt, DT_BF16)
     } else {
-        micro_avx512(dt, mr, nr, K, A, lda, B, ldb, out);
+        micro_avx512(dt, mr, nr, K, A, lda, B, ldb, init, out);
     }
 }
 #endif
 
-typedef void (*micro_fn)(int, int, int, int64_t, const char *, int64_t, const char *, int64_t, float *);
+typedef void (*micro_fn)(int, int, int, int64_t, const char *, int64_t, const char *, int64_t, float *, float *);
 
 static micro_fn micro_of(int isa) {
 #if LS_X86
@@ -575,6 +599,32 @@ static micro_fn micro_of(int isa) {
     return micro_scalar;
 }
 
+/* One micro-tile's folded dots into C: canonical NaNs (bf16), the bias, the output dtype. */
+static void store_tile(const gemm_job *g, int64_t b, int64_t m, int64_t n, int mr, int nr, float *folded) {
+    float *C = (float *)g->C + b * g->sc;
+    uint16_t *C16 = (uint16_t *)g->C + b * g->sc;
+    if (g->dt == DT_BF16) canonical_nans(folded, MR * NR);
+    if (g->bias)
+        for (int i = 0; i < mr; i++)
+            for (int j = 0; j < nr; j++) folded[i * NR + j] += g->bias[n + j];
+    if (g->c_bf16) {
+        for (int i = 0; i < mr; i++)
+            for (int j = 0; j < nr; j++) C16[(m + i) * g->ldc + n + j] = f32_to_bf16(folded[i * NR + j]);
+    } else if (nr == NR) { /* whole rows of the tile: one 16-byte copy each */
+        for (int i = 0; i < mr; i++) memcpy(C + (m + i) * g->ldc + n, folded + i * NR, NR * sizeof(float));
+    } else {
+        for (int i = 0; i < mr; i++)
+            for (int j = 0; j < nr; j++) C[(m + i) * g->ldc + n + j] = folded[i * NR + j];
+    }
+}
+
+/* A long K in blocks of KC_BYTES of each row (a whole number of chunks in every dtype), over items
+ * of KC_ITEM x KC_ITEM outputs: a block of A's and B's rows stays in cache while every tile of the
+ * item runs over it, and each tile's lanes wait in memory for the next block. */
+#define KC_BYTES 4096
+#define KC_FROM_BYTES 8192 /* rows of at least this many bytes go in blocks */
+#define KC_ITEM 32
+
 /* One work item: the outputs of rows [m0, m0 + mb) x columns [n0, n0 + nb) of one batch entry. */
 static void gemm_item(void *ctx, int64_t item) {
     const gemm_job *g = (const gemm_job *)ctx;
@@ -585,26 +635,45 @@ static void gemm_item(void *ctx, int64_t item) {
     micro_fn micro = micro_of(g->isa);
     float folded[MR * NR];
     const char *A = g->A + b * g->sa, *B = g->B + b * g->sb;
-    float *C = (float *)g->C + b * g->sc;
-    uint16_t *C16 = (uint16_t *)g->C + b * g->sc;
+    if (g->kc >= g->K) {
+        for (int64_t m = m0; m < m1; m += MR) {
+            int mr = (int)(m1 - m < MR ? m1 - m : MR);
+            for (int64_t n = n0; n < n1; n += NR) {
+                int nr = (int)(n1 - n < NR ? n1 - n : NR);
+                micro(g->dt, mr, nr, g->K, A + m * g->lda, g->lda, B + n * g->ldb, g->ldb, NULL, folded);
+                store_tile(g, b, m, n, mr, nr, folded);
+            }
+        }
+        return;
+    }
+    enum { TILE_LANES = MR * NR * LANES };
+    float state[(KC_ITEM / MR) * (KC_ITEM / NR) * TILE_LANES] __attribute__((aligned(64))); /* 64 KB */
+    int64_t es = g->dt == DT_F32 ? 4 : 2, n_per_row = (n1 - n0 + NR - 1) / NR;
+    memset(state, 0, sizeof(state));
+    for (int64_t k0 = 0; k0 < g->K; k0 += g->kc) {
+        int64_t kl = g->K - k0 < g->kc ? g->K - k0 : g->kc;
+        for (int64_t m = m0; m < m1; m += MR) {
+            int mr = (int)(m1 - m < MR ? m1 - m : MR);
+            for (int64_t n = n0; n < n1; n += NR) {
+                int nr = (int)(n1 - n < NR ? n1 - n : NR);
+                float *lanes = state + (((m - m0) / MR) * n_per_row + (n - n0) / NR) * TILE_LANES;
+                micro(g->dt, mr, nr, kl, A + m * g->lda + k0 * es, g->lda, B + n * g->ldb + k0 * es, g->ldb, lanes,
+                      NULL);
+            }
+        }
+    }
     for (int64_t m = m0; m < m1; m += MR) {
         int mr = (int)(m1 - m < MR ? m1 - m : MR);
         for (int64_t n = n0; n < n1; n += NR) {
             int nr = (int)(n1 - n < NR ? n1 - n : NR);
-            micro(g->dt, mr, nr, g->K, A + m * g->lda, g->lda, B + n * g->ldb, g->ldb, folded);
-            if (g->dt == DT_BF16) canonical_nans(folded, MR * NR);
-            if (g->bias)
-                for (int i = 0; i < mr; i++)
-                    for (int j = 0; j < nr; j++) folded[i * NR + j] += g->bias[n + j];
-            if (g->c_bf16) {
-                for (int i = 0; i < mr; i++)
-                    for (int j = 0; j < nr; j++) C16[(m + i) * g->ldc + n + j] = f32_to_bf16(folded[i * NR + j]);
-            } else if (nr == NR) { /* whole rows of the tile: one 16-byte copy each */
-                for (int i = 0; i < mr; i++) memcpy(C + (m + i) * g->ldc + n, folded + i * NR, NR * sizeof(float));
-            } else {
-                for (int i = 0; i < mr; i++)
-                    for (int j = 0; j < nr; j++) C[(m + i) * g->ldc + n + j] = folded[i * NR + j];
-            }
+            const float *lanes = state + (((m - m0) / MR) * n_per_row + (n - n0) / NR) * TILE_LANES;
+#if LS_X86
+            if (g->isa != ISA_SCALAR)
+                fold_tile_avx2(lanes, mr, nr, folded);
+            else
+#endif
+                fold_tile_scalar(lanes, mr, nr, folded);
+            store_tile(g, b, m, n, mr, nr, folded);
         }
     }
 }
@@ -1107,10 +1176,10 @@ static void attn_scores(const attn_job *J, int mr, const char *A, int64_t lda, c
         int run = 1;
         while (run < nr && krow[j + run] == krow[j] + run * ldb) run++;
         if (run == nr) {
-            micro(dt, mr, nr, J->D, A, lda, krow[j], ldb, folded);
+            micro(dt, mr, nr, J->D, A, lda, krow[j], ldb, NULL, folded);
         } else { /* one key at a time */
             for (int jj = 0; jj < nr; jj++) {
-                micro(dt, mr, 1, J->D, A, lda, krow[j + jj], ldb, one);
+                micro(dt, mr, 1, J->D, A, lda, krow[j + jj], ldb, NULL, one);
                 for (int i = 0; i < mr; i++) folded[i * NR + jj] = one[i * NR];
             }
         }
@@ -1452,9 +1521,9 @@ AVX512BF16_T static int dpbf16_matches_definition(void) {
             }
         /* Rows of equal and opposite values, whose sums cancel to near 0 and 2^-126. */
         for (int k = 0; k < K; k++) a[1][k] = a[0][k] ^ (k % 3 ? 0x8000 : 0);
-        tile_scalar_bf16(MR, NR, K, (const char *)a, K * 2, (const char *)b, K * 2, want);
+        tile_scalar_bf16(MR, NR, K, (const char *)a, K * 2, (const char *)b, K * 2, NULL, want);
         __m512 acc[MR][NR];
-        dpbf16_lanes(MR, NR, K, (const char *)a, K * 2, (const char *)b, K * 2, acc);
+        dpbf16_lanes(MR, NR, K, (const char *)a, K * 2, (const char *)b, K * 2, NULL, acc);
         for (int q = 0; q < MR * NR; q++) _mm512_storeu_ps(got + q * LANES, acc[q / NR][q % NR]);
         for (int i = 0; i < MR * NR * LANES; i++) {
             uint32_t g, w;
@@ -1508,13 +1577,17 @@ int ls_gemm_nt(int64_t batch, int64_t M, int64_t N, int64_t K, const void *A, in
     if (batch == 0 || M == 0 || N == 0) return 0;
     int64_t es = dt == DT_F32 ? 4 : 2;
     gemm_job g = {batch, M, N, K, (const char *)A, (const char *)B, lda * es, ldb * es, sa * es, sb * es,
-                  C, ldc, sc, bias, dt, isa, c_dt == DT_BF16, 0, 0, 0, 0};
+                  C, ldc, sc, bias, dt, isa, c_dt == DT_BF16, 0, 0, 0, 0, K};
     /* Item tiles sized for the caches only (never for the bits): a column panel of about 256 KB of
      * B stays in L2 while 64-row blocks of A stream past it. */
     int64_t nb = (256 * 1024) / (K * es + 1);
     nb = nb < NR ? NR : (nb > 256 ? 256 : nb - nb % NR);
     g.mb = 64;
     g.nb = nb;
+    if (K * es >= KC_FROM_BYTES) {
+        g.mb = g.nb = KC_ITEM;
+        g.kc = KC_BYTES / es;
+    }
     g.m_tiles = (M + g.mb - 1) / g.mb;
     g.n_tiles = (N + g.nb - 1) / g.nb;
     int64_t items = batch * g.m_tiles * g.n_tiles;
