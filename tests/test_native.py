@@ -164,6 +164,20 @@ def test_a_long_k_in_blocks_keeps_the_documented_order(dtype, k):
     assert torch.equal(got, v[..., 0] + v[..., 1])
 
 
+@pytest.mark.parametrize("dtype", DTYPES + [torch.float64], ids=str)
+def test_operands_in_another_layout_are_copied_element_for_element(dtype):
+    """gemm_nt's copies into row-contiguous form (the kernels' blocked transpose for transposed
+    matrices, torch's copy for anything else): the values, moved, whatever the shape and strides."""
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(3, 131, 67, generator=gen).to(dtype)
+    views = [x[0].t(), x.transpose(1, 2), x[:, ::2].transpose(1, 2), x[1].t()[5:70], x.permute(2, 0, 1)[:, 1],
+             x[0, :1].t(), torch.randn(700, 500, generator=gen).to(dtype).t()]
+    for v in views:
+        got = gemm._rows_contiguous(v)
+        assert got.stride(-1) == 1 or got.shape[-1] <= 1
+        assert torch.equal(got, v), tuple(v.shape)
+
+
 def test_weight_grad_of_rows_appended_with_zero_gradient_is_unchanged():
     gen = torch.Generator().manual_seed(2)
     g, x = torch.randn(50, 33, generator=gen), torch.randn(50, 70, generator=gen)

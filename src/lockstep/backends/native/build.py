@@ -147,6 +147,8 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.ls_unary.restype = cint
     lib.ls_cpu_supports.argtypes = [cint]
     lib.ls_cpu_supports.restype = cint
+    lib.ls_transpose.argtypes = [i64, i64, i64, ptr, i64, i64, ptr, i64, i64, cint, cint]
+    lib.ls_transpose.restype = cint
     lib.ls_use_openmp.argtypes = [ptr]
     lib.ls_use_openmp.restype = None
     return lib

@@ -1678,3 +1678,52 @@ int ls_unary(const float *x, float *y, int64_t n, int fn, int isa, int threads) 
     parallel_for(unary_item, &u, items, n < (1 << 16) ? 1 : threads);
     return 0;
 }
+
+/* ---------------------------------------------------------------- transpose
+ * The copies that put a GEMM's operands in NT form (the weight of dX = grad @ W, both operands of
+ * a weight gradient) move every element once; blocks of TR_BLOCK x TR_BLOCK keep both sides' cache
+ * lines in use. One work item: TR_BLOCK columns of the source (rows of the copy) of one batch entry. */
+
+#define TR_BLOCK 64
+
+typedef struct {
+    int64_t rows, cols, src_ld, src_batch, dst_ld, dst_batch, col_blocks;
+    const char *src;
+    char *dst;
+    int es;
+} transpose_job;
+
+#define TRANSPOSE_BLOCK(T)                                                                          \
+    for (int64_t r0 = 0; r0 < t->rows; r0 += TR_BLOCK) {                                           \
+        int64_t r1 = r0 + TR_BLOCK < t->rows ? r0 + TR_BLOCK : t->rows;                              \
+        for (int64_t c = c0; c < c1; c++) {                                                         \
+            T *d = (T *)dst + c * t->dst_ld;                                                         \
+            for (int64_t r = r0; r < r1; r++) d[r] = ((const T *)src)[r * t->src_ld + c];            \
+        }                                                                                           \
+    }
+
+static void transpose_item(void *ctx, int64_t item) {
+    const transpose_job *t = (const transpose_job *)ctx;
+    int64_t b = item / t->col_blocks, c0 = (item % t->col_blocks) * TR_BLOCK;
+    int64_t c1 = c0 + TR_BLOCK < t->cols ? c0 + TR_BLOCK : t->cols;
+    const char *src = t->src + b * t->src_batch * t->es;
+    char *dst = t->dst + b * t->dst_batch * t->es;
+    if (t->es == 2) {
+        TRANSPOSE_BLOCK(uint16_t)
+    } else {
+        TRANSPOSE_BLOCK(uint32_t)
+    }
+}
+
+/* dst[b, c, r] = src[b, r, c] for b < batch, r < rows, c < cols: elements of es bytes (2 or 4);
+ * row strides src_ld, dst_ld and batch strides src_batch, dst_batch in elements. Returns 0, or -1
+ * for arguments it cannot take. */
+int ls_transpose(int64_t batch, int64_t rows, int64_t cols, const void *src, int64_t src_ld, int64_t src_batch,
+                 void *dst, int64_t dst_ld, int64_t dst_batch, int es, int threads) {
+    if (batch < 0 || rows < 0 || cols < 0 || (es != 2 && es != 4)) return -1;
+    if (batch == 0 || rows == 0 || cols == 0) return 0;
+    transpose_job t = {rows, cols, src_ld, src_batch, dst_ld, dst_batch, (cols + TR_BLOCK - 1) / TR_BLOCK,
+                       (const char *)src, (char *)dst, es};
+    parallel_for(transpose_item, &t, batch * t.col_blocks, batch * rows * cols < (1 << 16) ? 1 : threads);
+    return 0;
+}
