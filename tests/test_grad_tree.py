@@ -397,9 +397,9 @@ def test_a_tied_tables_sparse_and_dense_uses_add_with_the_dense_bits(sparse_firs
     s = grad_tree.RowSparse(torch.tensor([1, 2]), torch.tensor([[-0.0, -0.0], [-0.0, 5.0]]), 4)
     params = {"w": torch.nn.Parameter(torch.zeros(4, 2))}
     keys = [("w", "a", 0), ("w", "b", 0)]
+    want = s.dense() + d if sparse_first else d + s.dense()
     totals = dict(zip(keys, (s, d) if sparse_first else (d, s)))
     got = grad_tree.combine(totals, params)["w"]
-    want = s.dense() + d if sparse_first else d + s.dense()
     assert torch.equal(got.view(torch.int32), want.view(torch.int32))
     assert got[2, 0].item() == 0.0 and math.copysign(1, got[2, 0].item()) == -1
     assert math.copysign(1, got[0, 0].item()) == 1

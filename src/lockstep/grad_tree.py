@@ -129,13 +129,14 @@ class RowSparse:
         return RowSparse(rows, out, self.size)
 
     def add_dense(self, d: Tensor, self_first: bool) -> Tensor:
-        """dense(self) + d (self_first) or d + dense(self), as a new dense tensor, without the zero
-        table: a row outside `rows` is 0.0 + d (which turns -0.0 into +0.0, as the dense add does)."""
-        zero = d.new_zeros(())
-        out = torch.add(zero, d) if self_first else torch.add(d, zero)
+        """dense(self) + d (self_first) or d + dense(self), written into d (which the caller gives
+        up: a vocabulary-sized table is neither copied nor allocated again), without the zero table:
+        a row outside `rows` is d + 0.0, the bits of 0.0 + d (which turns -0.0 into +0.0, as the
+        dense add does)."""
         picked = d[self.rows]
-        out[self.rows] = self.values + picked if self_first else picked + self.values
-        return out
+        d.add_(0.0)
+        d[self.rows] = self.values + picked if self_first else picked + self.values
+        return d
 
     def dense(self, dtype: torch.dtype | None = None) -> Tensor:
         """[size, D] in `dtype` (default: the values' dtype). Written directly in a narrower dtype,
@@ -256,7 +257,8 @@ class UnitTrees:
 
 def combine(totals: dict[tuple[str, str, int], Tensor], params: dict[str, torch.nn.Parameter],
             gather: Callable[[str, Tensor], Tensor] | None = None) -> dict[str, Tensor]:
-    """Gradients {name: tensor in the accumulation dtype} from completed tree totals.
+    """Gradients {name: tensor in the accumulation dtype} from completed tree totals, which it
+    consumes (a dense total may be added into in place).
 
     A parameter's uses are added in key order. `gather(name, total)` then collects the rows of a
     total whose per-token rows tensor parallelism splits (q and k norms over heads); a total with
