@@ -530,6 +530,7 @@ typedef struct {
     int dt, isa, c_bf16; /* c_bf16: C holds bf16, each result rounded as torch rounds fp32 to bf16 */
     int64_t mb, nb, m_tiles, n_tiles; /* item tile: mb rows x nb columns */
     int64_t kc;                       /* K in blocks of kc elements (kc >= K: one piece) */
+    int n_major; /* consecutive items walk down a column panel of B (else along a row block of A) */
 } gemm_job;
 
 /* Specialise a tile function for constant (dt, mr, nr) so the compiler unrolls it fully. Each
@@ -630,7 +631,8 @@ static void gemm_item(void *ctx, int64_t item) {
     const gemm_job *g = (const gemm_job *)ctx;
     int64_t per_batch = g->m_tiles * g->n_tiles;
     int64_t b = item / per_batch, r = item % per_batch;
-    int64_t m0 = (r / g->n_tiles) * g->mb, n0 = (r % g->n_tiles) * g->nb;
+    int64_t m0 = (g->n_major ? r % g->m_tiles : r / g->n_tiles) * g->mb;
+    int64_t n0 = (g->n_major ? r / g->m_tiles : r % g->n_tiles) * g->nb;
     int64_t m1 = m0 + g->mb < g->M ? m0 + g->mb : g->M, n1 = n0 + g->nb < g->N ? n0 + g->nb : g->N;
     micro_fn micro = micro_of(g->isa);
     float folded[MR * NR];
@@ -1577,13 +1579,16 @@ int ls_gemm_nt(int64_t batch, int64_t M, int64_t N, int64_t K, const void *A, in
     if (batch == 0 || M == 0 || N == 0) return 0;
     int64_t es = dt == DT_F32 ? 4 : 2;
     gemm_job g = {batch, M, N, K, (const char *)A, (const char *)B, lda * es, ldb * es, sa * es, sb * es,
-                  C, ldc, sc, bias, dt, isa, c_dt == DT_BF16, 0, 0, 0, 0, K};
+                  C, ldc, sc, bias, dt, isa, c_dt == DT_BF16, 0, 0, 0, 0, K, 0};
     /* Item tiles sized for the caches only (never for the bits): a column panel of about 256 KB of
      * B stays in L2 while 64-row blocks of A stream past it. */
     int64_t nb = (256 * 1024) / (K * es + 1);
     nb = nb < NR ? NR : (nb > 256 ? 256 : nb - nb % NR);
     g.mb = 64;
     g.nb = nb;
+    /* The larger operand is streamed once: its panels stay in cache while the smaller one (which
+     * fits in L3) passes by again for each (the LM head's 311 MB weight against 1024 rows). */
+    g.n_major = N > M;
     if (K * es >= KC_FROM_BYTES) {
         g.mb = g.nb = KC_ITEM;
         g.kc = KC_BYTES / es;
