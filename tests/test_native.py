@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -71,6 +72,30 @@ def test_threads_come_from_torchs_openmp_runtime_or_the_librarys_own_with_the_sa
     own = digest({"LOCKSTEP_NATIVE_POOL": "own"})
     assert own["pool"] == "own"
     assert own["digests"] == widest["digests"]
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="os.fork is POSIX-only; CI runs Linux")
+def test_a_forked_child_runs_the_kernels_on_several_threads():
+    """libgomp's threads do not exist in a forked child, and a parallel region there never ends
+    (torch's own ops hang so); the kernels switch to their own threads in the child. The child
+    stays away from torch ops that run on OpenMP (it compares bytes, not tensors)."""
+    torch.set_num_threads(2)
+    a, b = torch.randn(256, 512), torch.randn(300, 512)
+    want = gemm.gemm_nt(a, b).numpy().tobytes()
+    pid = os.fork()
+    if pid == 0:
+        code = 0 if gemm.gemm_nt(a, b).numpy().tobytes() == want else 3
+        os._exit(code)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            assert os.waitstatus_to_exitcode(status) == 0
+            return
+        time.sleep(0.05)
+    os.kill(pid, 9)
+    os.waitpid(pid, 0)
+    pytest.fail("the forked child's GEMM did not finish in 60 s")
 
 
 def test_a_forced_pool_must_be_known(monkeypatch):

@@ -726,8 +726,17 @@ static void *worker_main(void *arg) {
     return NULL;
 }
 
+/* torch's own OpenMP threads, when the loader hands us its runtime's GOMP_parallel (ls_use_openmp):
+ * a second pool of threads would compete for the cores with OpenMP's, which spin for a while after
+ * each torch op, and each pool would lose time to the other. The items are the same either way. */
+typedef void (*gomp_parallel_fn)(void (*)(void *), void *, unsigned, unsigned);
+static gomp_parallel_fn gomp_parallel = NULL;
+
 static void pool_after_fork_in_child(void) {
-    /* The workers do not exist in a forked child: start afresh. */
+    /* The workers do not exist in a forked child: start afresh. Nor do OpenMP's, and libgomp does
+     * not start them again (a parallel region in the child waits forever), so the child uses the
+     * library's own threads. */
+    gomp_parallel = NULL;
     pthread_mutex_init(&pool.lock, NULL);
     pthread_mutex_init(&pool.job_lock, NULL);
     pthread_cond_init(&pool.wake, NULL);
@@ -737,12 +746,6 @@ static void pool_after_fork_in_child(void) {
 
 static pthread_once_t atfork_once = PTHREAD_ONCE_INIT;
 static void install_atfork(void) { pthread_atfork(NULL, NULL, pool_after_fork_in_child); }
-
-/* torch's own OpenMP threads, when the loader hands us its runtime's GOMP_parallel (ls_use_openmp):
- * a second pool of threads would compete for the cores with OpenMP's, which spin for a while after
- * each torch op, and each pool would lose time to the other. The items are the same either way. */
-typedef void (*gomp_parallel_fn)(void (*)(void *), void *, unsigned, unsigned);
-static gomp_parallel_fn gomp_parallel = NULL;
 
 typedef struct {
     void (*fn)(void *, int64_t);
@@ -1497,7 +1500,10 @@ int ls_abi_version(void) { return 6; }
 
 /* Run parallel work on the OpenMP runtime whose GOMP_parallel (GCC's ABI: fn, data, team size,
  * flags) is `fn`, or on the library's own threads when `fn` is NULL. */
-void ls_use_openmp(void *fn) { gomp_parallel = (gomp_parallel_fn)fn; }
+void ls_use_openmp(void *fn) {
+    pthread_once(&atfork_once, install_atfork);
+    gomp_parallel = (gomp_parallel_fn)fn;
+}
 
 #if LS_X86
 /* The bf16 tiles on inputs that reach every case of the definition (denormal inputs, sums that
