@@ -682,7 +682,8 @@ static void gemm_item(void *ctx, int64_t item) {
 
 /* ---------------------------------------------------------------- thread pool
  * Workers take whole work items (output tiles) from a counter; which thread computes an item
- * changes no bit of it. One job runs at a time (callers from several Python threads queue). */
+ * changes no bit of it. On the library's own threads one job runs at a time (callers from several
+ * Python threads queue); on OpenMP's, each calling thread gets its own team, as a torch op would. */
 
 #define MAX_WORKERS 255
 
