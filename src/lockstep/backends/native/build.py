@@ -90,7 +90,7 @@ def library() -> ctypes.CDLL:
     if lib.ls_abi_version() != ABI_VERSION:
         raise NativeUnavailable(f"kernel library ABI {lib.ls_abi_version()}, expected {ABI_VERSION}")
     lib = declare(lib)
-    lib.ls_use_openmp(_gomp_parallel(os.environ.get("LOCKSTEP_NATIVE_POOL") or "openmp"))
+    lib.ls_use_openmp(_gomp_parallel(_pool_asked()))
     return lib
 
 
@@ -110,6 +110,10 @@ def openmp_runtime() -> str | None:
     return None
 
 
+def _pool_asked() -> str:
+    return os.environ.get("LOCKSTEP_NATIVE_POOL") or "openmp"
+
+
 def _gomp_parallel(pool: str) -> int | None:
     """The address of GOMP_parallel in torch's OpenMP runtime, for pool "openmp"; None for "own"
     or when there is no such runtime."""
@@ -127,7 +131,7 @@ def _gomp_parallel(pool: str) -> int | None:
 def pool_name() -> str:
     """Which threads run the kernels' parallel work: "openmp" (torch's) or "own"."""
     library()
-    return "openmp" if _gomp_parallel(os.environ.get("LOCKSTEP_NATIVE_POOL") or "openmp") else "own"
+    return "openmp" if _gomp_parallel(_pool_asked()) else "own"
 
 
 def declare(lib: ctypes.CDLL) -> ctypes.CDLL:

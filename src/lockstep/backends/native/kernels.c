@@ -360,6 +360,14 @@ AVX512_T INLINE void fold_tile_z(const __m512 *acc, float *out) {
     _mm512_storeu_ps(out, _mm512_permutexvar_ps(order, r));
 }
 
+/* The AVX-512 tiles' start: output (i, j)'s lanes from init when given, else +0. */
+AVX512_T INLINE void start_tile_z(__m512 acc[MR][NR], const float *init) {
+    _Pragma("GCC unroll 4")
+    for (int i = 0; i < MR; i++)
+        _Pragma("GCC unroll 4")
+        for (int j = 0; j < NR; j++) acc[i][j] = init ? _mm512_loadu_ps(init + (i * NR + j) * LANES) : _mm512_setzero_ps();
+}
+
 /* The AVX-512 tiles' ending: given init (a dot product to be continued), the lanes go back there;
  * otherwise out[i * NR + j] gets the folded sums. */
 AVX512_T INLINE void finish_tile_z(const __m512 *acc, float *init, float *out) {
@@ -407,10 +415,7 @@ BF16_DEFINED_TILE(z, AVX512_T, __m512, "+v", 16, _mm512_setzero_ps, _mm512_loadu
  * acc[i][j]: output (i, j)'s lanes (zeros outside mr x nr). */
 AVX512BF16_T INLINE void dpbf16_lanes(int mr, int nr, int64_t K, const char *A, int64_t lda, const char *B,
                                       int64_t ldb, const float *init, __m512 acc[MR][NR]) {
-    _Pragma("GCC unroll 4")
-    for (int i = 0; i < MR; i++)
-        _Pragma("GCC unroll 4")
-        for (int j = 0; j < NR; j++) acc[i][j] = init ? _mm512_loadu_ps(init + (i * NR + j) * LANES) : _mm512_setzero_ps();
+    start_tile_z(acc, init);
     for (int64_t k0 = 0; k0 < K; k0 += BF16_CHUNK) {
         int count = K - k0 < BF16_CHUNK ? (int)(K - k0) : BF16_CHUNK;
         __m512i a[MR];
@@ -439,10 +444,7 @@ AVX512_T INLINE void tile_avx512(int dt, int mr, int nr, int64_t K, const char *
         return;
     }
     __m512 acc[MR][NR];
-    _Pragma("GCC unroll 4")
-    for (int i = 0; i < MR; i++)
-        _Pragma("GCC unroll 4")
-        for (int j = 0; j < NR; j++) acc[i][j] = init ? _mm512_loadu_ps(init + (i * NR + j) * LANES) : _mm512_setzero_ps();
+    start_tile_z(acc, init);
     for (int64_t k0 = 0; k0 < K; k0 += LANES) {
         int count = K - k0 < LANES ? (int)(K - k0) : LANES;
         __m512 a[MR];
@@ -661,21 +663,15 @@ static void gemm_item(void *ctx, int64_t item) {
                 float *lanes = state + (((m - m0) / MR) * n_per_row + (n - n0) / NR) * TILE_LANES;
                 micro(g->dt, mr, nr, kl, A + m * g->lda + k0 * es, g->lda, B + n * g->ldb + k0 * es, g->ldb, lanes,
                       NULL);
-            }
-        }
-    }
-    for (int64_t m = m0; m < m1; m += MR) {
-        int mr = (int)(m1 - m < MR ? m1 - m : MR);
-        for (int64_t n = n0; n < n1; n += NR) {
-            int nr = (int)(n1 - n < NR ? n1 - n : NR);
-            const float *lanes = state + (((m - m0) / MR) * n_per_row + (n - n0) / NR) * TILE_LANES;
+                if (k0 + kl < g->K) continue;
 #if LS_X86
-            if (g->isa != ISA_SCALAR)
-                fold_tile_avx2(lanes, mr, nr, folded);
-            else
+                if (g->isa != ISA_SCALAR)
+                    fold_tile_avx2(lanes, mr, nr, folded);
+                else
 #endif
-                fold_tile_scalar(lanes, mr, nr, folded);
-            store_tile(g, b, m, n, mr, nr, folded);
+                    fold_tile_scalar(lanes, mr, nr, folded);
+                store_tile(g, b, m, n, mr, nr, folded);
+            }
         }
     }
 }
