@@ -476,7 +476,7 @@ def unfused():
     from lockstep.fixed_order import register_cpu_kernels
 
     register_cpu_kernels(KERNELS._replace(name="native-unfused", row_sum=None, log_softmax=None,
-                                          log_softmax_backward=None))
+                                          log_softmax_backward=None, lse_fold=None, logit_grad=None))
     return "native-unfused"
 
 
@@ -509,6 +509,53 @@ def test_row_sum_and_log_softmax_in_c_are_the_compositions_bit_for_bit(unfused):
     with fo.cpu_kernels(KERNELS.name):
         assert fo.row_sum(torch.ones(4, 0)).tolist() == [0.0] * 4
         assert torch.equal(fo.row_sum(torch.ones(2, 3, 700)), torch.full((2, 3), 700.0))
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """t's bits, every NaN as one: torch.maximum's NaN has other bits in the vector body of its loop
+    than in the scalar tail, so the composition's NaN payload follows a row's position."""
+    t = torch.where(t.isnan(), torch.tensor(float("nan"), dtype=t.dtype), t)
+    return t.view(torch.int32) if t.dtype == torch.float32 else t.view(torch.int16)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_lse_fold_and_logit_grad_in_c_are_the_compositions_bit_for_bit(unfused, dtype):
+    """The LM head's per-chunk row arithmetic in C against fixed_order's compositions: a first and a
+    later chunk of the online log-sum-exp, and the logits' gradient in fp32 and bf16, at lengths
+    below, at and past the sum's 512 lanes, at temperatures 1 and 0.7, with NaN, Inf and -inf
+    logits, a NaN running max and a target in and outside the chunk, on 1 and 2 threads. NaN is compared as NaN (`_bits`)."""
+    from lockstep import fixed_order as fo
+    from lockstep.backends.native.cpu import KERNELS
+
+    gen = torch.Generator().manual_seed(7)
+    for length in (1, 3, 100, 512, 513, 4096):
+        rows = 37
+        first, later = ((torch.randn(rows, length, generator=gen) * 4).to(dtype) for _ in range(2))
+        first[1, length // 2] = float("nan")
+        first[2, 0] = float("inf")
+        later[3] = float("-inf")
+        later[4] = -0.0
+        later[5, length - 1] = float("inf")
+        lse = torch.randn(rows, generator=gen) + 8
+        lse[6] = float("nan")
+        local = torch.randint(0, length, (rows,), generator=gen)
+        inside = (torch.rand(rows, generator=gen) < 0.5).float()
+        scale = torch.randn(rows, generator=gen)
+        for temperature in (1.0, 0.7):
+            for threads in (1, 2):
+                results = []
+                for kernels in (unfused, KERNELS.name):
+                    with num_threads(threads), fo.cpu_kernels(kernels):
+                        run = fo.lse_fold(first, temperature, None)
+                        nan_run = (run[0].clone(), run[1])
+                        nan_run[0][7] = float("nan")
+                        results.append((*run, *fo.lse_fold(later, temperature, run),
+                                        *fo.lse_fold(later, temperature, nan_run),
+                                        *(fo.logit_grad(chunk, temperature, lse, local, inside, scale, out)
+                                          for chunk in (first, later) for out in (torch.float32, torch.bfloat16))))
+                for i, (want, got) in enumerate(zip(*results)):
+                    assert want.dtype == got.dtype and torch.equal(_bits(want), _bits(got)), \
+                        (i, length, temperature, threads)
 
 
 def test_bf16_gemm_order_is_the_documented_one():

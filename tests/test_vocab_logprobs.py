@@ -47,21 +47,27 @@ def test_vocab_logprobs_has_no_gradient_and_checks_its_arguments():
         ops.vocab_logprobs(h, torch.randn(10, 9))
 
 
+@pytest.mark.parametrize("kernels", ["torch", "native"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_the_batched_log_sum_exp_of_few_rows_has_the_bits_of_the_chunk_loop(dtype, monkeypatch):
+def test_the_batched_log_sum_exp_of_few_rows_has_the_bits_of_the_chunk_loop(dtype, kernels, monkeypatch):
     """online_lse folds the chunks of a few rows (decode) all at once: the same operations on the same
-    values as the loop over chunks, so the same bits; NaN and Inf rows included, with a cap and a
-    temperature, and a vocabulary whose last chunk is short."""
+    values as the loop over chunks (on the native kernels, their fused lse_fold), so the same bits;
+    NaN and Inf rows included, with a cap and a temperature, and a vocabulary whose last chunk is
+    short."""
+    from lockstep.backends.native.cpu import KERNELS
     from lockstep.backends.portable import selected_logprobs as portable
+    from lockstep.fixed_order import cpu_kernels
 
+    assert KERNELS.lse_fold is not None
     gen = torch.Generator().manual_seed(0)
-    h = (torch.randn(5, 64, generator=gen) * 3).to(dtype)
+    h = (torch.randn(16, 64, generator=gen) * 3).to(dtype)
     h[1], h[3, 0] = float("nan"), float("inf")
     w = torch.randn(3 * portable.VOCAB_CHUNK + 77, 64, generator=gen).to(dtype)
-    for temperature, cap in ((1.0, None), (0.7, 5.0)):
-        monkeypatch.setattr(portable, "BATCHED_LSE_ELEMENTS", 0)
-        loop = portable.online_lse(h, w, temperature, cap=cap)
-        monkeypatch.setattr(portable, "BATCHED_LSE_ELEMENTS", 1 << 40)
-        batched = portable.online_lse(h, w, temperature, cap=cap)
+    for temperature, cap in ((1.0, None), (0.7, None), (0.7, 5.0)):
+        with cpu_kernels(kernels):
+            monkeypatch.setattr(portable, "BATCHED_LSE_ELEMENTS", 0)
+            loop = portable.online_lse(h, w, temperature, cap=cap)
+            monkeypatch.setattr(portable, "BATCHED_LSE_ELEMENTS", 1 << 40)
+            batched = portable.online_lse(h, w, temperature, cap=cap)
         assert torch.equal(loop.isnan(), batched.isnan()) and loop.isnan()[1]
         assert torch.equal(loop[~loop.isnan()], batched[~batched.isnan()])

@@ -118,7 +118,8 @@ class CpuKernels(NamedTuple):
     vector math gives them other bits under another instruction set). Optionally, faster forms of
     compositions whose bits are fixed here, which must give those bits: `row_sum` (fp32 [M, L] ->
     [M]), and `log_softmax` (fp32 [M, V] -> y) with its `log_softmax_backward` (g, y -> dx), the
-    arithmetic of `log_softmax_rows` and `log_softmax_rows_backward` on their own exp and log."""
+    arithmetic of `log_softmax_rows` and `log_softmax_rows_backward` on their own exp and log; and
+    `lse_fold` and `logit_grad`, the LM head's per-chunk row arithmetic (same signatures)."""
     name: str
     matmul_rows: Callable[..., Tensor]
     weight_grad: Callable[..., Tensor]
@@ -127,6 +128,8 @@ class CpuKernels(NamedTuple):
     row_sum: Callable[[Tensor], Tensor] | None = None
     log_softmax: Callable[[Tensor], Tensor] | None = None
     log_softmax_backward: Callable[[Tensor, Tensor], Tensor] | None = None
+    lse_fold: Callable[..., tuple[Tensor, Tensor]] | None = None
+    logit_grad: Callable[..., Tensor] | None = None
 
 
 _CPU_KERNELS: dict[str, CpuKernels] = {}
@@ -226,6 +229,49 @@ def log_softmax_rows_backward(g: Tensor, y: Tensor) -> Tensor:
     if kernels is not None and kernels.log_softmax_backward is not None and g.dtype == torch.float32:
         return kernels.log_softmax_backward(g, y)
     return g - exp(y) * row_sum(g)[:, None]
+
+
+def scaled_logits(chunk: Tensor, temperature: float) -> Tensor:
+    """A chunk of logits [T, L] (the LM head GEMM's dtype) in the accumulation dtype, divided by the
+    temperature (not at 1)."""
+    x = chunk.to(accumulate_dtype(chunk.dtype))
+    return x if temperature == 1.0 else x / temperature
+
+
+def lse_fold(chunk: Tensor, temperature: float, run: tuple[Tensor, Tensor] | None) -> tuple[Tensor, Tensor]:
+    """One step of the LM head's online log-sum-exp over vocabulary chunks. chunk: logits [T, L] in
+    the GEMM's dtype, scaled here (`scaled_logits`); run: (running max, running sum) [T] in the
+    accumulation dtype, None at the first chunk. Returns the new (max, sum):
+
+        m = max(run max, row_max(x)); s = run sum * exp(run max - m) + row_sum(exp(x - m)),
+
+    at the first chunk m = row_max(x) and s = row_sum(exp(x - m)). On the selected CPU kernels'
+    fused form when they have one (the same bits, one pass over the chunk)."""
+    kernels = _kernels_for(chunk)
+    if kernels is not None and kernels.lse_fold is not None:
+        return kernels.lse_fold(chunk, temperature, run)
+    x = scaled_logits(chunk, temperature)
+    chunk_max = row_max(x)
+    if run is None:
+        return chunk_max, row_sum(exp(x - chunk_max[:, None]))
+    run_max, run_sum = run
+    new_max = torch.maximum(run_max, chunk_max)
+    return new_max, run_sum * exp(run_max - new_max) + row_sum(exp(x - new_max[:, None]))
+
+
+def logit_grad(chunk: Tensor, temperature: float, lse: Tensor, local: Tensor, inside: Tensor, scale: Tensor,
+               out_dtype: torch.dtype) -> Tensor:
+    """The gradient of scale * log p(target) with respect to a chunk's scaled logits x
+    (`scaled_logits` of chunk [T, L], the GEMM's dtype): d = -exp(x - lse), plus `inside` at column
+    `local`, times scale; in out_dtype. lse, inside (1 where the row's target lies in the chunk,
+    else 0) and scale: [T], accumulation dtype; local: [T] int64 in [0, L). On the selected CPU
+    kernels' fused form when they have one (the same bits)."""
+    kernels = _kernels_for(chunk)
+    if kernels is not None and kernels.logit_grad is not None:
+        return kernels.logit_grad(chunk, temperature, lse, local, inside, scale, out_dtype)
+    d = -exp(scaled_logits(chunk, temperature) - lse[:, None])
+    d.scatter_(1, local[:, None], d.gather(1, local[:, None]) + inside[:, None])
+    return (d * scale[:, None]).to(out_dtype)
 
 
 def matmul_rows(a: Tensor, b: Tensor, bias: Tensor | None = None) -> Tensor:

@@ -34,7 +34,7 @@ SOURCE = Path(__file__).with_name("kernels.c")
 FLAGS = ["-O3", "-std=gnu11", "-shared", "-fPIC", "-pthread", "-ffp-contract=off", "-fno-fast-math", "-frounding-math"]
 ISAS = {"scalar": 0, "avx2": 1, "avx512": 2, "avx512bf16": 3}
 POOLS = ("openmp", "own")
-ABI_VERSION = 6
+ABI_VERSION = 7
 
 
 class NativeUnavailable(RuntimeError):
@@ -148,6 +148,9 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.ls_rows.argtypes = [i64, i64, ptr, ptr, ptr, cint, cint, cint]
     lib.ls_rows.restype = cint
     lib.ls_unary.argtypes = [ptr, ptr, i64, cint, cint, cint]
+    lib.ls_logit_rows.argtypes = [i64, i64, ptr, i64, cint, flt, cint, cint, ptr, ptr, ptr, ptr, ptr, ptr, ptr, cint,
+                                  cint, cint]
+    lib.ls_logit_rows.restype = cint
     lib.ls_unary.restype = cint
     lib.ls_cpu_supports.argtypes = [cint]
     lib.ls_cpu_supports.restype = cint

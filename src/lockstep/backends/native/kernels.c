@@ -1491,9 +1491,87 @@ static void rows_item(void *ctx, int64_t item) {
     free(e);
 }
 
+/* ---------------------------------------------------------------- logit chunks
+ * The LM head's row arithmetic on one vocabulary chunk of logits [rows, L], as the GEMM left them
+ * (fp32, bf16 or fp16, rows ld elements apart): fixed_order.lse_fold and fixed_order.logit_grad,
+ * operation for operation, on the file's exp and row sum, so they give the bits of those
+ * compositions. Each logit is widened exactly to fp32 and divided by the temperature t (fp32; not
+ * at t = 1, where the composition does not divide either).
+ *
+ *   fold (mode 0): M = the row's max (NaN propagates), or max(run_max, it) after the first chunk;
+ *                  S = row_sum(exp(x - M)), or run_sum * exp(run_max - M) + row_sum(exp(x - M));
+ *                  run_max, run_sum <- M, S.
+ *   grad (mode 1): d = -exp(x - lse); d[local] = d[local] + inside; out = d * gs, stored as fp32 or
+ *                  bf16 (torch's rounding).
+ *
+ * A row's values depend on that row alone, so the rows that share a work item, the thread count and
+ * the instruction set change no bit. */
+
+typedef struct {
+    const char *x;
+    int64_t rows, L, ld;
+    int dt, out_dt, mode, first, isa;
+    float t;
+    float *run_max, *run_sum;        /* fold: per row, in and out */
+    const float *lse, *inside, *gs;  /* grad: per row */
+    const int64_t *local;            /* grad: per row, in [0, L) */
+    void *out;                       /* grad: [rows, L] contiguous */
+    atomic_int failed;
+} logit_job;
+
+static void logit_item(void *ctx, int64_t item) {
+    logit_job *J = (logit_job *)ctx;
+    const int64_t L = J->L;
+    float acc[SUM_WIDTH];
+    float *e = (float *)malloc((size_t)(L > 0 ? L : 1) * 4);
+    if (!e) {
+        atomic_store(&J->failed, 1);
+        return;
+    }
+    const int es = J->dt == DT_F32 ? 4 : 2;
+    for (int64_t r = item * ROWS_ITEM; r < (item + 1) * ROWS_ITEM && r < J->rows; r++) {
+        const char *x = J->x + r * J->ld * es;
+        for (int64_t j = 0; j < L; j++) e[j] = load_scalar(x, j, J->dt);
+        if (J->t != 1.0f)
+            for (int64_t j = 0; j < L; j++) e[j] = e[j] / J->t;
+        if (J->mode == 0) {
+            float m = -INFINITY;
+            for (int64_t j = 0; j < L; j++)
+                if (e[j] > m || e[j] != e[j]) { m = e[j]; if (m != m) break; }
+            float old = J->run_max[r];
+            if (!J->first) m = old != old || m != m ? NAN : (old > m ? old : m);
+            for (int64_t j = 0; j < L; j++) e[j] = e[j] - m;
+            unary_isa(J->isa, e, e, L, FN_EXP);
+            float chunk = row_sum_f32(e, L, acc);
+            if (J->first) {
+                J->run_sum[r] = chunk;
+            } else {
+                float decay = old - m;
+                unary_isa(ISA_SCALAR, &decay, &decay, 1, FN_EXP);
+                J->run_sum[r] = J->run_sum[r] * decay + chunk;
+            }
+            J->run_max[r] = m;
+        } else {
+            const float lse = J->lse[r], g = J->gs[r];
+            for (int64_t j = 0; j < L; j++) e[j] = e[j] - lse;
+            unary_isa(J->isa, e, e, L, FN_EXP);
+            for (int64_t j = 0; j < L; j++) e[j] = -e[j];
+            e[J->local[r]] = e[J->local[r]] + J->inside[r];
+            if (J->out_dt == DT_F32) {
+                float *o = (float *)J->out + r * L;
+                for (int64_t j = 0; j < L; j++) o[j] = e[j] * g;
+            } else {
+                uint16_t *o = (uint16_t *)J->out + r * L;
+                for (int64_t j = 0; j < L; j++) o[j] = f32_to_bf16(e[j] * g);
+            }
+        }
+    }
+    free(e);
+}
+
 /* ---------------------------------------------------------------- exported */
 
-int ls_abi_version(void) { return 6; }
+int ls_abi_version(void) { return 7; }
 
 /* Run parallel work on the OpenMP runtime whose GOMP_parallel (GCC's ABI: fn, data, team size,
  * flags) is `fn`, or on the library's own threads when `fn` is NULL. */
@@ -1674,6 +1752,27 @@ int ls_rows(int64_t rows, int64_t L, const float *x, const float *y, float *out,
     if (rows < 0 || L < 0 || mode < 0 || mode > 2 || (mode == 2 && !y) || !ls_cpu_supports(isa)) return -1;
     rows_job J = {x, y, out, rows, L, mode, isa, 0};
     parallel_for(rows_item, &J, (rows + ROWS_ITEM - 1) / ROWS_ITEM, rows * L < (1 << 16) ? 1 : threads);
+    return atomic_load(&J.failed) ? -2 : 0;
+}
+
+/* The logit-chunk arithmetic above on x [rows, L] (dtype dt, rows ld elements apart), temperature t:
+ * mode 0 folds the chunk into run_max and run_sum ([rows] fp32; their inputs are not read when
+ * first is set); mode 1 writes the logits' gradient into out [rows, L] (out_dt fp32 or bf16) from
+ * lse, inside and gs ([rows] fp32) and local ([rows] int64 in [0, L)). Returns 0, -1 for arguments it
+ * cannot take, -2 when memory runs out. */
+int ls_logit_rows(int64_t rows, int64_t L, const void *x, int64_t ld, int dt, float t, int mode, int first,
+                  float *run_max, float *run_sum, const float *lse, const int64_t *local, const float *inside,
+                  const float *gs, void *out, int out_dt, int isa, int threads) {
+    if (rows < 0 || L < 1 || ld < L || dt < DT_F32 || dt > DT_F16 || mode < 0 || mode > 1 || !ls_cpu_supports(isa))
+        return -1;
+    if (mode == 0 && (!run_max || !run_sum)) return -1;
+    if (mode == 1 && (!lse || !local || !inside || !gs || !out || (out_dt != DT_F32 && out_dt != DT_BF16))) return -1;
+    if (mode == 1)
+        for (int64_t r = 0; r < rows; r++)
+            if (local[r] < 0 || local[r] >= L) return -1;
+    logit_job J = {(const char *)x, rows, L, ld, dt, out_dt, mode, first, isa, t, run_max, run_sum, lse, inside, gs,
+                   local, out, 0};
+    parallel_for(logit_item, &J, (rows + ROWS_ITEM - 1) / ROWS_ITEM, rows * L < (1 << 16) ? 1 : threads);
     return atomic_load(&J.failed) ? -2 : 0;
 }
 

@@ -1,5 +1,5 @@
-"""Native row reductions (kernels.c, `ls_rows`): fixed_order.row_sum, and log_softmax's forward and
-backward on it, in C. The arithmetic is fixed_order's, operation for operation, so they give the
+"""Native row reductions (kernels.c, `ls_rows`, `ls_logit_rows`): fixed_order.row_sum, log_softmax's
+forward and backward on it, and the LM head's per-chunk lse_fold and logit_grad, in C. The arithmetic is fixed_order's, operation for operation, so they give the
 bits of fixed_order's PyTorch compositions on the native exp and log; they exist for speed, since
 those compositions pad, copy and allocate several times the rows' size."""
 
@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 from .build import isa, library
+from .gemm import DTYPE_CODES
 
 _MODES = {"row_sum": 0, "log_softmax": 1, "log_softmax_backward": 2}
 
@@ -40,3 +41,46 @@ def log_softmax_backward(g: Tensor, y: Tensor) -> Tensor:
     """fixed_order.log_softmax_rows_backward: dx [M, V] fp32 from g and y [M, V] fp32."""
     g, y = g.contiguous(), y.contiguous()
     return _rows("log_softmax_backward", g, y, torch.empty_like(g))
+
+
+def _logit_rows(chunk: Tensor, temperature: float, mode: int, first: bool, run: tuple[Tensor, Tensor] | None = None,
+                per_row: tuple[Tensor, Tensor, Tensor, Tensor] | None = None, out: Tensor | None = None) -> None:
+    if chunk.stride(-1) != 1 or chunk.stride(0) < chunk.shape[1]:
+        chunk = chunk.contiguous()
+    rows, length = chunk.shape
+    run_max, run_sum = run if run is not None else (None, None)
+    lse, local, inside, scale = per_row if per_row is not None else (None, None, None, None)
+
+    def ptr(t: Tensor | None) -> int | None:
+        return None if t is None else t.data_ptr()
+
+    status = library().ls_logit_rows(
+        rows, length, chunk.data_ptr(), chunk.stride(0), DTYPE_CODES[chunk.dtype], temperature, mode, int(first),
+        ptr(run_max), ptr(run_sum), ptr(lse), ptr(local), ptr(inside), ptr(scale), ptr(out),
+        0 if out is None else DTYPE_CODES[out.dtype], isa(), torch.get_num_threads())
+    if status == -2:
+        raise MemoryError(f"ls_logit_rows: out of memory for a row of {length} elements")
+    if status != 0:
+        raise RuntimeError(f"ls_logit_rows refused mode {mode} on {tuple(chunk.shape)} {chunk.dtype}")
+
+
+def lse_fold(chunk: Tensor, temperature: float, run: tuple[Tensor, Tensor] | None) -> tuple[Tensor, Tensor]:
+    """fixed_order.lse_fold: chunk [T, L] fp32, bf16 or fp16; run and the result ([T] fp32 each)."""
+    if run is None:
+        new = (chunk.new_empty(chunk.shape[0], dtype=torch.float32), chunk.new_empty(chunk.shape[0], dtype=torch.float32))
+    else:
+        new = (run[0].contiguous().clone(), run[1].contiguous().clone())
+    _logit_rows(chunk, temperature, 0, run is None, run=new)
+    return new
+
+
+def logit_grad(chunk: Tensor, temperature: float, lse: Tensor, local: Tensor, inside: Tensor, scale: Tensor,
+               out_dtype: torch.dtype) -> Tensor:
+    """fixed_order.logit_grad: chunk [T, L] fp32, bf16 or fp16; lse, inside, scale [T] fp32; local
+    [T] int64; the result [T, L] in out_dtype (fp32 or bf16)."""
+    if out_dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"out_dtype: expected torch.float32 or torch.bfloat16, got {out_dtype}")
+    out = chunk.new_empty(chunk.shape, dtype=out_dtype)
+    per_row = (lse.contiguous(), local.contiguous(), inside.contiguous(), scale.contiguous())
+    _logit_rows(chunk, temperature, 1, False, per_row=per_row, out=out)
+    return out

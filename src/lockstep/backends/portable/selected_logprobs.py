@@ -18,11 +18,14 @@ from ...fixed_order import (
     accumulate_dtype,
     exp,
     log,
+    logit_grad,
+    lse_fold,
     matmul_rows,
     records_cpu_kernels,
     restores_cpu_kernels,
     row_max,
     row_sum,
+    scaled_logits,
     tree_node_into,
     weight_grad,
 )
@@ -34,14 +37,14 @@ VOCAB_CHUNK = 4096
 BATCHED_LSE_ELEMENTS = 1 << 23
 
 
-def _chunk_logits(hidden: Tensor, weight: Tensor, start: int, acc: torch.dtype, temperature: float,
+def _chunk_logits(hidden: Tensor, weight: Tensor, start: int, acc: torch.dtype,
                   cap: float | None) -> tuple[Tensor, Tensor | None]:
-    """A chunk's logits, capped, then divided by the temperature; and the cap's slope (None without one)."""
-    logits = matmul_rows(hidden, weight[start:start + VOCAB_CHUNK].t()).to(acc)
-    slope = None
-    if cap is not None:
-        logits, slope = capped(logits, cap)
-    return (logits if temperature == 1.0 else logits / temperature), slope
+    """A chunk's logits as the GEMM left them (hidden's dtype), or capped in the accumulation dtype;
+    and the cap's slope (None without one). fixed_order.scaled_logits divides them by the temperature."""
+    logits = matmul_rows(hidden, weight[start:start + VOCAB_CHUNK].t())
+    if cap is None:
+        return logits, None
+    return capped(logits.to(acc), cap)
 
 
 def _select(logits: Tensor, targets: Tensor, start: int) -> tuple[Tensor, Tensor]:
@@ -54,34 +57,27 @@ def _select(logits: Tensor, targets: Tensor, start: int) -> tuple[Tensor, Tensor
 def online_lse(hidden: Tensor, weight: Tensor, temperature: float,
                visit: Callable[[int, Tensor], None] | None = None, cap: float | None = None) -> Tensor:
     """log-sum-exp [T] of cap(hidden @ weight.T) / temperature over the vocabulary, chunk by chunk in
-    vocabulary order (accumulation dtype). visit(start, logits) sees each chunk's scaled logits.
+    vocabulary order (accumulation dtype). visit(start, logits) sees each chunk's logits before the
+    temperature (`_chunk_logits`).
 
-    The fold over chunks: m_i = max(m_{i-1}, max of chunk i), s_i = s_{i-1} exp(m_{i-1} - m_i) +
-    row_sum(exp(chunk_i - m_i)). A few rows at a time (decode) evaluate each step's elementwise and
-    row_sum parts for all chunks at once and only the recurrence on s one chunk at a time: the same
-    operations on the same values, so the same bits, in far fewer calls."""
+    The fold over chunks (fixed_order.lse_fold): m_i = max(m_{i-1}, max of chunk i), s_i = s_{i-1}
+    exp(m_{i-1} - m_i) + row_sum(exp(chunk_i - m_i)). A few rows at a time (decode) evaluate each
+    step's elementwise and row_sum parts for all chunks at once and only the recurrence on s one
+    chunk at a time: the same operations on the same values, so the same bits, in far fewer calls."""
     acc = accumulate_dtype(hidden.dtype)
-    if hidden.shape[0] * weight.shape[0] <= BATCHED_LSE_ELEMENTS:
-        chunks = []
-        for start in range(0, weight.shape[0], VOCAB_CHUNK):
-            logits, _ = _chunk_logits(hidden, weight, start, acc, temperature, cap)
-            if visit is not None:
-                visit(start, logits)
-            chunks.append(logits)
-        return _lse_of_chunks(chunks)
-    run_max = run_sum = None
+    batched = hidden.shape[0] * weight.shape[0] <= BATCHED_LSE_ELEMENTS
+    chunks, run = [], None
     for start in range(0, weight.shape[0], VOCAB_CHUNK):
-        logits, _ = _chunk_logits(hidden, weight, start, acc, temperature, cap)
+        logits, _ = _chunk_logits(hidden, weight, start, acc, cap)
         if visit is not None:
             visit(start, logits)
-        chunk_max = row_max(logits)
-        if run_max is None:
-            run_max = chunk_max
-            run_sum = row_sum(exp(logits - run_max[:, None]))
+        if batched:
+            chunks.append(scaled_logits(logits, temperature))
         else:
-            new_max = torch.maximum(run_max, chunk_max)
-            run_sum = run_sum * exp(run_max - new_max) + row_sum(exp(logits - new_max[:, None]))
-            run_max = new_max
+            run = lse_fold(logits, temperature, run)
+    if batched:
+        return _lse_of_chunks(chunks)
+    run_max, run_sum = run
     return run_max + log(run_sum)
 
 
@@ -113,7 +109,7 @@ def selected_logprobs_forward(hidden: Tensor, weight: Tensor, targets: Tensor, t
     def pick(start: int, logits: Tensor) -> None:
         nonlocal target_logit
         inside, picked = _select(logits, targets, start)
-        target_logit = torch.where(inside, picked, target_logit)
+        target_logit = torch.where(inside, scaled_logits(picked[:, None], temperature)[:, 0], target_logit)
 
     lse = online_lse(hidden, weight, temperature, pick, cap)
     return target_logit - lse, lse
@@ -137,10 +133,11 @@ class _SelectedLogprobs(torch.autograd.Function):
         g = grad_out.contiguous().to(acc)
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         dh = torch.zeros(hidden.shape, dtype=acc, device=hidden.device) if need_h else None
-        hidden_acc = hidden.to(acc) if need_w else None
-        # bf16 runs the d(hidden) GEMM natively like the forward; other dtypes in the accumulation
-        # dtype, so that small probabilities do not underflow in fp16.
+        # bf16 multiplies the logits' gradient rounded to bf16, in both GEMMs, as the forward and
+        # stock PyTorch do (docs/adr/0020); other dtypes in the accumulation dtype, so that small
+        # probabilities do not underflow in fp16.
         gemm = torch.bfloat16 if hidden.dtype == torch.bfloat16 else acc
+        hidden_w = hidden.to(gemm) if need_w else None
 
         def piece_backward(bounds: list[int]) -> Tensor | None:
             """d(hidden) of rows [bounds[0], bounds[-1]) into dh, and the weight gradient of the
@@ -151,22 +148,22 @@ class _SelectedLogprobs(torch.autograd.Function):
             # every chunk written
             dw = grad_tree.empty(ctx.use, weight.shape, acc, weight.device) if need_w else None
             spare: list[Tensor] = []
+            scale = g[first:stop] / ctx.temperature
             for start in range(0, weight.shape[0], VOCAB_CHUNK):
-                logits, slope = _chunk_logits(h, weight, start, acc, ctx.temperature, ctx.cap)
+                logits, slope = _chunk_logits(h, weight, start, acc, ctx.cap)
                 # d log p(t) / d logit_j = [j == t] - p_j
-                dlogits = -exp(logits - lse[first:stop, None])
                 inside, _ = _select(logits, targets[first:stop], start)
-                local = (targets[first:stop] - start).clamp(0, logits.shape[1] - 1)[:, None]
-                dlogits.scatter_(1, local, dlogits.gather(1, local) + inside[:, None].to(acc))
-                dlogits = dlogits * (g[first:stop] / ctx.temperature)[:, None]
+                local = (targets[first:stop] - start).clamp(0, logits.shape[1] - 1)
+                dlogits = logit_grad(logits, ctx.temperature, lse[first:stop], local, inside.to(acc), scale,
+                                     gemm if slope is None else acc)
                 if slope is not None:
-                    dlogits = dlogits * slope
+                    dlogits = (dlogits * slope).to(gemm)
                 stop_v = start + logits.shape[1]
                 if need_h:
-                    dh[first:stop] = dh[first:stop] + matmul_rows(dlogits.to(gemm), weight[start:stop_v].to(gemm)).to(acc)
+                    dh[first:stop] = dh[first:stop] + matmul_rows(dlogits, weight[start:stop_v].to(gemm)).to(acc)
                 if need_w:
                     tree_node_into(dw[start:stop_v], len(bounds) - 1, spare, lambda i, out: weight_grad(
-                        dlogits[bounds[i] - first:bounds[i + 1] - first], hidden_acc[bounds[i]:bounds[i + 1]], out=out))
+                        dlogits[bounds[i] - first:bounds[i + 1] - first], hidden_w[bounds[i]:bounds[i + 1]], out=out))
             return dw
 
         # A piece of units at a time inside a unit tree: its logits and d(hidden) over all its rows,

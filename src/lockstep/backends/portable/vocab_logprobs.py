@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ...fixed_order import scaled_logits
 from ...registry import register
 from .selected_logprobs import online_lse
 
@@ -14,5 +15,6 @@ from .selected_logprobs import online_lse
 def vocab_logprobs(hidden: Tensor, weight: Tensor, temperature: float, softcap: float | None = None) -> Tensor:
     chunks: list[Tensor] = []
     with torch.no_grad():
-        lse = online_lse(hidden.contiguous(), weight, temperature, lambda start, logits: chunks.append(logits), softcap)
+        lse = online_lse(hidden.contiguous(), weight, temperature,
+                         lambda start, logits: chunks.append(scaled_logits(logits, temperature)), softcap)
         return torch.cat(chunks, dim=1) - lse[:, None]

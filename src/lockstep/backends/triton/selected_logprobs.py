@@ -104,8 +104,9 @@ class _SelectedLogprobs(torch.autograd.Function):
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         dh = torch.zeros(hidden.shape, dtype=acc, device=hidden.device)
         scale = 1.0 / ctx.temperature
-        # bf16 runs the d(hidden) GEMM natively like the forward; other dtypes in fp32, so that small
-        # probabilities do not underflow in fp16.
+        # bf16 multiplies the logits' gradient rounded to bf16, in both GEMMs, as the forward and
+        # stock PyTorch do (docs/adr/0020); other dtypes in fp32, so that small probabilities do not
+        # underflow in fp16.
         gemm_dtype = torch.bfloat16 if hidden.dtype == torch.bfloat16 else acc
 
         def rows_backward(first, stop):
@@ -125,10 +126,11 @@ class _SelectedLogprobs(torch.autograd.Function):
                                          scale, BLOCK=lane_block(e - s))
                 if slope is not None:
                     dl = dl * slope
+                dl = dl.to(gemm_dtype)
                 if need_h:
-                    gemm(dl.to(gemm_dtype), weight[s:e].to(gemm_dtype), out=dh[first:stop], accumulate=True)
+                    gemm(dl, weight[s:e].to(gemm_dtype), out=dh[first:stop], accumulate=True)
                 if need_w:
-                    dw[s:e] = weight_grad(dl, h.to(acc))
+                    dw[s:e] = weight_grad(dl, h.to(gemm_dtype))
             return dw
 
         # Unit by unit inside a unit tree, so that one vocabulary-sized partial is held at a time.
