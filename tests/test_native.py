@@ -189,6 +189,19 @@ def test_a_long_k_in_blocks_keeps_the_documented_order(dtype, k):
     assert torch.equal(got, v[..., 0] + v[..., 1])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_a_long_k_gives_the_same_bits_in_items_of_every_size(dtype):
+    """A long K's outputs run in items of 128, 64 or 32 outputs a side, by the thread count and the
+    shape (their lanes on the heap above 32): every size gives the bits of five-row products (32)."""
+    gen = torch.Generator().manual_seed(10)
+    k = 8192 // (2 if dtype == torch.bfloat16 else 4) * 2 + 75
+    a, b = torch.randn(300, k, generator=gen).to(dtype), torch.randn(290, k, generator=gen).to(dtype)
+    pieces = torch.cat([gemm.gemm_nt(a[i:i + 5], b) for i in range(0, 300, 5)])
+    for threads in (1, 2, 3):
+        with num_threads(threads):
+            assert torch.equal(gemm.gemm_nt(a, b), pieces), threads
+
+
 @pytest.mark.parametrize("dtype", DTYPES + [torch.float64], ids=str)
 def test_operands_in_another_layout_are_copied_element_for_element(dtype):
     """gemm_nt's copies into row-contiguous form (the kernels' blocked transpose for transposed

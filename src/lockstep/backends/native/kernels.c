@@ -622,38 +622,25 @@ static void store_tile(const gemm_job *g, int64_t b, int64_t m, int64_t n, int m
 }
 
 /* A long K in blocks of KC_BYTES of each row (a whole number of chunks in every dtype), over items
- * of KC_ITEM x KC_ITEM outputs: a block of A's and B's rows stays in cache while every tile of the
- * item runs over it, and each tile's lanes wait in memory for the next block. */
+ * of up to KC_ITEM x KC_ITEM outputs: a block of A's and B's rows stays in cache while every tile of
+ * the item runs over it, and each tile's lanes wait in memory (1 KB a tile) for the next block. A
+ * larger item re-reads A and B from memory fewer times (the LM head's d(hidden), 1024 x 1024
+ * outputs over K = 151,936, bf16: 270 G multiply-adds/s at 32 x 32 outputs, 340 at 128 x 128). Its
+ * lanes live on the heap; should that allocation fail, the item runs as KC_SMALL x KC_SMALL pieces
+ * with their lanes on the stack. Neither size changes a bit: each output's operations are the same. */
 #define KC_BYTES 4096
 #define KC_FROM_BYTES 8192 /* rows of at least this many bytes go in blocks */
-#define KC_ITEM 32
+#define KC_ITEM 128
+#define KC_SMALL 32
+enum { TILE_LANES = MR * NR * LANES };
 
-/* One work item: the outputs of rows [m0, m0 + mb) x columns [n0, n0 + nb) of one batch entry. */
-static void gemm_item(void *ctx, int64_t item) {
-    const gemm_job *g = (const gemm_job *)ctx;
-    int64_t per_batch = g->m_tiles * g->n_tiles;
-    int64_t b = item / per_batch, r = item % per_batch;
-    int64_t m0 = (g->n_major ? r % g->m_tiles : r / g->n_tiles) * g->mb;
-    int64_t n0 = (g->n_major ? r / g->m_tiles : r % g->n_tiles) * g->nb;
-    int64_t m1 = m0 + g->mb < g->M ? m0 + g->mb : g->M, n1 = n0 + g->nb < g->N ? n0 + g->nb : g->N;
+static void gemm_block_long_k(const gemm_job *g, int64_t b, int64_t m0, int64_t m1, int64_t n0, int64_t n1,
+                              float *state) {
     micro_fn micro = micro_of(g->isa);
     float folded[MR * NR];
     const char *A = g->A + b * g->sa, *B = g->B + b * g->sb;
-    if (g->kc >= g->K) {
-        for (int64_t m = m0; m < m1; m += MR) {
-            int mr = (int)(m1 - m < MR ? m1 - m : MR);
-            for (int64_t n = n0; n < n1; n += NR) {
-                int nr = (int)(n1 - n < NR ? n1 - n : NR);
-                micro(g->dt, mr, nr, g->K, A + m * g->lda, g->lda, B + n * g->ldb, g->ldb, NULL, folded);
-                store_tile(g, b, m, n, mr, nr, folded);
-            }
-        }
-        return;
-    }
-    enum { TILE_LANES = MR * NR * LANES };
-    float state[(KC_ITEM / MR) * (KC_ITEM / NR) * TILE_LANES] __attribute__((aligned(64))); /* 64 KB */
     int64_t es = g->dt == DT_F32 ? 4 : 2, n_per_row = (n1 - n0 + NR - 1) / NR;
-    memset(state, 0, sizeof(state));
+    memset(state, 0, (size_t)((m1 - m0 + MR - 1) / MR) * n_per_row * TILE_LANES * sizeof(float));
     for (int64_t k0 = 0; k0 < g->K; k0 += g->kc) {
         int64_t kl = g->K - k0 < g->kc ? g->K - k0 : g->kc;
         for (int64_t m = m0; m < m1; m += MR) {
@@ -672,6 +659,43 @@ static void gemm_item(void *ctx, int64_t item) {
                     fold_tile_scalar(lanes, mr, nr, folded);
                 store_tile(g, b, m, n, mr, nr, folded);
             }
+        }
+    }
+}
+
+/* One work item: the outputs of rows [m0, m0 + mb) x columns [n0, n0 + nb) of one batch entry. */
+static void gemm_item(void *ctx, int64_t item) {
+    const gemm_job *g = (const gemm_job *)ctx;
+    int64_t per_batch = g->m_tiles * g->n_tiles;
+    int64_t b = item / per_batch, r = item % per_batch;
+    int64_t m0 = (g->n_major ? r % g->m_tiles : r / g->n_tiles) * g->mb;
+    int64_t n0 = (g->n_major ? r / g->m_tiles : r % g->n_tiles) * g->nb;
+    int64_t m1 = m0 + g->mb < g->M ? m0 + g->mb : g->M, n1 = n0 + g->nb < g->N ? n0 + g->nb : g->N;
+    if (g->kc < g->K) {
+        float *state = g->mb > KC_SMALL || g->nb > KC_SMALL
+                           ? aligned_alloc(64, (size_t)(g->mb / MR) * (g->nb / NR) * TILE_LANES * sizeof(float))
+                           : NULL;
+        if (state) {
+            gemm_block_long_k(g, b, m0, m1, n0, n1, state);
+            free(state);
+            return;
+        }
+        float small[(KC_SMALL / MR) * (KC_SMALL / NR) * TILE_LANES] __attribute__((aligned(64))); /* 64 KB */
+        for (int64_t m = m0; m < m1; m += KC_SMALL)
+            for (int64_t n = n0; n < n1; n += KC_SMALL)
+                gemm_block_long_k(g, b, m, m + KC_SMALL < m1 ? m + KC_SMALL : m1, n, n + KC_SMALL < n1 ? n + KC_SMALL : n1,
+                                  small);
+        return;
+    }
+    micro_fn micro = micro_of(g->isa);
+    float folded[MR * NR];
+    const char *A = g->A + b * g->sa, *B = g->B + b * g->sb;
+    for (int64_t m = m0; m < m1; m += MR) {
+        int mr = (int)(m1 - m < MR ? m1 - m : MR);
+        for (int64_t n = n0; n < n1; n += NR) {
+            int nr = (int)(n1 - n < NR ? n1 - n : NR);
+            micro(g->dt, mr, nr, g->K, A + m * g->lda, g->lda, B + n * g->ldb, g->ldb, NULL, folded);
+            store_tile(g, b, m, n, mr, nr, folded);
         }
     }
 }
@@ -1671,7 +1695,11 @@ int ls_gemm_nt(int64_t batch, int64_t M, int64_t N, int64_t K, const void *A, in
      * fits in L3) passes by again for each (the LM head's 311 MB weight against 1024 rows). */
     g.n_major = N > M;
     if (K * es >= KC_FROM_BYTES) {
-        g.mb = g.nb = KC_ITEM;
+        /* the largest item that still leaves a few per thread */
+        int64_t side = KC_ITEM;
+        while (side > KC_SMALL && batch * ((M + side - 1) / side) * ((N + side - 1) / side) < 4 * (int64_t)threads)
+            side /= 2;
+        g.mb = g.nb = side;
         g.kc = KC_BYTES / es;
     }
     g.m_tiles = (M + g.mb - 1) / g.mb;
