@@ -137,7 +137,9 @@ class _SelectedLogprobs(torch.autograd.Function):
         # stock PyTorch do (docs/adr/0020); other dtypes in the accumulation dtype, so that small
         # probabilities do not underflow in fp16.
         gemm = torch.bfloat16 if hidden.dtype == torch.bfloat16 else acc
-        hidden_w = hidden.to(gemm) if need_w else None
+        # The weight gradients reduce over rows, which the GEMMs want contiguous: one column-major
+        # copy of hidden here rather than a transposed copy for every vocabulary chunk.
+        hidden_w = hidden.to(gemm).t().contiguous().t() if need_w else None
 
         def piece_backward(bounds: list[int]) -> Tensor | None:
             """d(hidden) of rows [bounds[0], bounds[-1]) into dh, and the weight gradient of the
