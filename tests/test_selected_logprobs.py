@@ -104,3 +104,28 @@ def test_softcap_matches_the_reference_forward_and_backward(backend):
 def test_softcap_bad_values_are_named(softcap):
     with pytest.raises(ValueError, match="softcap: expected a positive finite number or None"):
         ops.selected_logprobs(torch.randn(2, 8), torch.randn(16, 8), torch.zeros(2, dtype=torch.long), softcap=softcap)
+
+
+@pytest.mark.parametrize("backend", ["native", "portable"])
+def test_a_bf16_weight_gradient_outside_a_unit_tree_is_its_fp32_sum_rounded_once(backend):
+    """Outside a unit tree the bf16 weight gradient is rounded to bf16 chunk by chunk as it is made;
+    that must be the bits of the fp32 sum rounded once, which a one-unit tree keeps in fp32."""
+    from lockstep import grad_tree
+
+    gen = torch.Generator().manual_seed(4)
+    hidden = torch.randn(37, 64, generator=gen).to(torch.bfloat16)
+    table = torch.randn(2 * portable_slp.VOCAB_CHUNK + 5, 64, generator=gen).to(torch.bfloat16)
+    targets = torch.randint(0, table.shape[0], (37,), generator=gen)
+    with lockstep.use_backend(backend):
+        weight = torch.nn.Parameter(table.clone())
+        ops.selected_logprobs(hidden, weight, targets).sum().backward()
+        outside = weight.grad
+        weight = torch.nn.Parameter(table.clone())
+        trees = grad_tree.UnitTrees([("w", weight)])
+        with trees.active():
+            trees.next_micro_batch()
+            with grad_tree.unit_rows([0, 37], 0):
+                ops.selected_logprobs(hidden, weight, targets).sum().backward()
+    (total,) = [trees.trees[key].total() for key in trees.keys()]
+    assert outside.dtype == torch.bfloat16 and total.dtype == torch.float32
+    assert torch.equal(outside.view(torch.int16), total.to(torch.bfloat16).view(torch.int16))

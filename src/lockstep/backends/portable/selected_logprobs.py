@@ -147,8 +147,12 @@ class _SelectedLogprobs(torch.autograd.Function):
             chunk by chunk, or None."""
             first, stop = bounds[0], bounds[-1]
             h = hidden[first:stop]
-            # every chunk written
-            dw = grad_tree.empty(ctx.use, weight.shape, acc, weight.device) if need_w else None
+            # Outside a unit tree the one partial is the gradient itself: each chunk's sum is
+            # rounded to the weight's dtype as it is made (the bits of rounding the whole at the
+            # end), so no vocabulary-sized fp32 tensor is written and converted. Every chunk written.
+            rounded = ctx.use is None and weight.dtype != acc
+            dw = (grad_tree.empty(ctx.use, weight.shape, weight.dtype if rounded else acc, weight.device)
+                  if need_w else None)
             spare: list[Tensor] = []
             scale = g[first:stop] / ctx.temperature
             for start in range(0, weight.shape[0], VOCAB_CHUNK):
@@ -163,7 +167,9 @@ class _SelectedLogprobs(torch.autograd.Function):
                 stop_v = start + logits.shape[1]
                 if need_h:
                     dh[first:stop] = dh[first:stop] + matmul_rows(dlogits, weight[start:stop_v].to(gemm)).to(acc)
-                if need_w:
+                if need_w and rounded:
+                    dw[start:stop_v] = weight_grad(dlogits, hidden_w[first:stop])
+                elif need_w:
                     tree_node_into(dw[start:stop_v], len(bounds) - 1, spare, lambda i, out: weight_grad(
                         dlogits[bounds[i] - first:bounds[i + 1] - first], hidden_w[bounds[i]:bounds[i + 1]], out=out))
             return dw
