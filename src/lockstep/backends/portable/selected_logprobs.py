@@ -166,7 +166,7 @@ class _SelectedLogprobs(torch.autograd.Function):
                     dlogits = (dlogits * slope).to(gemm)
                 stop_v = start + logits.shape[1]
                 if need_h:
-                    dh[first:stop] = dh[first:stop] + matmul_rows(dlogits, weight[start:stop_v].to(gemm)).to(acc)
+                    dh[first:stop].add_(matmul_rows(dlogits, weight[start:stop_v].to(gemm)))
                 if need_w and rounded:
                     dw[start:stop_v] = weight_grad(dlogits, hidden_w[first:stop])
                 elif need_w:
