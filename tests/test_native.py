@@ -202,6 +202,19 @@ def test_a_long_k_gives_the_same_bits_in_items_of_every_size(dtype):
             assert torch.equal(gemm.gemm_nt(a, b), pieces), threads
 
 
+@pytest.mark.parametrize("dtype, bits", [(torch.float32, torch.int32), (torch.bfloat16, torch.int16)], ids=str)
+def test_the_blocked_transpose_moves_every_bit_pattern(dtype, bits):
+    """The kernels' transpose (vector tiles inside, element loops at the edges) on every bit pattern,
+    NaN payloads and signalling NaNs included, at sizes around its 8- and 64-element blocks."""
+    gen = torch.Generator().manual_seed(12)
+    for rows, cols in ((1, 9), (7, 8), (8, 8), (9, 63), (64, 64), (65, 130), (200, 17)):
+        raw = torch.randint(-2 ** 15 if bits == torch.int16 else -2 ** 31, 2 ** 15 if bits == torch.int16 else 2 ** 31 - 1,
+                            (cols, rows), generator=gen, dtype=torch.int64).to(bits)
+        x = raw.view(dtype).t()                               # [rows, cols], unit stride along rows
+        got = gemm._rows_contiguous(x)
+        assert got.stride(-1) == 1 and torch.equal(got.view(bits), raw.t().contiguous()), (rows, cols)
+
+
 @pytest.mark.parametrize("dtype", DTYPES + [torch.float64], ids=str)
 def test_operands_in_another_layout_are_copied_element_for_element(dtype):
     """gemm_nt's copies into row-contiguous form (the kernels' blocked transpose for transposed

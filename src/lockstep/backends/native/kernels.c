@@ -1828,14 +1828,61 @@ typedef struct {
     int es;
 } transpose_job;
 
-#define TRANSPOSE_BLOCK(T)                                                                          \
+#define TRANSPOSE_SCALAR(T, ra, rb, ca, cb)                                                         \
+    for (int64_t c = ca; c < cb; c++) {                                                             \
+        T *d = (T *)dst + c * t->dst_ld;                                                             \
+        for (int64_t r = ra; r < rb; r++) d[r] = ((const T *)src)[r * t->src_ld + c];                \
+    }
+
+#if LS_X86
+/* 8 x 8 16-bit elements (or 4 x 4 32-bit ones) through SSE2's integer unpacks: moves only, so every
+ * bit pattern, NaN payloads included, arrives as it left. */
+static inline void transpose_8x8_u16(const uint16_t *s, int64_t sld, uint16_t *d, int64_t dld) {
+    __m128i a[8], t[8], u[8];
+    for (int i = 0; i < 8; i++) a[i] = _mm_loadu_si128((const __m128i *)(s + i * sld));
+    for (int i = 0; i < 4; i++) {
+        t[2 * i] = _mm_unpacklo_epi16(a[2 * i], a[2 * i + 1]);
+        t[2 * i + 1] = _mm_unpackhi_epi16(a[2 * i], a[2 * i + 1]);
+    }
+    for (int h = 0; h < 2; h++) /* rows 4h .. 4h + 3 */
+        for (int i = 0; i < 2; i++) {
+            u[4 * h + 2 * i] = _mm_unpacklo_epi32(t[4 * h + i], t[4 * h + 2 + i]);
+            u[4 * h + 2 * i + 1] = _mm_unpackhi_epi32(t[4 * h + i], t[4 * h + 2 + i]);
+        }
+    for (int j = 0; j < 4; j++) { /* u[j]: columns 2j, 2j + 1 of rows 0-3; u[4 + j] of rows 4-7 */
+        _mm_storeu_si128((__m128i *)(d + (2 * j) * dld), _mm_unpacklo_epi64(u[j], u[4 + j]));
+        _mm_storeu_si128((__m128i *)(d + (2 * j + 1) * dld), _mm_unpackhi_epi64(u[j], u[4 + j]));
+    }
+}
+
+static inline void transpose_4x4_u32(const uint32_t *s, int64_t sld, uint32_t *d, int64_t dld) {
+    __m128i a0 = _mm_loadu_si128((const __m128i *)s), a1 = _mm_loadu_si128((const __m128i *)(s + sld));
+    __m128i a2 = _mm_loadu_si128((const __m128i *)(s + 2 * sld)), a3 = _mm_loadu_si128((const __m128i *)(s + 3 * sld));
+    __m128i t0 = _mm_unpacklo_epi32(a0, a1), t1 = _mm_unpackhi_epi32(a0, a1);
+    __m128i t2 = _mm_unpacklo_epi32(a2, a3), t3 = _mm_unpackhi_epi32(a2, a3);
+    _mm_storeu_si128((__m128i *)d, _mm_unpacklo_epi64(t0, t2));
+    _mm_storeu_si128((__m128i *)(d + dld), _mm_unpackhi_epi64(t0, t2));
+    _mm_storeu_si128((__m128i *)(d + 2 * dld), _mm_unpacklo_epi64(t1, t3));
+    _mm_storeu_si128((__m128i *)(d + 3 * dld), _mm_unpackhi_epi64(t1, t3));
+}
+
+#define TRANSPOSE_BLOCK(T, W, tile)                                                                 \
     for (int64_t r0 = 0; r0 < t->rows; r0 += TR_BLOCK) {                                           \
         int64_t r1 = r0 + TR_BLOCK < t->rows ? r0 + TR_BLOCK : t->rows;                              \
-        for (int64_t c = c0; c < c1; c++) {                                                         \
-            T *d = (T *)dst + c * t->dst_ld;                                                         \
-            for (int64_t r = r0; r < r1; r++) d[r] = ((const T *)src)[r * t->src_ld + c];            \
-        }                                                                                           \
+        int64_t rw = r0 + (r1 - r0) / W * W, cw = c0 + (c1 - c0) / W * W;                            \
+        for (int64_t c = c0; c < cw; c += W)                                                        \
+            for (int64_t r = r0; r < rw; r += W)                                                    \
+                tile((const T *)src + r * t->src_ld + c, t->src_ld, (T *)dst + c * t->dst_ld + r, t->dst_ld); \
+        TRANSPOSE_SCALAR(T, rw, r1, c0, cw)                                                         \
+        TRANSPOSE_SCALAR(T, r0, r1, cw, c1)                                                         \
     }
+#else
+#define TRANSPOSE_BLOCK(T, W, tile)                                                                 \
+    for (int64_t r0 = 0; r0 < t->rows; r0 += TR_BLOCK) {                                           \
+        int64_t r1 = r0 + TR_BLOCK < t->rows ? r0 + TR_BLOCK : t->rows;                              \
+        TRANSPOSE_SCALAR(T, r0, r1, c0, c1)                                                         \
+    }
+#endif
 
 static void transpose_item(void *ctx, int64_t item) {
     const transpose_job *t = (const transpose_job *)ctx;
@@ -1844,9 +1891,9 @@ static void transpose_item(void *ctx, int64_t item) {
     const char *src = t->src + b * t->src_batch * t->es;
     char *dst = t->dst + b * t->dst_batch * t->es;
     if (t->es == 2) {
-        TRANSPOSE_BLOCK(uint16_t)
+        TRANSPOSE_BLOCK(uint16_t, 8, transpose_8x8_u16)
     } else {
-        TRANSPOSE_BLOCK(uint32_t)
+        TRANSPOSE_BLOCK(uint32_t, 4, transpose_4x4_u32)
     }
 }
 
