@@ -196,7 +196,8 @@ def test_a_long_k_gives_the_same_bits_in_items_of_every_size(dtype):
     gen = torch.Generator().manual_seed(10)
     k = 8192 // (2 if dtype == torch.bfloat16 else 4) * 2 + 75
     a, b = torch.randn(300, k, generator=gen).to(dtype), torch.randn(290, k, generator=gen).to(dtype)
-    pieces = torch.cat([gemm.gemm_nt(a[i:i + 5], b) for i in range(0, 300, 5)])
+    with num_threads(2):                                      # five rows on 2 threads: 32 a side
+        pieces = torch.cat([gemm.gemm_nt(a[i:i + 5], b) for i in range(0, 300, 5)])
     for threads in (1, 2, 3):
         with num_threads(threads):
             assert torch.equal(gemm.gemm_nt(a, b), pieces), threads
@@ -207,12 +208,13 @@ def test_the_blocked_transpose_moves_every_bit_pattern(dtype, bits):
     """The kernels' transpose (vector tiles inside, element loops at the edges) on every bit pattern,
     NaN payloads and signalling NaNs included, at sizes around its 8- and 64-element blocks."""
     gen = torch.Generator().manual_seed(12)
-    for rows, cols in ((1, 9), (7, 8), (8, 8), (9, 63), (64, 64), (65, 130), (200, 17)):
-        raw = torch.randint(-2 ** 15 if bits == torch.int16 else -2 ** 31, 2 ** 15 if bits == torch.int16 else 2 ** 31 - 1,
-                            (cols, rows), generator=gen, dtype=torch.int64).to(bits)
-        x = raw.view(dtype).t()                               # [rows, cols], unit stride along rows
-        got = gemm._rows_contiguous(x)
-        assert got.stride(-1) == 1 and torch.equal(got.view(bits), raw.t().contiguous()), (rows, cols)
+    top = 2 ** (8 * torch.tensor([], dtype=bits).element_size() - 1)
+    for rows, cols in ((2, 9), (7, 8), (8, 8), (9, 63), (64, 64), (65, 130), (200, 17)):
+        raw = torch.randint(-top, top, (3, cols + 5, rows + 3), generator=gen, dtype=torch.int64).to(bits)
+        for source in (raw[0, :cols, :rows], raw[:, 2:cols + 2, 1:rows + 1]):  # padded rows; a batch of them
+            x = source.view(dtype).transpose(-1, -2)         # [(B,) rows, cols], unit stride along rows
+            got = gemm._rows_contiguous(x)
+            assert got.stride(-1) == 1 and torch.equal(got.view(bits), source.transpose(-1, -2)), (rows, cols)
 
 
 @pytest.mark.parametrize("dtype", DTYPES + [torch.float64], ids=str)
@@ -567,6 +569,9 @@ def test_lse_fold_and_logit_grad_in_c_are_the_compositions_bit_for_bit(unfused, 
         local = torch.randint(0, length, (rows,), generator=gen)
         inside = (torch.rand(rows, generator=gen) < 0.5).float()
         scale = torch.randn(rows, generator=gen)
+        wide = torch.randn(rows, length + 3, generator=gen).to(dtype)
+        wide[:, :length] = later
+        later = wide[:, :length]                             # rows length + 3 elements apart
         for temperature in (1.0, 0.7):
             for threads in (1, 2):
                 results = []
@@ -582,6 +587,21 @@ def test_lse_fold_and_logit_grad_in_c_are_the_compositions_bit_for_bit(unfused, 
                 for i, (want, got) in enumerate(zip(*results)):
                     assert want.dtype == got.dtype and torch.equal(_bits(want), _bits(got)), \
                         (i, length, temperature, threads)
+
+
+def test_the_logit_row_kernels_name_a_bad_argument():
+    from lockstep.backends.native import rows
+
+    chunk = torch.randn(3, 8)
+    with pytest.raises(ValueError, match=r"local: expected shape \[3\], got \[2\]"):
+        rows.logit_grad(chunk, 1.0, torch.zeros(3), torch.zeros(2, dtype=torch.int64), torch.zeros(3), torch.ones(3),
+                        torch.float32)
+    with pytest.raises(ValueError, match=r"run sum: expected shape \[3\], got \[3, 1\]"):
+        rows.lse_fold(chunk, 1.0, (torch.zeros(3), torch.zeros(3, 1)))
+    with pytest.raises(ValueError, match="out_dtype: expected torch.float32 or torch.bfloat16, got torch.float16"):
+        rows.logit_grad(chunk, 1.0, torch.zeros(3), torch.zeros(3), torch.zeros(3), torch.ones(3), torch.float16)
+    with pytest.raises(RuntimeError, match="ls_logit_rows refused mode 1"):
+        rows.logit_grad(chunk, 1.0, torch.zeros(3), torch.full((3,), 8), torch.zeros(3), torch.ones(3), torch.float32)
 
 
 def test_bf16_gemm_order_is_the_documented_one():

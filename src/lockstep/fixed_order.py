@@ -248,7 +248,7 @@ def lse_fold(chunk: Tensor, temperature: float, run: tuple[Tensor, Tensor] | Non
     at the first chunk m = row_max(x) and s = row_sum(exp(x - m)). On the selected CPU kernels'
     fused form when they have one (the same bits, one pass over the chunk)."""
     kernels = _kernels_for(chunk)
-    if kernels is not None and kernels.lse_fold is not None:
+    if kernels is not None and kernels.lse_fold is not None and chunk.dim() == 2:
         return kernels.lse_fold(chunk, temperature, run)
     x = scaled_logits(chunk, temperature)
     chunk_max = row_max(x)
@@ -267,7 +267,8 @@ def logit_grad(chunk: Tensor, temperature: float, lse: Tensor, local: Tensor, in
     else 0) and scale: [T], accumulation dtype; local: [T] int64 in [0, L). On the selected CPU
     kernels' fused form when they have one (the same bits)."""
     kernels = _kernels_for(chunk)
-    if kernels is not None and kernels.logit_grad is not None:
+    if (kernels is not None and kernels.logit_grad is not None and chunk.dim() == 2
+            and out_dtype in (torch.float32, torch.bfloat16)):
         return kernels.logit_grad(chunk, temperature, lse, local, inside, scale, out_dtype)
     d = -exp(scaled_logits(chunk, temperature) - lse[:, None])
     d.scatter_(1, local[:, None], d.gather(1, local[:, None]) + inside[:, None])

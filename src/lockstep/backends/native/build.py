@@ -148,10 +148,10 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.ls_rows.argtypes = [i64, i64, ptr, ptr, ptr, cint, cint, cint]
     lib.ls_rows.restype = cint
     lib.ls_unary.argtypes = [ptr, ptr, i64, cint, cint, cint]
+    lib.ls_unary.restype = cint
     lib.ls_logit_rows.argtypes = [i64, i64, ptr, i64, cint, flt, cint, cint, ptr, ptr, ptr, ptr, ptr, ptr, ptr, cint,
                                   cint, cint]
     lib.ls_logit_rows.restype = cint
-    lib.ls_unary.restype = cint
     lib.ls_cpu_supports.argtypes = [cint]
     lib.ls_cpu_supports.restype = cint
     lib.ls_transpose.argtypes = [i64, i64, i64, ptr, i64, i64, ptr, i64, i64, cint, cint]

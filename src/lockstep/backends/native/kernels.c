@@ -625,7 +625,7 @@ static void store_tile(const gemm_job *g, int64_t b, int64_t m, int64_t n, int m
  * of up to KC_ITEM x KC_ITEM outputs: a block of A's and B's rows stays in cache while every tile of
  * the item runs over it, and each tile's lanes wait in memory (1 KB a tile) for the next block. A
  * larger item re-reads A and B from memory fewer times (the LM head's d(hidden), 1024 x 1024
- * outputs over K = 151,936, bf16: 270 G multiply-adds/s at 32 x 32 outputs, 340 at 128 x 128). Its
+ * outputs over K = 151,936, bf16: 270 G multiply-adds/s at 32 x 32 outputs, 355 at 128 x 128). Its
  * lanes live on the heap; should that allocation fail, the item runs as KC_SMALL x KC_SMALL pieces
  * with their lanes on the stack. Neither size changes a bit: each output's operations are the same. */
 #define KC_BYTES 4096
@@ -682,9 +682,10 @@ static void gemm_item(void *ctx, int64_t item) {
         }
         float small[(KC_SMALL / MR) * (KC_SMALL / NR) * TILE_LANES] __attribute__((aligned(64))); /* 64 KB */
         for (int64_t m = m0; m < m1; m += KC_SMALL)
-            for (int64_t n = n0; n < n1; n += KC_SMALL)
-                gemm_block_long_k(g, b, m, m + KC_SMALL < m1 ? m + KC_SMALL : m1, n, n + KC_SMALL < n1 ? n + KC_SMALL : n1,
-                                  small);
+            for (int64_t n = n0; n < n1; n += KC_SMALL) {
+                int64_t m_end = m + KC_SMALL < m1 ? m + KC_SMALL : m1, n_end = n + KC_SMALL < n1 ? n + KC_SMALL : n1;
+                gemm_block_long_k(g, b, m, m_end, n, n_end, small);
+            }
         return;
     }
     micro_fn micro = micro_of(g->isa);
@@ -1522,7 +1523,10 @@ static void rows_item(void *ctx, int64_t item) {
  * compositions. Each logit is widened exactly to fp32 and divided by the temperature t (fp32; not
  * at t = 1, where the composition does not divide either).
  *
- *   fold (mode 0): M = the row's max (NaN propagates), or max(run_max, it) after the first chunk;
+ *   fold (mode 0): M = the row's max (NaN propagates), or max(run_max, it) after the first chunk
+ *                  (where the two are +0 and -0, M's sign may differ from torch.maximum's, which
+ *                  itself differs between its vector body and its tail; no value below depends on
+ *                  it: exp(+-0) = 1, and M + log(S) is the same);
  *                  S = row_sum(exp(x - M)), or run_sum * exp(run_max - M) + row_sum(exp(x - M));
  *                  run_max, run_sum <- M, S.
  *   grad (mode 1): d = -exp(x - lse); d[local] = d[local] + inside; out = d * gs, stored as fp32 or
@@ -1570,9 +1574,7 @@ static void logit_item(void *ctx, int64_t item) {
             if (J->first) {
                 J->run_sum[r] = chunk;
             } else {
-                float decay = old - m;
-                unary_isa(ISA_SCALAR, &decay, &decay, 1, FN_EXP);
-                J->run_sum[r] = J->run_sum[r] * decay + chunk;
+                J->run_sum[r] = J->run_sum[r] * s_exp(old - m) + chunk;
             }
             J->run_max[r] = m;
         } else {

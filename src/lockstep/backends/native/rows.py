@@ -43,11 +43,19 @@ def log_softmax_backward(g: Tensor, y: Tensor) -> Tensor:
     return _rows("log_softmax_backward", g, y, torch.empty_like(g))
 
 
+def _per_row(t: Tensor, rows: int, dtype: torch.dtype, name: str) -> Tensor:
+    """t as the C side reads it: `rows` contiguous elements of dtype."""
+    if tuple(t.shape) != (rows,):
+        raise ValueError(f"{name}: expected shape [{rows}], got {list(t.shape)}")
+    return t.to(dtype).contiguous()
+
+
 def _logit_rows(chunk: Tensor, temperature: float, mode: int, first: bool, run: tuple[Tensor, Tensor] | None = None,
                 per_row: tuple[Tensor, Tensor, Tensor, Tensor] | None = None, out: Tensor | None = None) -> None:
-    if chunk.stride(-1) != 1 or chunk.stride(0) < chunk.shape[1]:
-        chunk = chunk.contiguous()
     rows, length = chunk.shape
+    if chunk.stride(-1) != 1 or (rows > 1 and chunk.stride(0) < length):
+        chunk = chunk.contiguous()
+    ld = chunk.stride(0) if rows > 1 else length
     run_max, run_sum = run if run is not None else (None, None)
     lse, local, inside, scale = per_row if per_row is not None else (None, None, None, None)
 
@@ -55,7 +63,7 @@ def _logit_rows(chunk: Tensor, temperature: float, mode: int, first: bool, run: 
         return None if t is None else t.data_ptr()
 
     status = library().ls_logit_rows(
-        rows, length, chunk.data_ptr(), chunk.stride(0), DTYPE_CODES[chunk.dtype], temperature, mode, int(first),
+        rows, length, chunk.data_ptr(), ld, DTYPE_CODES[chunk.dtype], temperature, mode, int(first),
         ptr(run_max), ptr(run_sum), ptr(lse), ptr(local), ptr(inside), ptr(scale), ptr(out),
         0 if out is None else DTYPE_CODES[out.dtype], isa(), torch.get_num_threads())
     if status == -2:
@@ -66,21 +74,24 @@ def _logit_rows(chunk: Tensor, temperature: float, mode: int, first: bool, run: 
 
 def lse_fold(chunk: Tensor, temperature: float, run: tuple[Tensor, Tensor] | None) -> tuple[Tensor, Tensor]:
     """fixed_order.lse_fold: chunk [T, L] fp32, bf16 or fp16; run and the result ([T] fp32 each)."""
+    rows = chunk.shape[0]
     if run is None:
-        new = (chunk.new_empty(chunk.shape[0], dtype=torch.float32), chunk.new_empty(chunk.shape[0], dtype=torch.float32))
+        new = (chunk.new_empty(rows, dtype=torch.float32), chunk.new_empty(rows, dtype=torch.float32))
     else:
-        new = (run[0].contiguous().clone(), run[1].contiguous().clone())
+        new = tuple(_per_row(t, rows, torch.float32, name).clone() for t, name in zip(run, ("run max", "run sum")))
     _logit_rows(chunk, temperature, 0, run is None, run=new)
     return new
 
 
 def logit_grad(chunk: Tensor, temperature: float, lse: Tensor, local: Tensor, inside: Tensor, scale: Tensor,
                out_dtype: torch.dtype) -> Tensor:
-    """fixed_order.logit_grad: chunk [T, L] fp32, bf16 or fp16; lse, inside, scale [T] fp32; local
-    [T] int64; the result [T, L] in out_dtype (fp32 or bf16)."""
+    """fixed_order.logit_grad: chunk [T, L] fp32, bf16 or fp16; lse, inside, scale [T] (as fp32);
+    local [T] (as int64, each in [0, L)); the result [T, L] in out_dtype (fp32 or bf16)."""
     if out_dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"out_dtype: expected torch.float32 or torch.bfloat16, got {out_dtype}")
+    rows = chunk.shape[0]
+    per_row = (_per_row(lse, rows, torch.float32, "lse"), _per_row(local, rows, torch.int64, "local"),
+               _per_row(inside, rows, torch.float32, "inside"), _per_row(scale, rows, torch.float32, "scale"))
     out = chunk.new_empty(chunk.shape, dtype=out_dtype)
-    per_row = (lse.contiguous(), local.contiguous(), inside.contiguous(), scale.contiguous())
     _logit_rows(chunk, temperature, 1, False, per_row=per_row, out=out)
     return out
