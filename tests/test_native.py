@@ -551,7 +551,8 @@ def test_lse_fold_and_logit_grad_in_c_are_the_compositions_bit_for_bit(unfused, 
     """The LM head's per-chunk row arithmetic in C against fixed_order's compositions: a first and a
     later chunk of the online log-sum-exp, and the logits' gradient in fp32 and bf16, at lengths
     below, at and past the sum's 512 lanes, at temperatures 1 and 0.7, with NaN, Inf and -inf
-    logits, a NaN running max and a target in and outside the chunk, on 1 and 2 threads. NaN is compared as NaN (`_bits`)."""
+    logits, a NaN running max and a target in and outside the chunk, on 1 and 2 threads. NaN is
+    compared as NaN (`_bits`)."""
     from lockstep import fixed_order as fo
     from lockstep.backends.native.cpu import KERNELS
 

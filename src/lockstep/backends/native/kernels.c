@@ -1610,16 +1610,12 @@ static void logit_item(void *ctx, int64_t item) {
             float m = -INFINITY;
             for (int64_t j = 0; j < L; j++)
                 if (e[j] > m || e[j] != e[j]) { m = e[j]; if (m != m) break; }
-            float old = J->run_max[r];
+            const float old = J->first ? m : J->run_max[r]; /* the first chunk's inputs are never read */
             if (!J->first) m = old != old || m != m ? NAN : (old > m ? old : m);
             for (int64_t j = 0; j < L; j++) e[j] = e[j] - m;
             unary_isa(J->isa, e, e, L, FN_EXP);
             float chunk = row_sum_f32(e, L, acc);
-            if (J->first) {
-                J->run_sum[r] = chunk;
-            } else {
-                J->run_sum[r] = J->run_sum[r] * s_exp(old - m) + chunk;
-            }
+            J->run_sum[r] = J->first ? chunk : J->run_sum[r] * s_exp(old - m) + chunk;
             J->run_max[r] = m;
         } else {
             const float lse = J->lse[r], g = J->gs[r];
