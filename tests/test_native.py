@@ -467,6 +467,56 @@ def test_rms_norm_forward_is_the_portable_arithmetic(dtype):
         assert torch.isfinite(grads["native"][0][[0, 1, 2, 4] + list(range(6, 37))]).all()
 
 
+def _fused_and_composed(op, inputs: tuple[torch.Tensor, ...], grad: torch.Tensor, **kwargs) -> list:
+    """op's output and input gradients on the native backend (rope and silu_mul: one C pass each in
+    fp32 and bf16) and as the portable composition on the native exp (what the native backend ran
+    before them): [(fused, composed), ...]."""
+    from lockstep.backends.native.cpu import native_kernels
+
+    results = []
+    for backend in ("native", "portable"):
+        leaves = [t.clone().requires_grad_() for t in inputs]
+        with registry.use_backend(backend), native_kernels():
+            y = op(*leaves, **kwargs)
+        y.backward(grad)
+        results.append([y.detach()] + [t.grad for t in leaves])
+    return list(zip(*results))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_rope_and_silu_mul_in_c_are_the_compositions_bit_for_bit(dtype, isa):
+    """The fused passes perform the portable operations element for element, forward and backward,
+    on every instruction set and 1 to 3 threads: silu_mul at sizes around the 512-element blocks and
+    the one-thread cut, rope in both styles at head sizes 2 to 256, with NaN, Inf and -Inf staying
+    in their elements. NaN is compared as NaN (`_bits`): the composition's final rounding to bf16
+    gives a NaN other bits in torch's vector loop than in its tail. fp16 takes the composition."""
+    gen = torch.Generator().manual_seed(8)
+    for name in build.ISAS:
+        isa(name)
+        for threads in (1, 2, 3):
+            with num_threads(threads):
+                for rows, width in ((3, 7), (37, 1000), (64, 1024), (1, 513)):
+                    gate = (torch.randn(rows, width, generator=gen) * 6).to(dtype)
+                    up = torch.randn(rows, width, generator=gen).to(dtype)
+                    gate.view(-1)[[5, 1, 2]] = torch.tensor([float("nan"), float("inf"), float("-inf")], dtype=dtype)
+                    up.view(-1)[3] = float("inf")
+                    dy = torch.randn(rows, width, generator=gen).to(dtype)
+                    for fused, composed in _fused_and_composed(ops.silu_mul, (gate, up), dy):
+                        assert torch.equal(_bits(fused), _bits(composed)), (name, threads, rows, width)
+                    assert torch.isfinite(ops.silu_mul(gate, up).view(-1)[6:]).all()
+                for tokens, heads, head_dim in ((5, 3, 8), (70, 4, 128), (7, 2, 2), (9, 2, 256)):
+                    x = (torch.randn(tokens, heads, head_dim, generator=gen) * 3).to(dtype)
+                    x[1, 0, 1], x[2, 1, 0] = float("nan"), float("inf")
+                    positions = torch.randint(0, 40_000, (tokens,), generator=gen)
+                    dy = torch.randn(tokens, heads, head_dim, generator=gen).to(dtype)
+                    for style in ("neox", "gptj"):
+                        for fused, composed in _fused_and_composed(ops.rope, (x,), dy, positions=positions,
+                                                                   theta=1e6, style=style):
+                            assert torch.equal(_bits(fused), _bits(composed)), (name, threads, head_dim, style)
+        if dtype == torch.float16:
+            break  # the composition itself, on every instruction set in the digest
+
+
 def test_the_build_for_other_architectures_gives_the_same_bits(tmp_path, monkeypatch):
     """kernels.c built without its x86 paths (-DLS_NO_X86), as it builds on ARM: every op of the
     digest, forward and backward, in fp32, bf16 and fp16, gives the bits of the x86 build's scalar

@@ -1083,6 +1083,15 @@ AVX512_T static void unary_avx512(const float *x, float *y, int64_t n, int fn) {
 }
 #endif
 
+static void unary_isa(int isa, const float *x, float *y, int64_t n, int fn) {
+#if LS_X86
+    if (isa >= ISA_AVX512) { unary_avx512(x, y, n, fn); return; }
+    if (isa == ISA_AVX2) { unary_avx2(x, y, n, fn); return; }
+#endif
+    (void)isa;
+    unary_scalar(x, y, n, fn);
+}
+
 static void unary_item(void *ctx, int64_t item) {
     const unary_job *u = (const unary_job *)ctx;
     int64_t start = item * UNARY_CHUNK, n = u->n - start < UNARY_CHUNK ? u->n - start : UNARY_CHUNK;
@@ -1433,23 +1442,64 @@ static void attn_item(void *ctx, int64_t item) {
     free(buf);
 }
 
+/* ---------------------------------------------------------------- elementwise rows
+ * Blocks of a row widened to fp32 (exactly) and results rounded back as torch's Tensor.to rounds
+ * on the CPU, so that the fused kernels below keep the bits of the compositions they replace. */
+
+#define ROW_BLOCK 512 /* fp32 elements per stack block */
+
+/* n elements of dtype dt from element k of p into out, fp32; zeros from n to `width` (>= n). One
+ * loop per dtype, so that each is vectorised. */
+static void load_block(const char *p, int dt, int64_t k, int64_t n, int64_t width, float *out) {
+    if (dt == DT_F32) {
+        memcpy(out, (const float *)p + k, (size_t)n * 4);
+    } else if (dt == DT_BF16) {
+        const uint16_t *h = (const uint16_t *)p + k;
+        for (int64_t i = 0; i < n; i++) {
+            uint32_t u = (uint32_t)h[i] << 16;
+            memcpy(&out[i], &u, 4);
+        }
+    } else {
+        const uint16_t *h = (const uint16_t *)p + k;
+        for (int64_t i = 0; i < n; i++) out[i] = f16_to_f32(h[i]);
+    }
+    for (int64_t i = n; i < width; i++) out[i] = 0.0f;
+}
+
+/* n fp32 results x into element k of p in dtype dt: fp32 as they are, bf16 by f32_to_bf16 (fp16
+ * is not stored here: the callers keep torch's conversion for it). */
+static void store_block(char *p, int dt, int64_t k, int64_t n, const float *x) {
+    if (dt == DT_F32) {
+        memcpy((float *)p + k, x, (size_t)n * 4);
+        return;
+    }
+    uint16_t *h = (uint16_t *)p + k;
+    int64_t i = 0;
+#if LS_X86
+    for (; i + 4 <= n; i += 4) f32_to_bf16_x4(x + i, h + i);
+#endif
+    for (; i < n; i++) h[i] = f32_to_bf16(x[i]);
+}
+
 /* ---------------------------------------------------------------- rms_norm forward
  * The portable forward's arithmetic, operation for operation (fixed_order.row_sum, portable/rms_norm.py):
  * per row, sq = x * x; the squares summed in SUM_WIDTH-lane chunks added lane by lane in order (the
  * last chunk zero-padded; width the next power of two for rows shorter than SUM_WIDTH), the lanes
  * then folded pairwise (lane i with lane i + w / 2); rstd = 1 / sqrt(sum / H + eps), as ATen's
- * rsqrt computes it; y = (x * rstd) * (w + offset). All of these are single IEEE operations, so the
- * compiler's vectorisation changes no bit, on any instruction set. */
+ * rsqrt computes it; y = (x * rstd) * (w + offset), stored in fp32 or rounded to bf16 as Tensor.to
+ * rounds. All of these are single IEEE operations, so the compiler's vectorisation changes no bit,
+ * on any instruction set. */
 
 #define SUM_WIDTH 512
 
 typedef struct {
     const char *x, *w;
-    float *y, *rstd;
+    char *y;
+    float *rstd;
     int64_t H;
     int64_t rows;
     float eps, offset;
-    int dt, wdt;
+    int dt, wdt, ydt;
 } rms_job;
 
 #define RMS_ROWS 16 /* rows per work item */
@@ -1459,28 +1509,101 @@ static void rms_item(void *ctx, int64_t item) {
     const int64_t H = R->H, es = R->dt == DT_F32 ? 4 : 2;
     int64_t width = SUM_WIDTH;
     if (H < SUM_WIDTH) for (width = 1; width < H; width *= 2) {}
-    float acc[SUM_WIDTH];
+    float acc[SUM_WIDTH], v[SUM_WIDTH], w[SUM_WIDTH];
     for (int64_t row = item * RMS_ROWS; row < (item + 1) * RMS_ROWS && row < R->rows; row++) {
         const char *x = R->x + row * H * es;
-        for (int64_t l = 0; l < width; l++) {
-            float v = l < H ? load_scalar(x, l, R->dt) : 0.0f;
-            acc[l] = v * v;
+        for (int64_t c = 0; c < H; c += width) {
+            load_block(x, R->dt, c, H - c < width ? H - c : width, width, v);
+            if (c == 0)
+                for (int64_t l = 0; l < width; l++) acc[l] = v[l] * v[l];
+            else
+                for (int64_t l = 0; l < width; l++) acc[l] = acc[l] + v[l] * v[l];
         }
-        for (int64_t c = width; c < H; c += width)
-            for (int64_t l = 0; l < width; l++) {
-                float v = c + l < H ? load_scalar(x, c + l, R->dt) : 0.0f;
-                acc[l] = acc[l] + v * v;
-            }
-        for (int64_t w = width / 2; w >= 1; w /= 2)
-            for (int64_t l = 0; l < w; l++) acc[l] = acc[l] + acc[l + w];
+        for (int64_t half = width / 2; half >= 1; half /= 2)
+            for (int64_t l = 0; l < half; l++) acc[l] = acc[l] + acc[l + half];
         float mean = acc[0] / (float)H;
         float rstd = 1.0f / sqrtf(mean + R->eps);
         R->rstd[row] = rstd;
-        float *y = R->y + row * H;
-        for (int64_t h = 0; h < H; h++) {
-            float xs = load_scalar(x, h, R->dt) * rstd;
-            y[h] = xs * (load_scalar(R->w, h, R->wdt) + R->offset);
+        for (int64_t c = 0; c < H; c += ROW_BLOCK) {
+            int64_t n = H - c < ROW_BLOCK ? H - c : ROW_BLOCK;
+            load_block(x, R->dt, c, n, n, v);
+            load_block(R->w, R->wdt, c, n, n, w);
+            for (int64_t h = 0; h < n; h++) v[h] = (v[h] * rstd) * (w[h] + R->offset);
+            store_block(R->y, R->ydt, row * H + c, n, v);
         }
+    }
+}
+
+/* ---------------------------------------------------------------- gated SiLU
+ * portable/silu_mul.py's fp32 arithmetic, operation for operation, on blocks of ROW_BLOCK elements
+ * (g = gate, u = up, dy = the output's gradient, all widened exactly; exp the file's):
+ *   s = 1 / (exp(-g) + 1);  forward: y = (s * g) * u;
+ *   backward: gs = g * s;  d up = dy * gs;  d gate = (dy * u) * (((1 - s) * gs) + s).
+ * Single IEEE operations on each element alone, so the same bits on every instruction set. */
+
+typedef struct {
+    const char *gate, *up, *dy;
+    char *out, *out_up; /* forward: y; backward: d gate, d up */
+    int64_t n;
+    int dt, backward, isa;
+} gated_job;
+
+static void gated_item(void *ctx, int64_t item) {
+    const gated_job *J = (const gated_job *)ctx;
+    int64_t k = item * ROW_BLOCK, n = J->n - k < ROW_BLOCK ? J->n - k : ROW_BLOCK;
+    float g[ROW_BLOCK], u[ROW_BLOCK], s[ROW_BLOCK], dy[ROW_BLOCK];
+    load_block(J->gate, J->dt, k, n, n, g);
+    load_block(J->up, J->dt, k, n, n, u);
+    for (int64_t i = 0; i < n; i++) s[i] = -g[i];
+    unary_isa(J->isa, s, s, n, FN_EXP);
+    for (int64_t i = 0; i < n; i++) s[i] = 1.0f / (s[i] + 1.0f);
+    if (!J->backward) {
+        for (int64_t i = 0; i < n; i++) s[i] = (s[i] * g[i]) * u[i];
+        store_block(J->out, J->dt, k, n, s);
+        return;
+    }
+    load_block(J->dy, J->dt, k, n, n, dy);
+    for (int64_t i = 0; i < n; i++) {
+        float gs = g[i] * s[i];
+        g[i] = (dy[i] * u[i]) * (((1.0f - s[i]) * gs) + s[i]);
+        u[i] = dy[i] * gs;
+    }
+    store_block(J->out, J->dt, k, n, g);
+    store_block(J->out_up, J->dt, k, n, u);
+}
+
+/* ---------------------------------------------------------------- rope
+ * portable/rope.py's fp32 arithmetic: per token t, head and pair j < D / 2, with a and b the pair's
+ * elements (neox: j and j + D / 2; interleaved: 2 j and 2 j + 1), c = cos[t, j], s = sin[t, j]:
+ * a' = a * c - b * s, b' = b * c + a * s, each product rounded before the add (the build keeps
+ * them unfused). The backward passes -sin, as the portable backward does. */
+
+typedef struct {
+    const char *x;
+    char *y;
+    const float *cos, *sin;
+    int64_t T, H, D;
+    int dt, interleaved;
+} rope_job;
+
+static void rope_item(void *ctx, int64_t t) {
+    const rope_job *J = (const rope_job *)ctx;
+    const int64_t D = J->D, half = D / 2;
+    const float *c = J->cos + t * half, *s = J->sin + t * half;
+    float v[ROW_BLOCK], a[ROW_BLOCK / 2], b[ROW_BLOCK / 2];
+    for (int64_t h = 0; h < J->H; h++) {
+        int64_t k = (t * J->H + h) * D;
+        load_block(J->x, J->dt, k, D, D, v);
+        for (int64_t j = 0; j < half; j++) {
+            float x1 = J->interleaved ? v[2 * j] : v[j], x2 = J->interleaved ? v[2 * j + 1] : v[j + half];
+            a[j] = x1 * c[j] - x2 * s[j];
+            b[j] = x2 * c[j] + x1 * s[j];
+        }
+        for (int64_t j = 0; j < half; j++) {
+            v[J->interleaved ? 2 * j : j] = a[j];
+            v[J->interleaved ? 2 * j + 1 : j + half] = b[j];
+        }
+        store_block(J->y, J->dt, k, D, v);
     }
 }
 
@@ -1506,15 +1629,6 @@ static float row_sum_f32(const float *x, int64_t L, float *acc) {
     for (int64_t w = width / 2; w >= 1; w /= 2)
         for (int64_t l = 0; l < w; l++) acc[l] = acc[l] + acc[l + w];
     return acc[0];
-}
-
-static void unary_isa(int isa, const float *x, float *y, int64_t n, int fn) {
-#if LS_X86
-    if (isa >= ISA_AVX512) { unary_avx512(x, y, n, fn); return; }
-    if (isa == ISA_AVX2) { unary_avx2(x, y, n, fn); return; }
-#endif
-    (void)isa;
-    unary_scalar(x, y, n, fn);
 }
 
 typedef struct {
@@ -1637,7 +1751,7 @@ static void logit_item(void *ctx, int64_t item) {
 
 /* ---------------------------------------------------------------- exported */
 
-int ls_abi_version(void) { return 7; }
+int ls_abi_version(void) { return 8; }
 
 /* Run parallel work on the OpenMP runtime whose GOMP_parallel (GCC's ABI: fn, data, team size,
  * flags) is `fn`, or on the library's own threads when `fn` is NULL. */
@@ -1803,14 +1917,41 @@ int ls_attention_fwd(int64_t B, int64_t Hq, int64_t Hkv, int64_t D, const void *
 }
 
 /* rms_norm forward over rows of x [rows, H] (dtype dt, contiguous) with weight w [H] (dtype wdt):
- * y fp32 [rows, H] and rstd fp32 [rows], in the order of the rms_norm section above. Returns 0, or -1
- * for arguments it cannot take. */
-int ls_rms_norm_fwd(int64_t rows, int64_t H, const void *x, const void *w, float eps, float offset, float *y,
-                    float *rstd, int dt, int wdt, int threads) {
-    if (rows < 0 || H <= 0 || dt < DT_F32 || dt > DT_F16 || wdt < DT_F32 || wdt > DT_F16) return -1;
-    rms_job R = {(const char *)x, (const char *)w, y, rstd, H, rows, eps, offset, dt, wdt};
+ * y [rows, H] in dtype ydt (fp32, or bf16 rounded as Tensor.to rounds) and rstd fp32 [rows], in the
+ * order of the rms_norm section above. Returns 0, or -1 for arguments it cannot take. */
+int ls_rms_norm_fwd(int64_t rows, int64_t H, const void *x, const void *w, float eps, float offset, void *y,
+                    float *rstd, int dt, int wdt, int ydt, int threads) {
+    if (rows < 0 || H <= 0 || dt < DT_F32 || dt > DT_F16 || wdt < DT_F32 || wdt > DT_F16 ||
+        (ydt != DT_F32 && ydt != DT_BF16))
+        return -1;
+    rms_job R = {(const char *)x, (const char *)w, (char *)y, rstd, H, rows, eps, offset, dt, wdt, ydt};
     int64_t items = (rows + RMS_ROWS - 1) / RMS_ROWS;
     parallel_for(rms_item, &R, items, rows * H < (1 << 16) ? 1 : threads);
+    return 0;
+}
+
+/* The gated SiLU of n contiguous elements (the section above), all of one dtype dt (fp32 or bf16):
+ * backward 0, out = y from gate and up; backward 1, out = d gate and out_up = d up from gate, up and
+ * dy. Returns 0, or -1 for arguments it cannot take. */
+int ls_silu_mul(int64_t n, const void *gate, const void *up, const void *dy, void *out, void *out_up, int dt,
+                int backward, int isa, int threads) {
+    if (n < 0 || (dt != DT_F32 && dt != DT_BF16) || (backward && (!dy || !out_up)) || !ls_cpu_supports(isa))
+        return -1;
+    gated_job J = {(const char *)gate, (const char *)up, (const char *)dy, (char *)out, (char *)out_up, n, dt,
+                   backward != 0, isa};
+    int64_t items = (n + ROW_BLOCK - 1) / ROW_BLOCK;
+    parallel_for(gated_item, &J, items, n < (1 << 15) ? 1 : threads);
+    return 0;
+}
+
+/* rope of x [T, H, D] (dtype dt, fp32 or bf16, contiguous) by cos and sin fp32 [T, D / 2] into y (x's
+ * shape and dtype), in the order of the rope section above; interleaved 0 pairs j with j + D / 2.
+ * D must be even and at most 512. Returns 0, or -1 for arguments it cannot take. */
+int ls_rope(int64_t T, int64_t H, int64_t D, const void *x, const float *cos, const float *sin, void *y, int dt,
+            int interleaved, int threads) {
+    if (T < 0 || H < 0 || D <= 0 || D % 2 || D > ROW_BLOCK || (dt != DT_F32 && dt != DT_BF16)) return -1;
+    rope_job J = {(const char *)x, (char *)y, cos, sin, T, H, D, dt, interleaved != 0};
+    parallel_for(rope_item, &J, T, T * H * D < (1 << 15) ? 1 : threads);
     return 0;
 }
 

@@ -1,7 +1,7 @@
 """Native rms_norm: the forward is one C pass per row (kernels.c, `ls_rms_norm_fwd`) that performs
 the portable forward's operations in the portable order, so it gives the portable op's bits on
-every CPU; the backward is the portable one, from the forward's saved rstd. float64 takes the
-portable op."""
+every CPU (fp32 and bf16 results are stored by the pass itself, fp16 ones rounded by torch); the
+backward is the portable one, from the forward's saved rstd. float64 takes the portable op."""
 
 from __future__ import annotations
 
@@ -13,19 +13,19 @@ from ...registry import register
 from ..portable import rms_norm as portable
 from .build import library
 from .cpu import native_kernels
-from .gemm import DTYPE_CODES
+from .gemm import DTYPE_CODES, OUT_CODES
 
 
 class _RMSNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, eps: float, offset: float) -> Tensor:
         rows, hidden = x.shape
-        y = torch.empty((rows, hidden), dtype=torch.float32)
+        y = torch.empty((rows, hidden), dtype=x.dtype if x.dtype in OUT_CODES else torch.float32)
         rstd = torch.empty(rows, dtype=torch.float32)
         w = weight.contiguous()
         status = library().ls_rms_norm_fwd(rows, hidden, x.data_ptr(), w.data_ptr(), eps, offset, y.data_ptr(),
                                            rstd.data_ptr(), DTYPE_CODES[x.dtype], DTYPE_CODES[w.dtype],
-                                           torch.get_num_threads())
+                                           OUT_CODES[y.dtype], torch.get_num_threads())
         if status != 0:
             raise RuntimeError(f"ls_rms_norm_fwd refused x {tuple(x.shape)} {x.dtype}, weight {w.dtype}")
         ctx.save_for_backward(x, weight, rstd)

@@ -1,16 +1,51 @@
-"""Native rope: the portable op, with any GEMM, exp and log on lockstep's own kernels (cpu.py);
-its sums are elementwise adds in fixed orders, the same bits on every CPU."""
+"""Native rope: fp32 and bf16 in one C pass (kernels.c, `ls_rope`), forward and backward, with the
+portable op's angles (rotary.rope_cos_sin) and its operations element for element, so both
+backends give the same bits (NaN compared as NaN); fp16 and heads wider than 512 take the
+portable op."""
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
 from ...registry import register
+from ...rotary import rope_cos_sin
 from ..portable import rope as portable
+from .build import library
 from .cpu import native_kernels
+from .gemm import OUT_CODES
+
+_MAX_HEAD_DIM = 512  # kernels.c's ROW_BLOCK
+
+
+def _rotate(x: Tensor, cos: Tensor, sin: Tensor, style: str) -> Tensor:
+    """x [T, H, D] rotated by cos, sin fp32 [T, 1, D / 2]; x's shape and dtype."""
+    y = torch.empty_like(x)
+    status = library().ls_rope(x.shape[0], x.shape[1], x.shape[2], x.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+                               y.data_ptr(), OUT_CODES[x.dtype], style != "neox", torch.get_num_threads())
+    if status != 0:
+        raise RuntimeError(f"ls_rope refused x {tuple(x.shape)} {x.dtype}")
+    return y
+
+
+class _Rope(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, positions: Tensor, theta: float, style: str, scaling) -> Tensor:
+        cos, sin = rope_cos_sin(positions, x.shape[-1], theta, scaling, torch.float32)
+        ctx.save_for_backward(cos, sin)
+        ctx.style = style
+        return _rotate(x, cos, sin, style)
+
+    @staticmethod
+    def backward(ctx, grad_y: Tensor):
+        cos, sin = ctx.saved_tensors
+        # The transpose of a rotation is the rotation by the opposite angle.
+        return _rotate(grad_y.contiguous(), cos, -sin, ctx.style), None, None, None, None
 
 
 @register("native", "rope")
 def rope(x: Tensor, positions: Tensor, theta: float, style: str, scaling) -> Tensor:
+    if x.dtype in OUT_CODES and x.shape[-1] <= _MAX_HEAD_DIM:
+        return _Rope.apply(x.contiguous(), positions, theta, style, scaling)
     with native_kernels():
         return portable.rope(x, positions, theta, style, scaling)
