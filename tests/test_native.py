@@ -6,6 +6,7 @@ the native backend in each op's own test file, since it is the CPU's default bac
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
@@ -445,12 +446,13 @@ def test_attention_never_reads_a_key_into_a_row_that_cannot_see_it():
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_rms_norm_forward_is_the_portable_arithmetic(dtype):
+def test_rms_norm_forward_is_the_portable_arithmetic(dtype, isa):
     """The C forward performs the portable forward's operations in the portable order, so both
-    backends give the same bits, forward and backward, at row lengths above, below and between the
-    sum's 512 lanes; with NaN and Inf rows staying in their rows."""
+    backends give the same bits, forward and backward, on every instruction set, at row lengths
+    above, below and between the sum's 512 lanes; with NaN and Inf rows staying in their rows."""
     gen = torch.Generator().manual_seed(5)
-    for hidden in (1024, 576, 513, 80, 7):
+    for name, hidden in itertools.product(build.ISAS, (1024, 576, 513, 80, 7)):
+        isa(name)
         x = (torch.randn(37, hidden, generator=gen) * 3).to(dtype)
         x[3, 1] = float("nan")
         x[5, 0] = float("inf")
@@ -463,7 +465,7 @@ def test_rms_norm_forward_is_the_portable_arithmetic(dtype):
             y.backward(torch.ones_like(y))
             grads[backend] = (y.detach(), xx.grad, ww.grad)
         for a, b in zip(grads["native"], grads["portable"]):
-            assert torch.equal(a.nan_to_num(), b.nan_to_num()) and torch.equal(a.isnan(), b.isnan()), hidden
+            assert torch.equal(a.nan_to_num(), b.nan_to_num()) and torch.equal(a.isnan(), b.isnan()), (name, hidden)
         assert torch.isfinite(grads["native"][0][[0, 1, 2, 4] + list(range(6, 37))]).all()
 
 

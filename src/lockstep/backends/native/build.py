@@ -143,11 +143,11 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.ls_attention_fwd.argtypes = [i64, i64, i64, i64, ptr, ptr, ptr, i64, i64, ptr, ptr, ptr, ptr, i64, i64, ptr,
                                      i64, flt, cint, i64, ptr, ptr, ptr, cint, cint, cint]
     lib.ls_attention_fwd.restype = cint
-    lib.ls_rms_norm_fwd.argtypes = [i64, i64, ptr, ptr, flt, flt, ptr, ptr, cint, cint, cint, cint]
+    lib.ls_rms_norm_fwd.argtypes = [i64, i64, ptr, ptr, flt, flt, ptr, ptr, cint, cint, cint, cint, cint]
     lib.ls_rms_norm_fwd.restype = cint
     lib.ls_silu_mul.argtypes = [i64, ptr, ptr, ptr, ptr, ptr, cint, cint, cint, cint]
     lib.ls_silu_mul.restype = cint
-    lib.ls_rope.argtypes = [i64, i64, i64, ptr, ptr, ptr, ptr, cint, cint, cint]
+    lib.ls_rope.argtypes = [i64, i64, i64, ptr, ptr, ptr, ptr, cint, cint, cint, cint]
     lib.ls_rope.restype = cint
     lib.ls_rows.argtypes = [i64, i64, ptr, ptr, ptr, cint, cint, cint]
     lib.ls_rows.restype = cint

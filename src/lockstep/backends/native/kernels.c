@@ -1450,7 +1450,7 @@ static void attn_item(void *ctx, int64_t item) {
 
 /* n elements of dtype dt from element k of p into out, fp32; zeros from n to `width` (>= n). One
  * loop per dtype, so that each is vectorised. */
-static void load_block(const char *p, int dt, int64_t k, int64_t n, int64_t width, float *out) {
+INLINE void load_block(const char *p, int dt, int64_t k, int64_t n, int64_t width, float *out) {
     if (dt == DT_F32) {
         memcpy(out, (const float *)p + k, (size_t)n * 4);
     } else if (dt == DT_BF16) {
@@ -1466,20 +1466,26 @@ static void load_block(const char *p, int dt, int64_t k, int64_t n, int64_t widt
     for (int64_t i = n; i < width; i++) out[i] = 0.0f;
 }
 
-/* n fp32 results x into element k of p in dtype dt: fp32 as they are, bf16 by f32_to_bf16 (fp16
- * is not stored here: the callers keep torch's conversion for it). */
-static void store_block(char *p, int dt, int64_t k, int64_t n, const float *x) {
+/* n fp32 results x into element k of p in dtype dt: fp32 as they are, bf16 by f32_to_bf16's
+ * integer steps, written so that they vectorise (fp16 is not stored here: the callers keep torch's
+ * conversion for it). */
+INLINE void store_block(char *p, int dt, int64_t k, int64_t n, const float *x) {
     if (dt == DT_F32) {
         memcpy((float *)p + k, x, (size_t)n * 4);
         return;
     }
     uint16_t *h = (uint16_t *)p + k;
-    int64_t i = 0;
-#if LS_X86
-    for (; i + 4 <= n; i += 4) f32_to_bf16_x4(x + i, h + i);
-#endif
-    for (; i < n; i++) h[i] = f32_to_bf16(x[i]);
+    for (int64_t i = 0; i < n; i++) {
+        uint32_t u;
+        memcpy(&u, &x[i], 4);
+        uint32_t r = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+        h[i] = (uint16_t)((u & 0x7fffffffu) > 0x7f800000u ? 0xffffu : r);
+    }
 }
+
+/* The elementwise passes below are written once (always inlined) and compiled for each instruction
+ * set's vector width (ELEMENTWISE_PASSES); their operations are single IEEE operations on each
+ * element or lane alone, so the width changes no bit. */
 
 /* ---------------------------------------------------------------- rms_norm forward
  * The portable forward's arithmetic, operation for operation (fixed_order.row_sum, portable/rms_norm.py):
@@ -1499,13 +1505,12 @@ typedef struct {
     int64_t H;
     int64_t rows;
     float eps, offset;
-    int dt, wdt, ydt;
+    int dt, wdt, ydt, isa;
 } rms_job;
 
 #define RMS_ROWS 16 /* rows per work item */
 
-static void rms_item(void *ctx, int64_t item) {
-    const rms_job *R = (const rms_job *)ctx;
+INLINE void rms_rows(const rms_job *R, int64_t item) {
     const int64_t H = R->H, es = R->dt == DT_F32 ? 4 : 2;
     int64_t width = SUM_WIDTH;
     if (H < SUM_WIDTH) for (width = 1; width < H; width *= 2) {}
@@ -1548,9 +1553,9 @@ typedef struct {
     int dt, backward, isa;
 } gated_job;
 
-static void gated_item(void *ctx, int64_t item) {
-    const gated_job *J = (const gated_job *)ctx;
-    int64_t k = item * ROW_BLOCK, n = J->n - k < ROW_BLOCK ? J->n - k : ROW_BLOCK;
+#define GATED_BLOCKS 8 /* blocks per work item */
+
+INLINE void gated_block(const gated_job *J, int64_t k, int64_t n) {
     float g[ROW_BLOCK], u[ROW_BLOCK], s[ROW_BLOCK], dy[ROW_BLOCK];
     load_block(J->gate, J->dt, k, n, n, g);
     load_block(J->up, J->dt, k, n, n, u);
@@ -1572,6 +1577,12 @@ static void gated_item(void *ctx, int64_t item) {
     store_block(J->out_up, J->dt, k, n, u);
 }
 
+INLINE void gated_blocks(const gated_job *J, int64_t item) {
+    for (int64_t k = item * GATED_BLOCKS * ROW_BLOCK; k < (item + 1) * GATED_BLOCKS * ROW_BLOCK && k < J->n;
+         k += ROW_BLOCK)
+        gated_block(J, k, J->n - k < ROW_BLOCK ? J->n - k : ROW_BLOCK);
+}
+
 /* ---------------------------------------------------------------- rope
  * portable/rope.py's fp32 arithmetic: per token t, head and pair j < D / 2, with a and b the pair's
  * elements (neox: j and j + D / 2; interleaved: 2 j and 2 j + 1), c = cos[t, j], s = sin[t, j]:
@@ -1583,11 +1594,10 @@ typedef struct {
     char *y;
     const float *cos, *sin;
     int64_t T, H, D;
-    int dt, interleaved;
+    int dt, interleaved, isa;
 } rope_job;
 
-static void rope_item(void *ctx, int64_t t) {
-    const rope_job *J = (const rope_job *)ctx;
+INLINE void rope_token(const rope_job *J, int64_t t) {
     const int64_t D = J->D, half = D / 2;
     const float *c = J->cos + t * half, *s = J->sin + t * half;
     float v[ROW_BLOCK], a[ROW_BLOCK / 2], b[ROW_BLOCK / 2];
@@ -1606,6 +1616,21 @@ static void rope_item(void *ctx, int64_t t) {
         store_block(J->y, J->dt, k, D, v);
     }
 }
+
+#define ELEMENTWISE_PASSES(P, T)                                                                    \
+    T static void rms_item_##P(void *ctx, int64_t item) { rms_rows((const rms_job *)ctx, item); }        \
+    T static void gated_item_##P(void *ctx, int64_t item) { gated_blocks((const gated_job *)ctx, item); } \
+    T static void rope_item_##P(void *ctx, int64_t item) { rope_token((const rope_job *)ctx, item); }
+
+ELEMENTWISE_PASSES(s, )
+#if LS_X86
+ELEMENTWISE_PASSES(a, AVX2_T)
+ELEMENTWISE_PASSES(z, AVX512_T)
+#define ELEMENTWISE_FOR(name, isa) \
+    ((isa) >= ISA_AVX512 ? name##_z : (isa) == ISA_AVX2 ? name##_a : name##_s)
+#else
+#define ELEMENTWISE_FOR(name, isa) name##_s
+#endif
 
 /* ---------------------------------------------------------------- row sums and log_softmax
  * row_sum is fixed_order.row_sum: the row cut into SUM_WIDTH-lane chunks (width the next power of
@@ -1920,13 +1945,13 @@ int ls_attention_fwd(int64_t B, int64_t Hq, int64_t Hkv, int64_t D, const void *
  * y [rows, H] in dtype ydt (fp32, or bf16 rounded as Tensor.to rounds) and rstd fp32 [rows], in the
  * order of the rms_norm section above. Returns 0, or -1 for arguments it cannot take. */
 int ls_rms_norm_fwd(int64_t rows, int64_t H, const void *x, const void *w, float eps, float offset, void *y,
-                    float *rstd, int dt, int wdt, int ydt, int threads) {
+                    float *rstd, int dt, int wdt, int ydt, int isa, int threads) {
     if (rows < 0 || H <= 0 || dt < DT_F32 || dt > DT_F16 || wdt < DT_F32 || wdt > DT_F16 ||
-        (ydt != DT_F32 && ydt != DT_BF16))
+        (ydt != DT_F32 && ydt != DT_BF16) || !ls_cpu_supports(isa))
         return -1;
-    rms_job R = {(const char *)x, (const char *)w, (char *)y, rstd, H, rows, eps, offset, dt, wdt, ydt};
+    rms_job R = {(const char *)x, (const char *)w, (char *)y, rstd, H, rows, eps, offset, dt, wdt, ydt, isa};
     int64_t items = (rows + RMS_ROWS - 1) / RMS_ROWS;
-    parallel_for(rms_item, &R, items, rows * H < (1 << 16) ? 1 : threads);
+    parallel_for(ELEMENTWISE_FOR(rms_item, isa), &R, items, rows * H < (1 << 16) ? 1 : threads);
     return 0;
 }
 
@@ -1939,8 +1964,8 @@ int ls_silu_mul(int64_t n, const void *gate, const void *up, const void *dy, voi
         return -1;
     gated_job J = {(const char *)gate, (const char *)up, (const char *)dy, (char *)out, (char *)out_up, n, dt,
                    backward != 0, isa};
-    int64_t items = (n + ROW_BLOCK - 1) / ROW_BLOCK;
-    parallel_for(gated_item, &J, items, n < (1 << 15) ? 1 : threads);
+    int64_t items = (n + GATED_BLOCKS * ROW_BLOCK - 1) / (GATED_BLOCKS * ROW_BLOCK);
+    parallel_for(ELEMENTWISE_FOR(gated_item, isa), &J, items, n < (1 << 15) ? 1 : threads);
     return 0;
 }
 
@@ -1948,10 +1973,12 @@ int ls_silu_mul(int64_t n, const void *gate, const void *up, const void *dy, voi
  * shape and dtype), in the order of the rope section above; interleaved 0 pairs j with j + D / 2.
  * D must be even and at most 512. Returns 0, or -1 for arguments it cannot take. */
 int ls_rope(int64_t T, int64_t H, int64_t D, const void *x, const float *cos, const float *sin, void *y, int dt,
-            int interleaved, int threads) {
-    if (T < 0 || H < 0 || D <= 0 || D % 2 || D > ROW_BLOCK || (dt != DT_F32 && dt != DT_BF16)) return -1;
-    rope_job J = {(const char *)x, (char *)y, cos, sin, T, H, D, dt, interleaved != 0};
-    parallel_for(rope_item, &J, T, T * H * D < (1 << 15) ? 1 : threads);
+            int interleaved, int isa, int threads) {
+    if (T < 0 || H < 0 || D <= 0 || D % 2 || D > ROW_BLOCK || (dt != DT_F32 && dt != DT_BF16) ||
+        !ls_cpu_supports(isa))
+        return -1;
+    rope_job J = {(const char *)x, (char *)y, cos, sin, T, H, D, dt, interleaved != 0, isa};
+    parallel_for(ELEMENTWISE_FOR(rope_item, isa), &J, T, T * H * D < (1 << 15) ? 1 : threads);
     return 0;
 }
 

@@ -11,7 +11,7 @@ from torch import Tensor
 from ... import grad_tree
 from ...registry import register
 from ..portable import rms_norm as portable
-from .build import library
+from .build import isa, library
 from .cpu import native_kernels
 from .gemm import DTYPE_CODES, OUT_CODES
 
@@ -25,7 +25,7 @@ class _RMSNorm(torch.autograd.Function):
         w = weight.contiguous()
         status = library().ls_rms_norm_fwd(rows, hidden, x.data_ptr(), w.data_ptr(), eps, offset, y.data_ptr(),
                                            rstd.data_ptr(), DTYPE_CODES[x.dtype], DTYPE_CODES[w.dtype],
-                                           OUT_CODES[y.dtype], torch.get_num_threads())
+                                           OUT_CODES[y.dtype], isa(), torch.get_num_threads())
         if status != 0:
             raise RuntimeError(f"ls_rms_norm_fwd refused x {tuple(x.shape)} {x.dtype}, weight {w.dtype}")
         ctx.save_for_backward(x, weight, rstd)

@@ -11,7 +11,7 @@ from torch import Tensor
 from ...registry import register
 from ...rotary import rope_cos_sin
 from ..portable import rope as portable
-from .build import library
+from .build import isa, library
 from .cpu import native_kernels
 from .gemm import OUT_CODES
 
@@ -22,7 +22,7 @@ def _rotate(x: Tensor, cos: Tensor, sin: Tensor, style: str) -> Tensor:
     """x [T, H, D] rotated by cos, sin fp32 [T, 1, D / 2]; x's shape and dtype."""
     y = torch.empty_like(x)
     status = library().ls_rope(x.shape[0], x.shape[1], x.shape[2], x.data_ptr(), cos.data_ptr(), sin.data_ptr(),
-                               y.data_ptr(), OUT_CODES[x.dtype], style != "neox", torch.get_num_threads())
+                               y.data_ptr(), OUT_CODES[x.dtype], style != "neox", isa(), torch.get_num_threads())
     if status != 0:
         raise RuntimeError(f"ls_rope refused x {tuple(x.shape)} {x.dtype}")
     return y
