@@ -517,6 +517,12 @@ def test_rope_and_silu_mul_in_c_are_the_compositions_bit_for_bit(dtype, isa):
                             assert torch.equal(_bits(fused), _bits(composed)), (name, threads, head_dim, style)
         if dtype == torch.float16:
             break  # the composition itself, on every instruction set in the digest
+    # Empty tensors (whose data pointers may be NULL) pass through, forward and backward.
+    gate = torch.empty(0, 8, dtype=dtype, requires_grad=True)
+    ops.silu_mul(gate, gate.detach().clone().requires_grad_()).sum().backward()
+    x = torch.empty(3, 0, 8, dtype=dtype, requires_grad=True)
+    ops.rope(x, torch.arange(3)).sum().backward()
+    assert gate.grad.shape == (0, 8) and x.grad.shape == (3, 0, 8)
 
 
 def test_the_build_for_other_architectures_gives_the_same_bits(tmp_path, monkeypatch):
@@ -550,13 +556,14 @@ def test_the_build_for_other_architectures_gives_the_same_bits(tmp_path, monkeyp
 
 @pytest.fixture(scope="module")
 def unfused():
-    """The native kernel set without its fused row reductions: fixed_order's PyTorch compositions on
-    the native GEMMs, exp and log."""
+    """The native kernel set without its fused row reductions and split products: fixed_order's
+    PyTorch compositions on the native GEMMs, exp and log."""
     from lockstep.backends.native.cpu import KERNELS
     from lockstep.fixed_order import register_cpu_kernels
 
     register_cpu_kernels(KERNELS._replace(name="native-unfused", row_sum=None, log_softmax=None,
-                                          log_softmax_backward=None, lse_fold=None, logit_grad=None))
+                                          log_softmax_backward=None, lse_fold=None, logit_grad=None,
+                                          split_matmul_rows=None))
     return "native-unfused"
 
 
@@ -589,6 +596,49 @@ def test_row_sum_and_log_softmax_in_c_are_the_compositions_bit_for_bit(unfused):
     with fo.cpu_kernels(KERNELS.name):
         assert fo.row_sum(torch.ones(4, 0)).tolist() == [0.0] * 4
         assert torch.equal(fo.row_sum(torch.ones(2, 3, 700)), torch.full((2, 3), 700.0))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_a_split_product_in_one_call_is_the_composition_bit_for_bit(unfused, dtype, isa):
+    """A tensor-parallel layer's split reduction (linear's split_k forward, split_n input gradient)
+    in one GEMM call against split_sum over separate GEMMs and tensor adds, forward and backward, on
+    every instruction set and 1 to 3 threads, with row and column tails, 2 to 16 parts, NaN and Inf
+    (NaN compared as NaN). fp16, and slices of 8 KB or more, take the composition."""
+    from lockstep import fixed_order as fo
+    from lockstep.backends.native.cpu import KERNELS
+
+    gen = torch.Generator().manual_seed(9)
+    cases = ((1, 100, 3072, 4, 2), (5, 6, 64, 2, 2), (9, 36, 512, 8, 4), (32, 40, 2048, 16, 8), (3, 8, 16384, 4, 2))
+    for name in build.ISAS:
+        isa(name)
+        for threads, (rows, n, k, split_k, split_n) in itertools.product((1, 2, 3), cases):
+            x = torch.randn(rows, k, generator=gen).to(dtype)
+            w = (torch.randn(n, k, generator=gen) / 8).to(dtype)
+            x[0, 3], w[1, 5] = float("nan"), float("inf")
+            dy = torch.randn(rows, n, generator=gen).to(dtype)
+            dy[-1, 1] = float("nan")
+            results = []
+            for kernels in (KERNELS.name, unfused):
+                xx, ww = x.clone().requires_grad_(), w.clone().requires_grad_()
+                # The portable op on a chosen kernel set (the native op would select the native set).
+                with num_threads(threads), registry.use_backend("portable"), fo.cpu_kernels(kernels):
+                    y = ops.linear(xx, ww, split_k=split_k, split_n=split_n)
+                    y.backward(dy)
+                results.append((y.detach(), xx.grad, ww.grad))
+            for fused, composed in zip(*results):
+                assert torch.equal(_bits(fused), _bits(composed)), (name, threads, rows, n, k)
+            if dtype != torch.float16 and k <= 4096:
+                assert gemm.split_parts_supported(x, w.t(), split_k)
+
+
+def test_a_split_product_names_the_parts_it_cannot_take():
+    a, b = torch.ones(2, 12), torch.ones(3, 12)
+    for parts in (3, 24):
+        with pytest.raises(RuntimeError, match=f"in {parts} parts"):
+            gemm.gemm_nt(a, b, parts=parts)
+    with pytest.raises(RuntimeError, match="in 2 parts"):
+        gemm.gemm_nt(a, b, bias=torch.ones(3), parts=2)
+    assert not gemm.split_parts_supported(a.half(), b.half().t(), 2)
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:

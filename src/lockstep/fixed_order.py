@@ -118,8 +118,9 @@ class CpuKernels(NamedTuple):
     vector math gives them other bits under another instruction set). Optionally, faster forms of
     compositions whose bits are fixed here, which must give those bits: `row_sum` (fp32 [M, L] ->
     [M]), and `log_softmax` (fp32 [M, V] -> y) with its `log_softmax_backward` (g, y -> dx), the
-    arithmetic of `log_softmax_rows` and `log_softmax_rows_backward` on their own exp and log; and
-    `lse_fold` and `logit_grad`, the LM head's per-chunk row arithmetic (same signatures)."""
+    arithmetic of `log_softmax_rows` and `log_softmax_rows_backward` on their own exp and log;
+    `lse_fold` and `logit_grad`, the LM head's per-chunk row arithmetic (same signatures); and
+    `split_matmul_rows`, the split reduction of `split_matmul_rows` (same signature)."""
     name: str
     matmul_rows: Callable[..., Tensor]
     weight_grad: Callable[..., Tensor]
@@ -130,6 +131,7 @@ class CpuKernels(NamedTuple):
     log_softmax_backward: Callable[[Tensor, Tensor], Tensor] | None = None
     lse_fold: Callable[..., tuple[Tensor, Tensor]] | None = None
     logit_grad: Callable[..., Tensor] | None = None
+    split_matmul_rows: Callable[[Tensor, Tensor, int], Tensor] | None = None
 
 
 _CPU_KERNELS: dict[str, CpuKernels] = {}
@@ -583,3 +585,16 @@ def split_sum(part: Callable[[int, int], Tensor], length: int, parts: int) -> Te
         raise ValueError(f"parts: {parts} does not divide the reduced length {length}")
     size = length // parts
     return tree_sum([part(i * size, (i + 1) * size) for i in range(parts)])
+
+
+def split_matmul_rows(a: Tensor, b: Tensor, parts: int) -> Tensor:
+    """a @ b with the reduction over K cut into `parts` slices (`split_sum` of `matmul_rows`): a
+    [M, K], b [K, N] (a transposed view is free) -> [M, N] in a's dtype, each slice's product
+    rounded to it and the slices summed by the canonical tree in it. The selected CPU kernels may
+    do this in one call, with these bits."""
+    if parts == 1:
+        return matmul_rows(a, b)
+    kernels = _kernels_for(a)
+    if kernels is not None and kernels.split_matmul_rows is not None:
+        return kernels.split_matmul_rows(a, b, parts)
+    return split_sum(lambda s, e: matmul_rows(a[:, s:e], b[s:e]), a.shape[-1], parts)

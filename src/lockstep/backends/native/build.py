@@ -137,7 +137,8 @@ def pool_name() -> str:
 def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     """`lib` with the argument and result types of kernels.c's exported functions."""
     i64, ptr, cint = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-    lib.ls_gemm_nt.argtypes = [i64, i64, i64, i64, ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, ptr, cint, cint, cint, cint]
+    lib.ls_gemm_nt.argtypes = [i64, i64, i64, i64, ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, ptr, cint, cint, cint, cint,
+                               cint]
     lib.ls_gemm_nt.restype = cint
     flt = ctypes.c_float
     lib.ls_attention_fwd.argtypes = [i64, i64, i64, i64, ptr, ptr, ptr, i64, i64, ptr, ptr, ptr, ptr, i64, i64, ptr,

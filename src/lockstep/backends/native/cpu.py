@@ -9,7 +9,8 @@ from ...fixed_order import CpuKernels, cpu_kernels, register_cpu_kernels
 from . import gemm, rows, unary
 
 KERNELS = CpuKernels("native", gemm.matmul_rows, gemm.weight_grad, unary.exp, unary.log, rows.row_sum,
-                     rows.log_softmax, rows.log_softmax_backward, rows.lse_fold, rows.logit_grad)
+                     rows.log_softmax, rows.log_softmax_backward, rows.lse_fold, rows.logit_grad,
+                     gemm.split_matmul_rows)
 register_cpu_kernels(KERNELS)
 
 

@@ -564,6 +564,7 @@ typedef struct {
     int64_t mb, nb, m_tiles, n_tiles; /* item tile: mb rows x nb columns */
     int64_t kc;                       /* K in blocks of kc elements (kc >= K: one piece) */
     int n_major; /* consecutive items walk down a column panel of B (else along a row block of A) */
+    int parts;   /* > 1: each row's K elements are `parts` slices of K / parts (see gemm_split_tile) */
 } gemm_job;
 
 /* Specialise a tile function for constant (dt, mr, nr) so the compiler unrolls it fully. Each
@@ -707,6 +708,59 @@ static void gemm_block_long_k(const gemm_job *g, int64_t b, int64_t m0, int64_t 
     }
 }
 
+/* A split reduction (fixed_order.split_sum over matmul_rows, as a tensor-parallel layer computes
+ * it): each of the `parts` slices of K is its own dot (the order of the file's header, from fresh
+ * lanes), stored as a GEMM of that slice stores it (canonical NaN for bf16 operands; fp32, or
+ * rounded to bf16 as torch rounds), and the slices are then summed by the canonical tree over
+ * their index, every node left + right rounded to the output dtype, as torch adds two tensors of
+ * it. The composition's bits without its `parts` GEMM calls and their intermediates. */
+#define MAX_PARTS 16
+
+/* The 16 results of a tile as the bf16 values f32_to_bf16 gives them (NaN 0xffff), in fp32: the
+ * same integer steps, on one AVX-512 register, or lane by lane. */
+#if LS_X86
+AVX512_T static void round_tile_to_bf16_z(float *x) {
+    __m512i u = _mm512_loadu_si512(x);
+    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb);
+    r = _mm512_and_si512(r, _mm512_set1_epi32((int)0xffff0000u));
+    __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
+                                            _mm512_set1_epi32(0x7f800000));
+    _mm512_storeu_si512(x, _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32((int)0xffff0000u)));
+}
+#endif
+
+static void round_tile_to_bf16(float *x, int isa) {
+#if LS_X86
+    if (isa >= ISA_AVX512) {
+        round_tile_to_bf16_z(x);
+        return;
+    }
+#endif
+    (void)isa;
+    for (int q = 0; q < MR * NR; q++) x[q] = bf16_to_f32(f32_to_bf16(x[q]));
+}
+
+static void gemm_split_tile(const gemm_job *g, micro_fn micro, const char *A, const char *B, int64_t m, int64_t n,
+                            int mr, int nr, float *total) {
+    float part[MAX_PARTS][MR * NR];
+    int64_t kp = g->K, es = g->dt == DT_F32 ? 4 : 2;
+    memset(part, 0, sizeof(part[0]) * g->parts); /* outputs past mr x nr stay zeros */
+    /* bf16 operands come with bf16 C (ls_gemm_nt), whose rounding gives every NaN one pattern, as
+     * canonical_nans would before it. */
+    for (int p = 0; p < g->parts; p++) {
+        micro(g->dt, mr, nr, kp, A + m * g->lda + p * kp * es, g->lda, B + n * g->ldb + p * kp * es, g->ldb, NULL,
+              part[p]);
+        if (g->c_bf16) round_tile_to_bf16(part[p], g->isa);
+    }
+    for (int width = 1; width < g->parts; width *= 2)
+        for (int p = 0; p + width < g->parts; p += 2 * width) {
+            for (int q = 0; q < MR * NR; q++) part[p][q] = part[p][q] + part[p + width][q];
+            if (g->c_bf16) round_tile_to_bf16(part[p], g->isa);
+        }
+    memcpy(total, part[0], sizeof(part[0]));
+}
+
 /* One work item: the outputs of rows [m0, m0 + mb) x columns [n0, n0 + nb) of one batch entry. */
 static void gemm_item(void *ctx, int64_t item) {
     const gemm_job *g = (const gemm_job *)ctx;
@@ -739,7 +793,10 @@ static void gemm_item(void *ctx, int64_t item) {
         int mr = (int)(m1 - m < MR ? m1 - m : MR);
         for (int64_t n = n0; n < n1; n += NR) {
             int nr = (int)(n1 - n < NR ? n1 - n : NR);
-            micro(g->dt, mr, nr, g->K, A + m * g->lda, g->lda, B + n * g->ldb, g->ldb, NULL, folded);
+            if (g->parts > 1)
+                gemm_split_tile(g, micro, A, B, m, n, mr, nr, folded);
+            else
+                micro(g->dt, mr, nr, g->K, A + m * g->lda, g->lda, B + n * g->ldb, g->ldb, NULL, folded);
             store_tile(g, b, m, n, mr, nr, folded);
         }
     }
@@ -1854,18 +1911,24 @@ int ls_cpu_supports(int isa) {
  * of the file's header. A, B: rows of K contiguous elements of dtype dt (0 fp32, 1 bf16, 2 fp16);
  * row strides lda, ldb and batch strides sa, sb in elements. C: dtype c_dt (0 fp32, 1 bf16: each
  * fp32 result rounded by f32_to_bf16), row stride ldc, batch stride sc in elements. bias: fp32 [N]
- * or NULL, added once after the fold, before any rounding to bf16. Returns 0, or -1 for arguments
- * it cannot take. */
+ * or NULL, added once after the fold, before any rounding to bf16. parts > 1 (a power of two up to
+ * 16 that divides K; fp32 operands and C, or bf16 operands and C; no bias; K / parts elements under
+ * KC_FROM_BYTES): the dot over K in `parts` slices combined by the canonical tree (gemm_split_tile).
+ * Returns 0, or -1 for arguments it cannot take. */
 int ls_gemm_nt(int64_t batch, int64_t M, int64_t N, int64_t K, const void *A, int64_t lda, int64_t sa,
                const void *B, int64_t ldb, int64_t sb, void *C, int64_t ldc, int64_t sc, const float *bias,
-               int dt, int c_dt, int isa, int threads) {
+               int dt, int c_dt, int parts, int isa, int threads) {
     if (batch < 0 || M < 0 || N < 0 || K < 0 || dt < DT_F32 || dt > DT_F16 || c_dt < DT_F32 || c_dt > DT_BF16 ||
         !ls_cpu_supports(isa))
         return -1;
-    if (batch == 0 || M == 0 || N == 0) return 0;
     int64_t es = dt == DT_F32 ? 4 : 2;
-    gemm_job g = {batch, M, N, K, (const char *)A, (const char *)B, lda * es, ldb * es, sa * es, sb * es,
-                  C, ldc, sc, bias, dt, isa, c_dt == DT_BF16, 0, 0, 0, 0, K, 0};
+    if (parts != 1 && (parts < 1 || parts > MAX_PARTS || (parts & (parts - 1)) || K % parts || bias ||
+                       !((dt == DT_F32 && c_dt == DT_F32) || (dt == DT_BF16 && c_dt == DT_BF16)) ||
+                       K / parts * es >= KC_FROM_BYTES))
+        return -1;
+    if (batch == 0 || M == 0 || N == 0) return 0;
+    gemm_job g = {batch, M, N, K / parts, (const char *)A, (const char *)B, lda * es, ldb * es, sa * es, sb * es,
+                  C, ldc, sc, bias, dt, isa, c_dt == DT_BF16, 0, 0, 0, 0, K / parts, 0, parts};
     /* Item tiles sized for the caches only (never for the bits): a column panel of about 256 KB of
      * B stays in L2 while 64-row blocks of A stream past it. */
     int64_t nb = (256 * 1024) / (K * es + 1);
@@ -1875,7 +1938,7 @@ int ls_gemm_nt(int64_t batch, int64_t M, int64_t N, int64_t K, const void *A, in
     /* The larger operand is streamed once: its panels stay in cache while the smaller one (which
      * fits in L3) passes by again for each (the LM head's 311 MB weight against 1024 rows). */
     g.n_major = N > M;
-    if (K * es >= KC_FROM_BYTES) {
+    if (parts == 1 && K * es >= KC_FROM_BYTES) {
         /* the largest item that still leaves a few per thread */
         int64_t side = KC_ITEM;
         while (side > KC_SMALL && batch * ((M + side - 1) / side) * ((N + side - 1) / side) < 4 * (int64_t)threads)
@@ -1960,8 +2023,9 @@ int ls_rms_norm_fwd(int64_t rows, int64_t H, const void *x, const void *w, float
  * dy. Returns 0, or -1 for arguments it cannot take. */
 int ls_silu_mul(int64_t n, const void *gate, const void *up, const void *dy, void *out, void *out_up, int dt,
                 int backward, int isa, int threads) {
-    if (n < 0 || (dt != DT_F32 && dt != DT_BF16) || (backward && (!dy || !out_up)) || !ls_cpu_supports(isa))
-        return -1;
+    if (n < 0 || (dt != DT_F32 && dt != DT_BF16) || !ls_cpu_supports(isa)) return -1;
+    if (n == 0) return 0; /* empty tensors may have NULL data */
+    if (backward && (!dy || !out_up)) return -1;
     gated_job J = {(const char *)gate, (const char *)up, (const char *)dy, (char *)out, (char *)out_up, n, dt,
                    backward != 0, isa};
     int64_t items = (n + GATED_BLOCKS * ROW_BLOCK - 1) / (GATED_BLOCKS * ROW_BLOCK);

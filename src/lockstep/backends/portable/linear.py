@@ -11,7 +11,7 @@ from ...fixed_order import (
     matmul_rows,
     records_cpu_kernels,
     restores_cpu_kernels,
-    split_sum,
+    split_matmul_rows,
     weight_grad,
 )
 from ...registry import register
@@ -22,7 +22,7 @@ def linear_forward(x: Tensor, weight: Tensor, bias: Tensor | None, split_k: int 
     `split_k` parts combined by the canonical tree (the bias added after)."""
     if split_k == 1:
         return matmul_rows(x, weight.t(), bias).to(x.dtype)
-    y = split_sum(lambda s, e: matmul_rows(x[:, s:e], weight[:, s:e].t()), x.shape[1], split_k)
+    y = split_matmul_rows(x, weight.t(), split_k)
     return (y if bias is None else y + bias).to(x.dtype)
 
 
@@ -43,8 +43,7 @@ class _Linear(torch.autograd.Function):
         grad_y = grad_y.contiguous()
         dx = None
         if ctx.needs_input_grad[0]:
-            dx = split_sum(lambda s, e: matmul_rows(grad_y[:, s:e], weight[s:e]), weight.shape[0], ctx.split_n)
-            dx = dx.to(x.dtype)
+            dx = split_matmul_rows(grad_y, weight, ctx.split_n).to(x.dtype)
         dw, db = grad_tree.linear_param_grads(ctx.use_w, ctx.use_b, grad_y, x, weight.dtype, ctx.needs_input_grad[1],
                                               ctx.has_bias and ctx.needs_input_grad[2], weight_grad, column_sum)
         return dx, dw, db, None, None
