@@ -570,7 +570,7 @@ def unfused():
 def test_row_sum_and_log_softmax_in_c_are_the_compositions_bit_for_bit(unfused):
     """row_sum, log_softmax and its backward in C against fixed_order's compositions, at lengths
     below, at and past the sum's 512 lanes and a 152k vocabulary, with NaN, Inf, -inf rows and -0.0
-    (whose padded sum is +0), on 1 and 2 threads."""
+    (whose padded sum is +0), rows whose largest value is -0.0 or +0.0 first, on 1 and 2 threads."""
     from lockstep import fixed_order as fo
     from lockstep.backends.native.cpu import KERNELS
 
@@ -585,6 +585,8 @@ def test_row_sum_and_log_softmax_in_c_are_the_compositions_bit_for_bit(unfused):
             x[4] = -0.0
             x[5, ::2] = -0.0
             g[6, 3] = float("nan")
+            x[7], x[8] = -x[7].abs(), -x[8].abs()          # largest value zero: the first zero's sign counts
+            x[7, 2], x[7, 3], x[8, 2], x[8, 3] = -0.0, 0.0, 0.0, -0.0
         for threads in (1, 2):
             with num_threads(threads):
                 with fo.cpu_kernels(unfused):
@@ -690,6 +692,29 @@ def test_lse_fold_and_logit_grad_in_c_are_the_compositions_bit_for_bit(unfused, 
                 for i, (want, got) in enumerate(zip(*results)):
                     assert want.dtype == got.dtype and torch.equal(_bits(want), _bits(got)), \
                         (i, length, temperature, threads)
+
+
+def test_a_row_max_is_the_first_of_its_value_on_every_instruction_set(isa):
+    """The row max of the C row kernels (the online log-sum-exp's running max here) is found lane by
+    lane, yet is the one a scalar loop from -inf keeps: where the largest value is zero, the first
+    zero, of either sign, at any position around the 16 lanes; the first NaN; -inf for -inf rows."""
+    from lockstep.backends.native import rows
+
+    length = 100
+    x = -torch.rand(6, length) - 0.5
+    x[0, 7], x[0, 40] = -0.0, 0.0
+    x[1, 7], x[1, 40] = 0.0, -0.0
+    x[2, 97], x[2, 98] = -0.0, 0.0                            # past the last whole 16 lanes
+    x[3, 16], x[3, 1] = 0.0, -0.0
+    x[4, 50] = float("nan")
+    x[5] = float("-inf")
+    want = torch.tensor([-0.0, 0.0, -0.0, -0.0, float("nan"), float("-inf")])
+    for name in build.ISAS:
+        isa(name)
+        for threads in (1, 2):
+            with num_threads(threads):
+                run_max, _ = rows.lse_fold(x, 1.0, None)
+            assert torch.equal(_bits(run_max), _bits(want)), (name, threads)
 
 
 def test_the_logit_row_kernels_name_a_bad_argument():

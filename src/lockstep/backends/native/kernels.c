@@ -1698,19 +1698,63 @@ ELEMENTWISE_PASSES(z, AVX512_T)
  * dx = g - exp(y) * row_sum(g). exp and log are the file's. Single IEEE operations throughout, so
  * both backends give the same bits, on every instruction set. */
 
-static float row_sum_f32(const float *x, int64_t L, float *acc) {
-    if (L == 0) return 0.0f;
-    int64_t width = SUM_WIDTH;
-    if (L < SUM_WIDTH) for (width = 1; width < L; width *= 2) {}
-    for (int64_t l = 0; l < width; l++) acc[l] = l < L ? x[l] : 0.0f;
-    for (int64_t c = width; c < L; c += width) {
-        int64_t n = L - c < width ? L - c : width;
-        for (int64_t l = 0; l < n; l++) acc[l] = acc[l] + x[c + l];
-        for (int64_t l = n; l < width; l++) acc[l] = acc[l] + 0.0f; /* -0 + +0 is +0, as in the padded sum */
+/* row_sum's chunk at offset c (n <= width values v): the first taken as it is, zero-padded to the
+ * width; a later one added lane by lane, its padding adding +0 (-0 + +0 is +0, as in the padded
+ * sum). */
+INLINE void row_sum_chunk(float *acc, const float *v, int64_t c, int64_t n, int64_t width) {
+    if (c == 0) {
+        for (int64_t l = 0; l < width; l++) acc[l] = l < n ? v[l] : 0.0f;
+        return;
     }
+    for (int64_t l = 0; l < n; l++) acc[l] = acc[l] + v[l];
+    for (int64_t l = n; l < width; l++) acc[l] = acc[l] + 0.0f;
+}
+
+/* The lanes folded pairwise (lane i with lane i + w / 2). */
+INLINE float row_sum_fold(float *acc, int64_t width) {
     for (int64_t w = width / 2; w >= 1; w /= 2)
         for (int64_t l = 0; l < w; l++) acc[l] = acc[l] + acc[l + w];
     return acc[0];
+}
+
+INLINE float row_sum_f32(const float *x, int64_t L, float *acc) {
+    if (L == 0) return 0.0f;
+    int64_t width = SUM_WIDTH;
+    if (L < SUM_WIDTH) for (width = 1; width < L; width *= 2) {}
+    for (int64_t c = 0; c < L; c += width) row_sum_chunk(acc, x + c, c, L - c < width ? L - c : width, width);
+    return row_sum_fold(acc, width);
+}
+
+/* The max of x[0 .. L) as the loop `if (x > m || x != x) { m = x; if (m != m) break; }` from
+ * m = -inf leaves it: the first NaN if there is one, else the first element of the largest value
+ * (whose bits are one value's, except for a largest value of zero, where the first zero's sign
+ * counts). Found lane by lane so that it vectorises, with the same result. */
+#define MAX_LANES 16
+
+INLINE float row_max(const float *x, int64_t L) {
+    float lane[MAX_LANES];
+    int nan = 0;
+    for (int l = 0; l < MAX_LANES; l++) lane[l] = -INFINITY;
+    int64_t j = 0;
+    for (; j + MAX_LANES <= L; j += MAX_LANES)
+        for (int l = 0; l < MAX_LANES; l++) {
+            float v = x[j + l];
+            nan |= v != v;
+            lane[l] = v > lane[l] ? v : lane[l];
+        }
+    for (; j < L; j++) {
+        nan |= x[j] != x[j];
+        lane[0] = x[j] > lane[0] ? x[j] : lane[0];
+    }
+    float m = -INFINITY;
+    for (int l = 0; l < MAX_LANES; l++) m = lane[l] > m ? lane[l] : m;
+    if (nan)
+        for (j = 0; j < L; j++)
+            if (x[j] != x[j]) return x[j];
+    if (m == 0.0f)
+        for (j = 0; j < L; j++)
+            if (x[j] == 0.0f) return x[j];
+    return m;
 }
 
 typedef struct {
@@ -1719,41 +1763,43 @@ typedef struct {
     float *out;     /* row_sum: [rows]; forward: y; backward: dx */
     int64_t rows, L;
     int mode, isa;  /* mode: 0 row_sum, 1 log_softmax forward, 2 its backward */
-    atomic_int failed;
 } rows_job;
 
 #define ROWS_ITEM 4 /* rows per work item */
 
-static void rows_item(void *ctx, int64_t item) {
-    rows_job *J = (rows_job *)ctx;
+INLINE void rows_rows(const rows_job *J, int64_t item) {
     const int64_t L = J->L;
-    float acc[SUM_WIDTH];
-    float *e = NULL;
-    if (J->mode != 0 && !(e = (float *)malloc((size_t)(L > 0 ? L : 1) * 4))) {
-        atomic_store(&J->failed, 1);
-        return;
-    }
+    int64_t width = SUM_WIDTH;
+    if (L < SUM_WIDTH) for (width = 1; width < L; width *= 2) {}
+    float acc[SUM_WIDTH], e[SUM_WIDTH];
     for (int64_t r = item * ROWS_ITEM; r < (item + 1) * ROWS_ITEM && r < J->rows; r++) {
         const float *x = J->x + r * L;
         if (J->mode == 0) {
             J->out[r] = row_sum_f32(x, L, acc);
         } else if (J->mode == 1) {
-            float m = -INFINITY, *y = J->out + r * L;
-            for (int64_t j = 0; j < L; j++)
-                if (x[j] > m || x[j] != x[j]) { m = x[j]; if (m != m) break; }
-            for (int64_t j = 0; j < L; j++) y[j] = x[j] - m;
-            unary_isa(J->isa, y, e, L, FN_EXP);
-            float lse = s_log(row_sum_f32(e, L, acc));
-            for (int64_t j = 0; j < L; j++) y[j] = y[j] - lse;
+            /* y = x - m; lse = log(row_sum(exp(y))); y = y - lse, with the exponentials summed a
+             * chunk of the sum's lanes at a time (row_sum_chunk) and y written once. */
+            float m = row_max(x, L), *y = J->out + r * L;
+            for (int64_t c = 0; c < L; c += width) {
+                int64_t n = L - c < width ? L - c : width;
+                for (int64_t l = 0; l < n; l++) e[l] = x[c + l] - m;
+                unary_isa(J->isa, e, e, n, FN_EXP);
+                row_sum_chunk(acc, e, c, n, width);
+            }
+            float lse = L ? s_log(row_sum_fold(acc, width)) : s_log(0.0f);
+            for (int64_t j = 0; j < L; j++) y[j] = (x[j] - m) - lse;
         } else {
+            /* dx = g - exp(y) * row_sum(g), the exponentials a chunk at a time */
             const float *y = J->y + r * L;
             float *dx = J->out + r * L;
             float sum = row_sum_f32(x, L, acc);
-            unary_isa(J->isa, y, e, L, FN_EXP);
-            for (int64_t j = 0; j < L; j++) dx[j] = x[j] - e[j] * sum;
+            for (int64_t c = 0; c < L; c += SUM_WIDTH) {
+                int64_t n = L - c < SUM_WIDTH ? L - c : SUM_WIDTH;
+                unary_isa(J->isa, y + c, e, n, FN_EXP);
+                for (int64_t l = 0; l < n; l++) dx[c + l] = x[c + l] - e[l] * sum;
+            }
         }
     }
-    free(e);
 }
 
 /* ---------------------------------------------------------------- logit chunks
@@ -1787,8 +1833,7 @@ typedef struct {
     atomic_int failed;
 } logit_job;
 
-static void logit_item(void *ctx, int64_t item) {
-    logit_job *J = (logit_job *)ctx;
+INLINE void logit_rows(logit_job *J, int64_t item) {
     const int64_t L = J->L;
     float acc[SUM_WIDTH];
     float *e = (float *)malloc((size_t)(L > 0 ? L : 1) * 4);
@@ -1799,13 +1844,11 @@ static void logit_item(void *ctx, int64_t item) {
     const int es = J->dt == DT_F32 ? 4 : 2;
     for (int64_t r = item * ROWS_ITEM; r < (item + 1) * ROWS_ITEM && r < J->rows; r++) {
         const char *x = J->x + r * J->ld * es;
-        for (int64_t j = 0; j < L; j++) e[j] = load_scalar(x, j, J->dt);
+        load_block(x, J->dt, 0, L, L, e);
         if (J->t != 1.0f)
             for (int64_t j = 0; j < L; j++) e[j] = e[j] / J->t;
         if (J->mode == 0) {
-            float m = -INFINITY;
-            for (int64_t j = 0; j < L; j++)
-                if (e[j] > m || e[j] != e[j]) { m = e[j]; if (m != m) break; }
+            float m = row_max(e, L);
             const float old = J->first ? m : J->run_max[r]; /* the first chunk's inputs are never read */
             if (!J->first) m = old != old || m != m ? NAN : (old > m ? old : m);
             for (int64_t j = 0; j < L; j++) e[j] = e[j] - m;
@@ -1819,17 +1862,22 @@ static void logit_item(void *ctx, int64_t item) {
             unary_isa(J->isa, e, e, L, FN_EXP);
             for (int64_t j = 0; j < L; j++) e[j] = -e[j];
             e[J->local[r]] = e[J->local[r]] + J->inside[r];
-            if (J->out_dt == DT_F32) {
-                float *o = (float *)J->out + r * L;
-                for (int64_t j = 0; j < L; j++) o[j] = e[j] * g;
-            } else {
-                uint16_t *o = (uint16_t *)J->out + r * L;
-                for (int64_t j = 0; j < L; j++) o[j] = f32_to_bf16(e[j] * g);
-            }
+            for (int64_t j = 0; j < L; j++) e[j] = e[j] * g;
+            store_block((char *)J->out, J->out_dt, r * L, L, e);
         }
     }
     free(e);
 }
+
+#define ROW_PASSES(P, T)                                                                            \
+    T static void rows_item_##P(void *ctx, int64_t item) { rows_rows((const rows_job *)ctx, item); }   \
+    T static void logit_item_##P(void *ctx, int64_t item) { logit_rows((logit_job *)ctx, item); }
+
+ROW_PASSES(s, )
+#if LS_X86
+ROW_PASSES(a, AVX2_T)
+ROW_PASSES(z, AVX512_T)
+#endif
 
 /* ---------------------------------------------------------------- exported */
 
@@ -2048,13 +2096,14 @@ int ls_rope(int64_t T, int64_t H, int64_t D, const void *x, const float *cos, co
 
 /* Over rows of L contiguous fp32 elements (the order of the row-sum section above): mode 0, out[r] =
  * row_sum(x[r]); mode 1, out[r] = log_softmax(x[r]); mode 2, out[r] = its backward from g = x[r]
- * and the forward's output y[r]. out may alias x in modes 1 and 2. Returns 0, -1 for arguments it
- * cannot take, -2 when memory runs out. */
+ * and the forward's output y[r]. out may alias x in modes 1 and 2. Returns 0, or -1 for arguments
+ * it cannot take. */
 int ls_rows(int64_t rows, int64_t L, const float *x, const float *y, float *out, int mode, int isa, int threads) {
     if (rows < 0 || L < 0 || mode < 0 || mode > 2 || (mode == 2 && !y) || !ls_cpu_supports(isa)) return -1;
-    rows_job J = {x, y, out, rows, L, mode, isa, 0};
-    parallel_for(rows_item, &J, (rows + ROWS_ITEM - 1) / ROWS_ITEM, rows * L < (1 << 16) ? 1 : threads);
-    return atomic_load(&J.failed) ? -2 : 0;
+    rows_job J = {x, y, out, rows, L, mode, isa};
+    parallel_for(ELEMENTWISE_FOR(rows_item, isa), &J, (rows + ROWS_ITEM - 1) / ROWS_ITEM,
+                 rows * L < (1 << 16) ? 1 : threads);
+    return 0;
 }
 
 /* The logit-chunk arithmetic above on x [rows, L] (dtype dt, rows ld elements apart), temperature t:
@@ -2074,7 +2123,8 @@ int ls_logit_rows(int64_t rows, int64_t L, const void *x, int64_t ld, int dt, fl
             if (local[r] < 0 || local[r] >= L) return -1;
     logit_job J = {(const char *)x, rows, L, ld, dt, out_dt, mode, first, isa, t, run_max, run_sum, lse, inside, gs,
                    local, out, 0};
-    parallel_for(logit_item, &J, (rows + ROWS_ITEM - 1) / ROWS_ITEM, rows * L < (1 << 16) ? 1 : threads);
+    parallel_for(ELEMENTWISE_FOR(logit_item, isa), &J, (rows + ROWS_ITEM - 1) / ROWS_ITEM,
+                 rows * L < (1 << 16) ? 1 : threads);
     return atomic_load(&J.failed) ? -2 : 0;
 }
 
