@@ -556,14 +556,14 @@ def test_the_build_for_other_architectures_gives_the_same_bits(tmp_path, monkeyp
 
 @pytest.fixture(scope="module")
 def unfused():
-    """The native kernel set without its fused row reductions and split products: fixed_order's
-    PyTorch compositions on the native GEMMs, exp and log."""
+    """The native kernel set without its fused row reductions, split products and SiLU:
+    fixed_order's PyTorch compositions on the native GEMMs, exp and log."""
     from lockstep.backends.native.cpu import KERNELS
     from lockstep.fixed_order import register_cpu_kernels
 
     register_cpu_kernels(KERNELS._replace(name="native-unfused", row_sum=None, log_softmax=None,
                                           log_softmax_backward=None, lse_fold=None, logit_grad=None,
-                                          split_matmul_rows=None))
+                                          split_matmul_rows=None, silu=None, silu_backward=None))
     return "native-unfused"
 
 
@@ -631,6 +631,29 @@ def test_a_split_product_in_one_call_is_the_composition_bit_for_bit(unfused, dty
                 assert torch.equal(_bits(fused), _bits(composed)), (name, threads, rows, n, k)
             if dtype != torch.float16 and k <= 4096:
                 assert gemm.split_parts_supported(x, w.t(), split_k)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_silu_alone_in_c_is_the_composition_bit_for_bit(unfused, dtype, isa):
+    """fixed_order.silu and silu_backward (the batch-invariant mode's aten::silu) in one C pass
+    against their PyTorch compositions, on every instruction set and 1 to 3 threads, at sizes around
+    the 512-element blocks, with Inf, -Inf and NaN (compared as NaN); fp16 takes the composition."""
+    from lockstep import fixed_order as fo
+    from lockstep.backends.native.cpu import KERNELS
+
+    gen = torch.Generator().manual_seed(10)
+    for name in build.ISAS:
+        isa(name)
+        for threads, shape in itertools.product((1, 2, 3), ((3, 7), (2, 37, 1000), (1, 513))):
+            x = (torch.randn(*shape, generator=gen) * 6).to(dtype)
+            x.view(-1)[[1, 2, 5]] = torch.tensor([float("inf"), float("-inf"), float("nan")]).to(dtype)
+            dy = torch.randn(*shape, generator=gen).to(dtype)
+            results = []
+            for kernels in (KERNELS.name, unfused):
+                with num_threads(threads), fo.cpu_kernels(kernels):
+                    results.append((fo.silu(x), fo.silu_backward(dy, x)))
+            for fused, composed in zip(*results):
+                assert fused.shape == composed.shape and torch.equal(_bits(fused), _bits(composed)), (name, shape)
 
 
 def test_a_split_product_names_the_parts_it_cannot_take():

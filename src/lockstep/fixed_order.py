@@ -119,8 +119,9 @@ class CpuKernels(NamedTuple):
     compositions whose bits are fixed here, which must give those bits: `row_sum` (fp32 [M, L] ->
     [M]), and `log_softmax` (fp32 [M, V] -> y) with its `log_softmax_backward` (g, y -> dx), the
     arithmetic of `log_softmax_rows` and `log_softmax_rows_backward` on their own exp and log;
-    `lse_fold` and `logit_grad`, the LM head's per-chunk row arithmetic (same signatures); and
-    `split_matmul_rows`, the split reduction of `split_matmul_rows` (same signature)."""
+    `lse_fold` and `logit_grad`, the LM head's per-chunk row arithmetic (same signatures);
+    `split_matmul_rows`, the split reduction of `split_matmul_rows`; and `silu` and
+    `silu_backward` (same signatures)."""
     name: str
     matmul_rows: Callable[..., Tensor]
     weight_grad: Callable[..., Tensor]
@@ -132,6 +133,8 @@ class CpuKernels(NamedTuple):
     lse_fold: Callable[..., tuple[Tensor, Tensor]] | None = None
     logit_grad: Callable[..., Tensor] | None = None
     split_matmul_rows: Callable[[Tensor, Tensor, int], Tensor] | None = None
+    silu: Callable[[Tensor], Tensor] | None = None
+    silu_backward: Callable[[Tensor, Tensor], Tensor] | None = None
 
 
 _CPU_KERNELS: dict[str, CpuKernels] = {}
@@ -205,6 +208,39 @@ def log(x: Tensor) -> Tensor:
     """torch.log, on the selected CPU kernels when there are some for `x` (same dtype out)."""
     kernels = _kernels_for(x)
     return torch.log(x) if kernels is None else kernels.log(x)
+
+
+def silu(x: Tensor) -> Tensor:
+    """x * (1 / (1 + exp(-x))) elementwise in the accumulation dtype, x's dtype out: torch.silu's
+    value with bits that do not depend on an element's place in the loop. On the selected CPU
+    kernels' fused form when there is one."""
+    kernels = _kernels_for(x)
+    if kernels is not None and kernels.silu is not None:
+        return kernels.silu(x)
+    return silu_composed(x)
+
+
+def silu_composed(x: Tensor) -> Tensor:
+    """`silu` as PyTorch ops (the fused forms must give its bits)."""
+    xf = x.to(accumulate_dtype(x.dtype))
+    return (xf * (1.0 / (1.0 + exp(-xf)))).to(x.dtype)
+
+
+def silu_backward(grad_y: Tensor, x: Tensor) -> Tensor:
+    """d silu(x) = grad_y * (s + x * s * (1 - s)), s = 1 / (1 + exp(-x)), in the accumulation
+    dtype, x's dtype out. On the selected CPU kernels' fused form when there is one."""
+    kernels = _kernels_for(x)
+    if kernels is not None and kernels.silu_backward is not None:
+        return kernels.silu_backward(grad_y, x)
+    return silu_backward_composed(grad_y, x)
+
+
+def silu_backward_composed(grad_y: Tensor, x: Tensor) -> Tensor:
+    """`silu_backward` as PyTorch ops (the fused forms must give its bits)."""
+    acc = accumulate_dtype(x.dtype)
+    xf, dy = x.to(acc), grad_y.to(acc)
+    s = 1.0 / (1.0 + exp(-xf))
+    return (dy * (s + xf * s * (1.0 - s))).to(x.dtype)
 
 
 def shifted_and_lse(x: Tensor) -> tuple[Tensor, Tensor]:

@@ -13,7 +13,7 @@ from torch import Tensor
 from ..backends.portable.gelu_mul import gelu_tanh, gelu_tanh_derivative
 from ..backends.portable.rms_norm import inverse_rms
 from ..fixed_order import (accumulate_dtype, column_sum, exp, log_softmax_rows, log_softmax_rows_backward, matmul_rows,
-                           row_sum)
+                           row_sum, silu, silu_backward)
 from ..softcap import softcap
 from . import state
 
@@ -222,16 +222,11 @@ def _rms_norm_backward(grad_out, input, normalized_shape, rstd, weight, output_m
 
 
 def _silu(self):
-    acc = accumulate_dtype(self.dtype)
-    g = self.to(acc)
-    return (g * (1.0 / (1.0 + exp(-g)))).to(self.dtype)
+    return silu(self)
 
 
 def _silu_backward(grad_output, self):
-    acc = accumulate_dtype(self.dtype)
-    g, dy = self.to(acc), grad_output.to(acc)
-    s = 1.0 / (1.0 + exp(-g))
-    return (dy * (s + g * s * (1.0 - s))).to(self.dtype)
+    return silu_backward(grad_output, self)
 
 
 def _erf_gelu_runs_stock() -> None:

@@ -146,8 +146,8 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.ls_attention_fwd.restype = cint
     lib.ls_rms_norm_fwd.argtypes = [i64, i64, ptr, ptr, flt, flt, ptr, ptr, cint, cint, cint, cint, cint]
     lib.ls_rms_norm_fwd.restype = cint
-    lib.ls_silu_mul.argtypes = [i64, ptr, ptr, ptr, ptr, ptr, cint, cint, cint, cint]
-    lib.ls_silu_mul.restype = cint
+    lib.ls_silu.argtypes = [i64, ptr, ptr, ptr, ptr, ptr, cint, cint, cint, cint]
+    lib.ls_silu.restype = cint
     lib.ls_rope.argtypes = [i64, i64, i64, ptr, ptr, ptr, ptr, cint, cint, cint, cint]
     lib.ls_rope.restype = cint
     lib.ls_rows.argtypes = [i64, i64, ptr, ptr, ptr, cint, cint, cint]

@@ -6,11 +6,11 @@ import contextlib
 from typing import Iterator
 
 from ...fixed_order import CpuKernels, cpu_kernels, register_cpu_kernels
-from . import gemm, rows, unary
+from . import gemm, rows, silu, unary
 
 KERNELS = CpuKernels("native", gemm.matmul_rows, gemm.weight_grad, unary.exp, unary.log, rows.row_sum,
                      rows.log_softmax, rows.log_softmax_backward, rows.lse_fold, rows.logit_grad,
-                     gemm.split_matmul_rows)
+                     gemm.split_matmul_rows, silu.silu, silu.silu_backward)
 register_cpu_kernels(KERNELS)
 
 

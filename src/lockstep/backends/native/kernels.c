@@ -1596,18 +1596,23 @@ INLINE void rms_rows(const rms_job *R, int64_t item) {
     }
 }
 
-/* ---------------------------------------------------------------- gated SiLU
- * portable/silu_mul.py's fp32 arithmetic, operation for operation, on blocks of ROW_BLOCK elements
- * (g = gate, u = up, dy = the output's gradient, all widened exactly; exp the file's):
- *   s = 1 / (exp(-g) + 1);  forward: y = (s * g) * u;
- *   backward: gs = g * s;  d up = dy * gs;  d gate = (dy * u) * (((1 - s) * gs) + s).
+/* ---------------------------------------------------------------- SiLU
+ * portable/silu_mul.py's fp32 arithmetic (gated, modes 0 and 1) and fixed_order.silu's (alone, modes
+ * 2 and 3), operation for operation, on blocks of ROW_BLOCK elements (g = gate, u = up, dy = the
+ * output's gradient, all widened exactly; exp the file's), with s = 1 / (exp(-g) + 1):
+ *   0, gated forward: y = (s * g) * u;
+ *   1, gated backward: gs = g * s;  d up = dy * gs;  d gate = (dy * u) * (((1 - s) * gs) + s);
+ *   2, forward: y = g * s;
+ *   3, backward: d g = dy * (s + (g * s) * (1 - s)).
  * Single IEEE operations on each element alone, so the same bits on every instruction set. */
+
+enum { SILU_GATED = 0, SILU_GATED_BACKWARD = 1, SILU = 2, SILU_BACKWARD = 3 };
 
 typedef struct {
     const char *gate, *up, *dy;
-    char *out, *out_up; /* forward: y; backward: d gate, d up */
+    char *out, *out_up; /* y, or d gate (d g) and d up */
     int64_t n;
-    int dt, backward, isa;
+    int dt, mode, isa;
 } gated_job;
 
 #define GATED_BLOCKS 8 /* blocks per work item */
@@ -1615,11 +1620,22 @@ typedef struct {
 INLINE void gated_block(const gated_job *J, int64_t k, int64_t n) {
     float g[ROW_BLOCK], u[ROW_BLOCK], s[ROW_BLOCK], dy[ROW_BLOCK];
     load_block(J->gate, J->dt, k, n, n, g);
-    load_block(J->up, J->dt, k, n, n, u);
     for (int64_t i = 0; i < n; i++) s[i] = -g[i];
     unary_isa(J->isa, s, s, n, FN_EXP);
     for (int64_t i = 0; i < n; i++) s[i] = 1.0f / (s[i] + 1.0f);
-    if (!J->backward) {
+    if (J->mode == SILU) {
+        for (int64_t i = 0; i < n; i++) s[i] = g[i] * s[i];
+        store_block(J->out, J->dt, k, n, s);
+        return;
+    }
+    if (J->mode == SILU_BACKWARD) {
+        load_block(J->dy, J->dt, k, n, n, dy);
+        for (int64_t i = 0; i < n; i++) s[i] = dy[i] * (s[i] + (g[i] * s[i]) * (1.0f - s[i]));
+        store_block(J->out, J->dt, k, n, s);
+        return;
+    }
+    load_block(J->up, J->dt, k, n, n, u);
+    if (J->mode == SILU_GATED) {
         for (int64_t i = 0; i < n; i++) s[i] = (s[i] * g[i]) * u[i];
         store_block(J->out, J->dt, k, n, s);
         return;
@@ -2066,16 +2082,20 @@ int ls_rms_norm_fwd(int64_t rows, int64_t H, const void *x, const void *w, float
     return 0;
 }
 
-/* The gated SiLU of n contiguous elements (the section above), all of one dtype dt (fp32 or bf16):
- * backward 0, out = y from gate and up; backward 1, out = d gate and out_up = d up from gate, up and
- * dy. Returns 0, or -1 for arguments it cannot take. */
-int ls_silu_mul(int64_t n, const void *gate, const void *up, const void *dy, void *out, void *out_up, int dt,
-                int backward, int isa, int threads) {
-    if (n < 0 || (dt != DT_F32 && dt != DT_BF16) || !ls_cpu_supports(isa)) return -1;
+/* SiLU over n contiguous elements (the section above), all of one dtype dt (fp32 or bf16), in mode
+ * 0 (out = y from gate and up), 1 (out = d gate, out_up = d up, from gate, up and dy), 2 (out = y from
+ * gate) or 3 (out = d gate from gate and dy). Returns 0, or -1 for arguments it cannot take. */
+int ls_silu(int64_t n, const void *gate, const void *up, const void *dy, void *out, void *out_up, int dt, int mode,
+            int isa, int threads) {
+    if (n < 0 || (dt != DT_F32 && dt != DT_BF16) || mode < SILU_GATED || mode > SILU_BACKWARD ||
+        !ls_cpu_supports(isa))
+        return -1;
     if (n == 0) return 0; /* empty tensors may have NULL data */
-    if (backward && (!dy || !out_up)) return -1;
-    gated_job J = {(const char *)gate, (const char *)up, (const char *)dy, (char *)out, (char *)out_up, n, dt,
-                   backward != 0, isa};
+    if (!gate || !out || (mode <= SILU_GATED_BACKWARD && !up) || (mode == SILU_GATED_BACKWARD && !out_up) ||
+        ((mode == SILU_GATED_BACKWARD || mode == SILU_BACKWARD) && !dy))
+        return -1;
+    gated_job J = {(const char *)gate, (const char *)up, (const char *)dy, (char *)out, (char *)out_up, n, dt, mode,
+                   isa};
     int64_t items = (n + GATED_BLOCKS * ROW_BLOCK - 1) / (GATED_BLOCKS * ROW_BLOCK);
     parallel_for(ELEMENTWISE_FOR(gated_item, isa), &J, items, n < (1 << 15) ? 1 : threads);
     return 0;
