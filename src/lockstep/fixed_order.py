@@ -120,8 +120,8 @@ class CpuKernels(NamedTuple):
     [M]), and `log_softmax` (fp32 [M, V] -> y) with its `log_softmax_backward` (g, y -> dx), the
     arithmetic of `log_softmax_rows` and `log_softmax_rows_backward` on their own exp and log;
     `lse_fold` and `logit_grad`, the LM head's per-chunk row arithmetic (same signatures);
-    `split_matmul_rows`, the split reduction of `split_matmul_rows`; and `silu` and
-    `silu_backward` (same signatures)."""
+    `split_matmul_rows` (a, b, parts), the reduction over K in `parts` slices as `split_sum` of
+    `matmul_rows` computes it; and `silu` and `silu_backward` (same signatures)."""
     name: str
     matmul_rows: Callable[..., Tensor]
     weight_grad: Callable[..., Tensor]
@@ -628,6 +628,8 @@ def split_matmul_rows(a: Tensor, b: Tensor, parts: int) -> Tensor:
     [M, K], b [K, N] (a transposed view is free) -> [M, N] in a's dtype, each slice's product
     rounded to it and the slices summed by the canonical tree in it. The selected CPU kernels may
     do this in one call, with these bits."""
+    if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
+        raise ValueError(f"a, b: expected [M, K] and [K, N], got {tuple(a.shape)} and {tuple(b.shape)}")
     if parts == 1:
         return matmul_rows(a, b)
     kernels = _kernels_for(a)

@@ -1554,6 +1554,7 @@ INLINE void store_block(char *p, int dt, int64_t k, int64_t n, const float *x) {
  * on any instruction set. */
 
 #define SUM_WIDTH 512
+_Static_assert(ROW_BLOCK <= SUM_WIDTH, "rms_rows keeps ROW_BLOCK blocks in SUM_WIDTH buffers");
 
 typedef struct {
     const char *x, *w;
@@ -1976,8 +1977,9 @@ int ls_cpu_supports(int isa) {
  * row strides lda, ldb and batch strides sa, sb in elements. C: dtype c_dt (0 fp32, 1 bf16: each
  * fp32 result rounded by f32_to_bf16), row stride ldc, batch stride sc in elements. bias: fp32 [N]
  * or NULL, added once after the fold, before any rounding to bf16. parts > 1 (a power of two up to
- * 16 that divides K; fp32 operands and C, or bf16 operands and C; no bias; K / parts elements under
- * KC_FROM_BYTES): the dot over K in `parts` slices combined by the canonical tree (gemm_split_tile).
+ * 16 that divides K; fp32 operands and C, or bf16 operands and C; no bias; slices of K / parts
+ * elements under KC_FROM_BYTES bytes): the dot over K in `parts` slices combined by the canonical
+ * tree (gemm_split_tile).
  * Returns 0, or -1 for arguments it cannot take. */
 int ls_gemm_nt(int64_t batch, int64_t M, int64_t N, int64_t K, const void *A, int64_t lda, int64_t sa,
                const void *B, int64_t ldb, int64_t sb, void *C, int64_t ldc, int64_t sc, const float *bias,
@@ -2074,7 +2076,7 @@ int ls_attention_fwd(int64_t B, int64_t Hq, int64_t Hkv, int64_t D, const void *
 int ls_rms_norm_fwd(int64_t rows, int64_t H, const void *x, const void *w, float eps, float offset, void *y,
                     float *rstd, int dt, int wdt, int ydt, int isa, int threads) {
     if (rows < 0 || H <= 0 || dt < DT_F32 || dt > DT_F16 || wdt < DT_F32 || wdt > DT_F16 ||
-        (ydt != DT_F32 && ydt != DT_BF16) || !ls_cpu_supports(isa))
+        (ydt != DT_F32 && ydt != DT_BF16) || !ls_cpu_supports(isa) || (rows > 0 && (!x || !w || !y || !rstd)))
         return -1;
     rms_job R = {(const char *)x, (const char *)w, (char *)y, rstd, H, rows, eps, offset, dt, wdt, ydt, isa};
     int64_t items = (rows + RMS_ROWS - 1) / RMS_ROWS;
@@ -2107,7 +2109,7 @@ int ls_silu(int64_t n, const void *gate, const void *up, const void *dy, void *o
 int ls_rope(int64_t T, int64_t H, int64_t D, const void *x, const float *cos, const float *sin, void *y, int dt,
             int interleaved, int isa, int threads) {
     if (T < 0 || H < 0 || D <= 0 || D % 2 || D > ROW_BLOCK || (dt != DT_F32 && dt != DT_BF16) ||
-        !ls_cpu_supports(isa))
+        !ls_cpu_supports(isa) || (T > 0 && H > 0 && (!x || !cos || !sin || !y)))
         return -1;
     rope_job J = {(const char *)x, (char *)y, cos, sin, T, H, D, dt, interleaved != 0, isa};
     parallel_for(ELEMENTWISE_FOR(rope_item, isa), &J, T, T * H * D < (1 << 15) ? 1 : threads);

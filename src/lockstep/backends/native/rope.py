@@ -1,7 +1,7 @@
 """Native rope: fp32 and bf16 in one C pass (kernels.c, `ls_rope`), forward and backward, with the
 portable op's angles (rotary.rope_cos_sin) and its operations element for element, so both
-backends give the same bits (NaN compared as NaN); fp16 and heads wider than 512 take the
-portable op."""
+backends give the same bits (NaN compared as NaN); fp16, empty tensors and heads wider than 512
+take the portable op."""
 
 from __future__ import annotations
 
@@ -19,7 +19,10 @@ _MAX_HEAD_DIM = 512  # kernels.c's ROW_BLOCK
 
 
 def _rotate(x: Tensor, cos: Tensor, sin: Tensor, style: str) -> Tensor:
-    """x [T, H, D] rotated by cos, sin fp32 [T, 1, D / 2]; x's shape and dtype."""
+    """x [T, H, D] (contiguous) rotated by cos, sin fp32 [T, 1, D / 2]; x's shape and dtype."""
+    half = (x.shape[0], 1, x.shape[2] // 2)
+    if tuple(cos.shape) != half or tuple(sin.shape) != half or not (cos.is_contiguous() and sin.is_contiguous()):
+        raise ValueError(f"positions: expected one per token of x {tuple(x.shape)}, got angles {tuple(cos.shape)}")
     y = torch.empty_like(x)
     status = library().ls_rope(x.shape[0], x.shape[1], x.shape[2], x.data_ptr(), cos.data_ptr(), sin.data_ptr(),
                                y.data_ptr(), OUT_CODES[x.dtype], style != "neox", isa(), torch.get_num_threads())
@@ -39,13 +42,17 @@ class _Rope(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_y: Tensor):
         cos, sin = ctx.saved_tensors
-        # The transpose of a rotation is the rotation by the opposite angle.
-        return _rotate(grad_y.contiguous(), cos, -sin, ctx.style), None, None, None, None
+        # The transpose of a rotation is the rotation by the opposite angle. Under create_graph the
+        # portable op's PyTorch rotation (the same bits) keeps the gradient differentiable.
+        g = grad_y.contiguous()
+        if torch.is_grad_enabled() or g.dtype not in OUT_CODES:
+            return portable._rotate(g.to(cos.dtype), cos, -sin, ctx.style).to(g.dtype), None, None, None, None
+        return _rotate(g, cos, -sin, ctx.style), None, None, None, None
 
 
 @register("native", "rope")
 def rope(x: Tensor, positions: Tensor, theta: float, style: str, scaling) -> Tensor:
-    if x.dtype in OUT_CODES and x.shape[-1] <= _MAX_HEAD_DIM:
+    if x.dtype in OUT_CODES and 0 < x.numel() and x.shape[-1] <= _MAX_HEAD_DIM:
         return _Rope.apply(x.contiguous(), positions, theta, style, scaling)
     with native_kernels():
         return portable.rope(x, positions, theta, style, scaling)

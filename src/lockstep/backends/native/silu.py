@@ -30,20 +30,23 @@ def run(mode: str, gate: Tensor, up: Tensor | None = None, grad_y: Tensor | None
 
 
 def takes(*tensors: Tensor) -> bool:
-    """Whether the C pass takes these tensors: fp32 or bf16, all of one dtype and shape."""
+    """Whether the C pass takes these tensors: fp32 or bf16, all of one dtype and shape, and
+    contiguous (the compositions' results keep another layout of their inputs, which the C pass,
+    writing rows, would not)."""
     first = tensors[0]
-    return first.dtype in OUT_CODES and all(t.dtype == first.dtype and t.shape == first.shape for t in tensors)
+    return first.dtype in OUT_CODES and all(t.dtype == first.dtype and t.shape == first.shape and t.is_contiguous()
+                                            for t in tensors)
 
 
 def silu(x: Tensor) -> Tensor:
     """fixed_order.silu: x * (1 / (1 + exp(-x))), x's shape and dtype."""
     if not takes(x):
         return fixed_order.silu_composed(x)
-    return run("silu", x.contiguous())[0]
+    return run("silu", x)[0]
 
 
 def silu_backward(grad_y: Tensor, x: Tensor) -> Tensor:
     """fixed_order.silu_backward: grad_y * (s + x * s * (1 - s)), s = 1 / (1 + exp(-x)); x's dtype."""
     if not takes(x, grad_y):
         return fixed_order.silu_backward_composed(grad_y, x)
-    return run("silu_backward", x.contiguous(), grad_y=grad_y.contiguous())[0]
+    return run("silu_backward", x, grad_y=grad_y)[0]

@@ -27,7 +27,8 @@ class _SiluMul(torch.autograd.Function):
 
 @register("native", "silu_mul")
 def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
+    gate, up = gate.contiguous(), up.contiguous()
     if silu.takes(gate, up):
-        return _SiluMul.apply(gate.contiguous(), up.contiguous())
+        return _SiluMul.apply(gate, up)
     with native_kernels():
         return portable.silu_mul(gate, up)
