@@ -232,6 +232,24 @@ def test_operands_in_another_layout_are_copied_element_for_element(dtype):
         assert torch.equal(got, v), tuple(v.shape)
 
 
+def test_a_large_operand_copy_reuses_the_last_calls_buffer_until_the_next_call():
+    """A transposed copy of 64 MB or more takes the buffer the previous GEMM call's largest copy
+    left, whatever that held, and gives the bits of a product on a fresh copy; a call without one
+    lets the buffer go."""
+    gen = torch.Generator().manual_seed(12)
+    x = torch.randn(3, 1024, generator=gen).bfloat16()
+    w1, w2 = (torch.randn(1024, 32_768, generator=gen).bfloat16() for _ in range(2))   # [K, N]: 64 MB
+    y1 = gemm.matmul_rows(x, w1)                                # copies w1.T into a new buffer
+    (kept,) = gemm._kept
+    y2 = gemm.matmul_rows(x, w2)                                # into the same buffer
+    assert gemm._kept[0].data_ptr() == kept.data_ptr()
+    for y, w in ((y1, w1), (y2, w2)):
+        assert torch.equal(y, gemm.gemm_nt(x, w.t().contiguous(), out_dtype=torch.bfloat16))
+    assert gemm._kept == []                                     # that call made no copy
+    gemm.matmul_rows(x, w1[:, :8])
+    assert gemm._kept == []
+
+
 def test_weight_grad_of_rows_appended_with_zero_gradient_is_unchanged():
     gen = torch.Generator().manual_seed(2)
     g, x = torch.randn(50, 33, generator=gen), torch.randn(50, 70, generator=gen)

@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parent.parent
 BACKENDS = sorted(contract.load()["backends"])
 # Backend modules that hold shared kernels rather than one op (the Triton and native GEMMs, column sums, tile
 # helpers, the native build).
-SHARED = {"triton": {"common", "gemm", "reduce"}, "native": {"build", "cpu", "gemm", "rows", "unary"}}
+SHARED = {"triton": {"common", "gemm", "reduce"}, "native": {"build", "cpu", "gemm", "rows", "silu", "unary"}}
 
 
 def face(op: str) -> str:
