@@ -61,12 +61,16 @@ class _Copies:
         self.spare = self.largest = None
 
 
+def _rows_are_contiguous(x: Tensor) -> bool:
+    return x.stride(-1) == 1 or x.shape[-1] <= 1
+
+
 def _rows_contiguous(x: Tensor, copies: _Copies | None = None) -> Tensor:
     """x with unit stride along its last dimension (a copy only when needed, into `copies`' buffers
     when given: the copy must then die with the GEMM call). A transposed matrix (unit stride along
     the second-last dimension), the usual case, is copied by the kernels' blocked transpose, several
     times faster than torch's copy at these sizes."""
-    if x.stride(-1) == 1 or x.shape[-1] <= 1:
+    if _rows_are_contiguous(x):
         return x
     if x.dim() not in (2, 3) or x.stride(-2) != 1 or x.element_size() not in (2, 4):
         return x.contiguous()
@@ -96,6 +100,10 @@ def gemm_nt(a: Tensor, b: Tensor, bias: Tensor | None = None, out: Tensor | None
         raise ValueError(f"out_dtype: expected torch.float32 or torch.bfloat16, got {out_dtype}")
     if a.dtype != b.dtype or a.dtype not in DTYPE_CODES:
         a, b = a.float(), b.float()
+    if _rows_are_contiguous(a) and _rows_are_contiguous(b):  # the usual case: no copy, no bookkeeping
+        if _kept:
+            _Copies().close()  # a call without a copy lets the kept buffer go
+        return _gemm_nt(a, b, bias, out, out_dtype, parts)
     copies = _Copies()
     try:
         return _gemm_nt(_rows_contiguous(a, copies), _rows_contiguous(b, copies), bias, out, out_dtype, parts)

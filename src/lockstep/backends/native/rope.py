@@ -53,6 +53,9 @@ class _Rope(torch.autograd.Function):
 @register("native", "rope")
 def rope(x: Tensor, positions: Tensor, theta: float, style: str, scaling) -> Tensor:
     if x.dtype in OUT_CODES and 0 < x.numel() and x.shape[-1] <= _MAX_HEAD_DIM:
+        if not torch.is_grad_enabled():  # no graph to record (the engine's steps): the forward alone
+            cos, sin = rope_cos_sin(positions, x.shape[-1], theta, scaling, torch.float32)
+            return _rotate(x.contiguous(), cos, sin, style)
         return _Rope.apply(x.contiguous(), positions, theta, style, scaling)
     with native_kernels():
         return portable.rope(x, positions, theta, style, scaling)

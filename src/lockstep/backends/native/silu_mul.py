@@ -29,6 +29,8 @@ class _SiluMul(torch.autograd.Function):
 def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
     gate, up = gate.contiguous(), up.contiguous()
     if silu.takes(gate, up):
+        if not torch.is_grad_enabled():  # no graph to record (the engine's steps): the forward alone
+            return silu.run("gated", gate, up)[0]
         return _SiluMul.apply(gate, up)
     with native_kernels():
         return portable.silu_mul(gate, up)
