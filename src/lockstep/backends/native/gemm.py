@@ -61,6 +61,11 @@ class _Copies:
         self.spare = self.largest = None
 
 
+def _let_go_of_kept() -> None:
+    with _kept_lock:
+        _kept.clear()
+
+
 def _rows_are_contiguous(x: Tensor) -> bool:
     return x.stride(-1) == 1 or x.shape[-1] <= 1
 
@@ -102,7 +107,7 @@ def gemm_nt(a: Tensor, b: Tensor, bias: Tensor | None = None, out: Tensor | None
         a, b = a.float(), b.float()
     if _rows_are_contiguous(a) and _rows_are_contiguous(b):  # the usual case: no copy, no bookkeeping
         if _kept:
-            _Copies().close()  # a call without a copy lets the kept buffer go
+            _let_go_of_kept()  # a call without a copy
         return _gemm_nt(a, b, bias, out, out_dtype, parts)
     copies = _Copies()
     try:

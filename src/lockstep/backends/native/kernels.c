@@ -504,10 +504,10 @@ AVX2_T INLINE void tile_avx2_folded(int dt, int mr, int nr, int64_t K, const cha
  * subnormals kept; every NaN becomes 0xffff. The GEMM's bf16 output then has the bits that the fp32
  * output followed by .to(torch.bfloat16) has, without the fp32 copy. */
 static inline uint16_t f32_to_bf16(float x) {
-    if (x != x) return 0xffffu;
     uint32_t u;
     memcpy(&u, &x, 4);
-    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+    uint32_t r = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    return (uint16_t)((u & 0x7fffffffu) > 0x7f800000u ? 0xffffu : r); /* NaN; a select, so loops vectorise */
 }
 
 #if LS_X86
@@ -528,16 +528,24 @@ static inline void f32_to_bf16_x4(const float *x, uint16_t *out) {
 /* The same for a whole 4 x 4 tile (16 floats, rows NR apart) in one AVX-512 register, its rows
  * stored ldc elements apart: a quarter of the instructions of four f32_to_bf16_x4, and as fast as
  * the fp32 store (1024 x 3072 x 1024 bf16: 365 -> 420 G multiply-adds/s). */
-AVX512_T static void f32_to_bf16_tile_z(const float *x, uint16_t *out, int64_t ldc) {
+AVX512_T INLINE __m512i f32_to_bf16_z(const float *x) {
     __m512i u = _mm512_loadu_si512(x);
     __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
     __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb), 16);
     __mmask16 nan = _mm512_cmpgt_epi32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
                                             _mm512_set1_epi32(0x7f800000));
+    return _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0xffff)); /* bf16 bits in each lane's low half */
+}
+
+AVX512_T static void f32_to_bf16_tile_z(const float *x, uint16_t *out, int64_t ldc) {
     uint16_t rounded[MR * NR];
-    r = _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0xffff));
-    _mm256_storeu_si256((__m256i *)rounded, _mm512_cvtepi32_epi16(r));
+    _mm256_storeu_si256((__m256i *)rounded, _mm512_cvtepi32_epi16(f32_to_bf16_z(x)));
     for (int i = 0; i < MR; i++) memcpy(out + i * ldc, rounded + i * NR, NR * sizeof(uint16_t));
+}
+
+/* The 16 results of a tile replaced by the bf16 values f32_to_bf16 gives them, in fp32. */
+AVX512_T static void round_tile_to_bf16_z(float *x) {
+    _mm512_storeu_si512(x, _mm512_slli_epi32(f32_to_bf16_z(x), 16));
 }
 #endif
 
@@ -716,20 +724,7 @@ static void gemm_block_long_k(const gemm_job *g, int64_t b, int64_t m0, int64_t 
  * it. The composition's bits without its `parts` GEMM calls and their intermediates. */
 #define MAX_PARTS 16
 
-/* The 16 results of a tile as the bf16 values f32_to_bf16 gives them (NaN 0xffff), in fp32: the
- * same integer steps, on one AVX-512 register, or lane by lane. */
-#if LS_X86
-AVX512_T static void round_tile_to_bf16_z(float *x) {
-    __m512i u = _mm512_loadu_si512(x);
-    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb);
-    r = _mm512_and_si512(r, _mm512_set1_epi32((int)0xffff0000u));
-    __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
-                                            _mm512_set1_epi32(0x7f800000));
-    _mm512_storeu_si512(x, _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32((int)0xffff0000u)));
-}
-#endif
-
+/* The 16 results of a tile as the bf16 values f32_to_bf16 gives them (NaN 0xffff), in fp32. */
 static void round_tile_to_bf16(float *x, int isa) {
 #if LS_X86
     if (isa >= ISA_AVX512) {
@@ -1523,26 +1518,39 @@ INLINE void load_block(const char *p, int dt, int64_t k, int64_t n, int64_t widt
     for (int64_t i = n; i < width; i++) out[i] = 0.0f;
 }
 
-/* n fp32 results x into element k of p in dtype dt: fp32 as they are, bf16 by f32_to_bf16's
- * integer steps, written so that they vectorise (fp16 is not stored here: the callers keep torch's
- * conversion for it). */
+/* n fp32 results x into element k of p in dtype dt: fp32 as they are, bf16 by f32_to_bf16 (fp16
+ * is not stored here: the callers keep torch's conversion for it). */
 INLINE void store_block(char *p, int dt, int64_t k, int64_t n, const float *x) {
     if (dt == DT_F32) {
         memcpy((float *)p + k, x, (size_t)n * 4);
         return;
     }
     uint16_t *h = (uint16_t *)p + k;
-    for (int64_t i = 0; i < n; i++) {
-        uint32_t u;
-        memcpy(&u, &x[i], 4);
-        uint32_t r = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-        h[i] = (uint16_t)((u & 0x7fffffffu) > 0x7f800000u ? 0xffffu : r);
-    }
+    for (int64_t i = 0; i < n; i++) h[i] = f32_to_bf16(x[i]);
 }
 
 /* The elementwise passes below are written once (always inlined) and compiled for each instruction
  * set's vector width (ELEMENTWISE_PASSES); their operations are single IEEE operations on each
  * element or lane alone, so the width changes no bit. */
+
+/* row_sum's chunk at offset c (n <= width values v): the first taken as it is, zero-padded to the
+ * width; a later one added lane by lane, its padding adding +0 (-0 + +0 is +0, as in the padded
+ * sum). */
+INLINE void row_sum_chunk(float *acc, const float *v, int64_t c, int64_t n, int64_t width) {
+    if (c == 0) {
+        for (int64_t l = 0; l < width; l++) acc[l] = l < n ? v[l] : 0.0f;
+        return;
+    }
+    for (int64_t l = 0; l < n; l++) acc[l] = acc[l] + v[l];
+    for (int64_t l = n; l < width; l++) acc[l] = acc[l] + 0.0f;
+}
+
+/* The lanes folded pairwise (lane i with lane i + w / 2). */
+INLINE float row_sum_fold(float *acc, int64_t width) {
+    for (int64_t w = width / 2; w >= 1; w /= 2)
+        for (int64_t l = 0; l < w; l++) acc[l] = acc[l] + acc[l + w];
+    return acc[0];
+}
 
 /* ---------------------------------------------------------------- rms_norm forward
  * The portable forward's arithmetic, operation for operation (fixed_order.row_sum, portable/rms_norm.py):
@@ -1576,15 +1584,12 @@ INLINE void rms_rows(const rms_job *R, int64_t item) {
     for (int64_t row = item * RMS_ROWS; row < (item + 1) * RMS_ROWS && row < R->rows; row++) {
         const char *x = R->x + row * H * es;
         for (int64_t c = 0; c < H; c += width) {
-            load_block(x, R->dt, c, H - c < width ? H - c : width, width, v);
-            if (c == 0)
-                for (int64_t l = 0; l < width; l++) acc[l] = v[l] * v[l];
-            else
-                for (int64_t l = 0; l < width; l++) acc[l] = acc[l] + v[l] * v[l];
+            int64_t n = H - c < width ? H - c : width;
+            load_block(x, R->dt, c, n, n, v);
+            for (int64_t l = 0; l < n; l++) v[l] = v[l] * v[l];
+            row_sum_chunk(acc, v, c, n, width);
         }
-        for (int64_t half = width / 2; half >= 1; half /= 2)
-            for (int64_t l = 0; l < half; l++) acc[l] = acc[l] + acc[l + half];
-        float mean = acc[0] / (float)H;
+        float mean = row_sum_fold(acc, width) / (float)H;
         float rstd = 1.0f / sqrtf(mean + R->eps);
         R->rstd[row] = rstd;
         for (int64_t c = 0; c < H; c += ROW_BLOCK) {
@@ -1714,25 +1719,6 @@ ELEMENTWISE_PASSES(z, AVX512_T)
  * shifted = x - max, lse = log(row_sum(exp(shifted))), y = shifted - lse; its backward
  * dx = g - exp(y) * row_sum(g). exp and log are the file's. Single IEEE operations throughout, so
  * both backends give the same bits, on every instruction set. */
-
-/* row_sum's chunk at offset c (n <= width values v): the first taken as it is, zero-padded to the
- * width; a later one added lane by lane, its padding adding +0 (-0 + +0 is +0, as in the padded
- * sum). */
-INLINE void row_sum_chunk(float *acc, const float *v, int64_t c, int64_t n, int64_t width) {
-    if (c == 0) {
-        for (int64_t l = 0; l < width; l++) acc[l] = l < n ? v[l] : 0.0f;
-        return;
-    }
-    for (int64_t l = 0; l < n; l++) acc[l] = acc[l] + v[l];
-    for (int64_t l = n; l < width; l++) acc[l] = acc[l] + 0.0f;
-}
-
-/* The lanes folded pairwise (lane i with lane i + w / 2). */
-INLINE float row_sum_fold(float *acc, int64_t width) {
-    for (int64_t w = width / 2; w >= 1; w /= 2)
-        for (int64_t l = 0; l < w; l++) acc[l] = acc[l] + acc[l + w];
-    return acc[0];
-}
 
 INLINE float row_sum_f32(const float *x, int64_t L, float *acc) {
     if (L == 0) return 0.0f;

@@ -18,8 +18,9 @@ from .gemm import OUT_CODES
 _MAX_HEAD_DIM = 512  # kernels.c's ROW_BLOCK
 
 
-def _rotate(x: Tensor, cos: Tensor, sin: Tensor, style: str) -> Tensor:
-    """x [T, H, D] (contiguous) rotated by cos, sin fp32 [T, 1, D / 2]; x's shape and dtype."""
+def _rotate_in_c(x: Tensor, cos: Tensor, sin: Tensor, style: str) -> Tensor:
+    """x [T, H, D] (contiguous) rotated by cos, sin fp32 [T, 1, D / 2] in one C pass; x's shape and
+    dtype."""
     half = (x.shape[0], 1, x.shape[2] // 2)
     if tuple(cos.shape) != half or tuple(sin.shape) != half or not (cos.is_contiguous() and sin.is_contiguous()):
         raise ValueError(f"positions: expected one per token of x {tuple(x.shape)}, got angles {tuple(cos.shape)}")
@@ -31,13 +32,19 @@ def _rotate(x: Tensor, cos: Tensor, sin: Tensor, style: str) -> Tensor:
     return y
 
 
+def _forward(x: Tensor, positions: Tensor, theta: float, style: str, scaling) -> tuple[Tensor, Tensor, Tensor]:
+    """The rotated x (contiguous) and the angles' cos and sin it was rotated by."""
+    cos, sin = rope_cos_sin(positions, x.shape[-1], theta, scaling, torch.float32)
+    return _rotate_in_c(x, cos, sin, style), cos, sin
+
+
 class _Rope(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, positions: Tensor, theta: float, style: str, scaling) -> Tensor:
-        cos, sin = rope_cos_sin(positions, x.shape[-1], theta, scaling, torch.float32)
+        y, cos, sin = _forward(x, positions, theta, style, scaling)
         ctx.save_for_backward(cos, sin)
         ctx.style = style
-        return _rotate(x, cos, sin, style)
+        return y
 
     @staticmethod
     def backward(ctx, grad_y: Tensor):
@@ -47,15 +54,14 @@ class _Rope(torch.autograd.Function):
         g = grad_y.contiguous()
         if torch.is_grad_enabled() or g.dtype not in OUT_CODES:
             return portable._rotate(g.to(cos.dtype), cos, -sin, ctx.style).to(g.dtype), None, None, None, None
-        return _rotate(g, cos, -sin, ctx.style), None, None, None, None
+        return _rotate_in_c(g, cos, -sin, ctx.style), None, None, None, None
 
 
 @register("native", "rope")
 def rope(x: Tensor, positions: Tensor, theta: float, style: str, scaling) -> Tensor:
     if x.dtype in OUT_CODES and 0 < x.numel() and x.shape[-1] <= _MAX_HEAD_DIM:
         if not torch.is_grad_enabled():  # no graph to record (the engine's steps): the forward alone
-            cos, sin = rope_cos_sin(positions, x.shape[-1], theta, scaling, torch.float32)
-            return _rotate(x.contiguous(), cos, sin, style)
+            return _forward(x.contiguous(), positions, theta, style, scaling)[0]
         return _Rope.apply(x.contiguous(), positions, theta, style, scaling)
     with native_kernels():
         return portable.rope(x, positions, theta, style, scaling)
