@@ -2,7 +2,9 @@
 
 Every op of the harness (forward and backward, fp32, bf16 and fp16, small sizes), attention by
 packed prefill with gradients and by paged decode, masked attention (left padding) with
-gradients, and a bf16 GEMM on inputs that reach every case of the bf16 order. One digest per
+gradients, a bf16 GEMM on inputs that reach every case of the bf16 order, and the model's own
+arithmetic around the ops: the rotary tables (frequencies and long-context cos and sin) and the
+MoE router (probabilities, top k and renormalised weights, with their gradient). One digest per
 thread count (1, 2, 3) of one process; the instruction set and the BLAS selections come from the
 environment, which the kernel libraries read once, so the test starts a fresh process for each.
 
@@ -23,6 +25,8 @@ from lockstep.harness.attention_check import AttnCase, AttnSizes, _paged_decode
 from lockstep.harness.masked_attention_check import MaskedCase, MaskedSizes
 from lockstep.harness.check import Pool, run
 from lockstep.harness.specs import SPECS, Sizes
+from lockstep.model.moe import route
+from lockstep.rotary import LinearRopeScaling, Llama3RopeScaling, rope_cos_sin, rope_inv_freq
 
 # Big enough that the GEMMs of linear, the LM head and attention run on several threads (kernels.c
 # keeps products under 2^18 multiply-adds on one), small enough for the scalar path.
@@ -73,11 +77,32 @@ def _tininess_case(k: int = 103) -> tuple[torch.Tensor, torch.Tensor]:
 
 BF16_TININESS = _tininess_case()
 
+ROPES = ((128, 1_000_000.0, None), (64, 10_000.0, None), (128, 500_000.0, Llama3RopeScaling()),
+         (256, 1_000_000.0, LinearRopeScaling(8.0)))
+
+
+def _model_arithmetic(h: "hashlib._Hash") -> None:
+    """The rotary tables at positions up to 2^20 and the MoE router on logits of a real router's
+    range (fp32 probabilities through exp, 8 of 16 experts, renormalised, and the logits' gradient)."""
+    positions = torch.arange(0, 1 << 20, 97)
+    for head_dim, theta, scaling in ROPES:
+        _update(h, f"inv_freq {head_dim} {theta} {scaling}", rope_inv_freq(head_dim, theta, scaling))
+        for dtype in (torch.float32, torch.bfloat16):
+            for i, t in enumerate(rope_cos_sin(positions, head_dim, theta, scaling, dtype)):
+                _update(h, f"rope table {head_dim} {theta} {scaling} {dtype} {i}", t)
+    gen = torch.Generator().manual_seed(5)
+    logits = (torch.rand(64, 16, generator=gen) * 16 - 8).requires_grad_(True)
+    weights, experts = route(logits, 8, True)
+    weights.backward(torch.rand(64, 8, generator=gen) - 0.5)
+    for label, t in (("weights", weights), ("experts", experts), ("d logits", logits.grad)):
+        _update(h, f"router {label}", t)
+
 
 def digest() -> str:
     h = hashlib.sha256()
     a, b = bf16_edge_operands()
     _update(h, "bf16 edge GEMM", gemm_nt(a, b))
+    _model_arithmetic(h)
     for dtype in DTYPES:
         for name, spec in SPECS.items():
             pool = Pool(spec, dtype, SIZES, seed=0, grad=spec.differentiable)

@@ -65,3 +65,18 @@ def test_masked_attention_contract_on_cuda(dtype):
     report = check_masked_attention(dtype, device="cuda")
     assert report.backend == "triton"           # CUDA's default; masked_attention falls back to portable
     assert_attention_report(report, {"left padding", "more padding", "decode (last token alone)"})
+
+
+def test_rotary_tables_on_cuda_are_the_cpus_bit_for_bit():
+    """rotary.rope_cos_sin builds its tables from IEEE additions, multiplications and roundings alone
+    (ADR 0021), each its own kernel, so a GPU's tables are the CPU's: a trainer on one and a server on
+    the other rotate by the same angles."""
+    from lockstep.rotary import Llama3RopeScaling, rope_cos_sin
+
+    positions = torch.arange(0, 1 << 20, 97)
+    for head_dim, theta, scaling in ((128, 1_000_000.0, None), (128, 500_000.0, Llama3RopeScaling())):
+        for dtype in (torch.float32, torch.bfloat16):
+            cpu = rope_cos_sin(positions, head_dim, theta, scaling, dtype)
+            gpu = rope_cos_sin(positions.cuda(), head_dim, theta, scaling, dtype)
+            for c, g in zip(cpu, gpu):
+                assert g.is_cuda and torch.equal(c, g.cpu()), (head_dim, theta, scaling, dtype)

@@ -27,6 +27,38 @@ def test_route_breaks_ties_toward_the_lower_expert_and_orders_slots():
                                rtol=tol.rtol)
 
 
+def test_router_probabilities_take_the_cpu_backends_exp():
+    """PyTorch's fp32 exp gives other bits in its vector and scalar kernels (a third of them at
+    ATEN_CPU_CAPABILITY=default); the router's exp is the native kernels', the same on every CPU
+    (tests/test_native.py digests the router under each kernel selection)."""
+    from lockstep import fixed_order, ops
+    from lockstep.model.moe import router_probs
+    from lockstep.registry import cpu_backend
+
+    logits = torch.rand(64, 16, generator=torch.Generator().manual_seed(2)) * 16 - 8
+    with fixed_order.cpu_kernels(cpu_backend()):
+        want = fixed_order.exp(ops.log_softmax(logits))
+    assert cpu_backend() == "native" and torch.equal(router_probs(logits), want)
+
+
+def test_renormalised_weights_have_the_gradient_of_w_over_their_sum():
+    """The slot-order backward of the renormalisation (moe._Normalize) against autograd's own in
+    float64, and its bits do not depend on the other rows."""
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(9, 12, dtype=torch.float64, generator=gen, requires_grad=True)
+    g = torch.randn(9, 8, dtype=torch.float64, generator=gen)
+    weights, experts = route(logits, 8, normalize=True)
+    (got,) = torch.autograd.grad(weights, logits, g)
+    raw, _ = route(logits, 8, normalize=False, experts=experts)
+    (want,) = torch.autograd.grad(raw / raw.sum(-1, keepdim=True), logits, g)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14)
+    x = logits.detach().float().requires_grad_()
+    w, _ = route(x, 8, normalize=True)
+    (row,) = torch.autograd.grad(route(x[4:5], 8, normalize=True)[0], x, g[4:5].float())
+    (full,) = torch.autograd.grad(w, x, torch.zeros(9, 8).index_copy(0, torch.tensor([4]), g[4:5].float()))
+    assert torch.equal(row[4], full[4])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_a_token_does_not_see_how_many_others_chose_its_experts(dtype):
     moe = _moe(dtype)

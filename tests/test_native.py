@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import pytest
@@ -822,3 +823,107 @@ def test_bf16_gemm_order_is_the_documented_one():
     x, y = BF16_TININESS
     assert gemm.gemm_nt(x[None], y[None]).item() == 0.0
     assert (x.double() * y.double()).sum().item() > 0.99 * 2.0 ** -126     # the exact dot: just below 2^-126
+
+
+# ATen ops whose value on floating-point tensors is exact (IEEE-rounded arithmetic, moves, selections,
+# comparisons), so their bits cannot follow the thread count, the instruction set or the BLAS.
+# On the CPU, index_put with accumulate and scatter_add run serially in index order, and cumsum (the
+# sampler's top-p) is a serial scan in index order. Anything else (mm and the BLAS, sum, softmax,
+# exp, tanh, pow with a general exponent, ...) reduces or rounds in an order of PyTorch's vector
+# kernels and would make the native backend's bits the machine's.
+EXACT_ATEN_OPS = frozenset("""
+    _local_scalar_dense _to_copy _unsafe_view abs add add_ alias amax amin argmax argmin as_strided cat ceil clamp
+    clamp_ clamp_max clamp_min clone constant_pad_nd copy_ cummax cummin cumsum detach div div_ empty empty_like
+    empty_strided eq expand fill fill_ flip floor frexp full full_like gather ge gt index index_copy index_copy_
+    index_put index_put_ index_select isfinite isinf isnan le lift_fresh lt masked_fill masked_fill_ max maximum min
+    minimum mul mul_ nan_to_num narrow ne neg neg_ new_empty new_empty_strided new_full new_ones new_zeros ones
+    ones_like permute reciprocal reciprocal_ repeat round rsqrt rsub scalar_tensor scatter scatter_ scatter_add
+    select select_backward sign slice slice_backward sort split split_with_sizes sqrt squeeze stack sub sub_ t topk
+    transpose tril triu trunc unbind unsqueeze view where zero_ zeros zeros_like
+""".split())
+
+
+class _AtenAudit(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records each ATen op that touches a floating-point tensor and is not in EXACT_ATEN_OPS, with
+    the lockstep frames that called it."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen: set[str] = set()
+        self.inexact: dict[str, str] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        tensors = [t for t in torch.utils._pytree.tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)]
+        if any(t.is_floating_point() for t in tensors):
+            name = func.overloadpacket.__name__
+            self.seen.add(name)
+            exact = name in EXACT_ATEN_OPS or (name == "pow" and args[1:2] in ((2,), (2.0,)))   # x * x
+            if not exact and str(func) not in self.inexact:
+                frames = [f"{f.filename.rsplit('/src/', 1)[-1]}:{f.lineno}" for f in traceback.extract_stack()
+                          if "/src/lockstep/" in f.filename]
+                # The harness draws each call's padding rows: the workload's input, not lockstep's arithmetic.
+                if not (name in ("randn", "rand") and frames and frames[-1].startswith("lockstep/harness/")):
+                    self.inexact[str(func)] = " < ".join(reversed(frames[-3:]))
+        return out
+
+
+def _native_workload() -> list:
+    """What lockstep runs on a CPU, as calls whose inputs and models are built beforehand (random
+    inputs are the workload's, not lockstep's arithmetic): every op forward and backward (fp32, bf16,
+    fp16), attention by prefill and paged decode and masked attention, a training step of a dense, a
+    Gemma 3 and an MoE model (fp32, and bf16 with fp32 master weights), and the engine sampling an
+    MoE model with top-k and top-p."""
+    from lockstep import Engine, SamplingParams
+    from lockstep.harness.attention_check import AttnCase, _paged_decode
+    from lockstep.harness.check import Pool, run
+    from lockstep.harness.masked_attention_check import MaskedCase
+    from lockstep.harness.specs import SPECS, Sizes
+    from lockstep.model import ModelConfig, Transformer
+    from lockstep.train import PackedDataset, TrainConfig, Trainer
+
+    from _native_digest import ATTN, MASKED
+
+    sizes = Sizes(hidden=40, out_features=24, heads=2, head_dim=8, ffn=24, vocab=300, lm_hidden=16, embed_vocab=20,
+                  pool=12)
+    calls = []
+    for dtype in DTYPES:
+        for spec in SPECS.values():
+            pool = Pool(spec, dtype, sizes, seed=0, grad=spec.differentiable)
+            calls.append(lambda pool=pool: run(pool, "native", list(range(sizes.pool))))
+        case, masked = AttnCase(dtype, ATTN, seed=0), MaskedCase(dtype, MASKED, seed=0)
+        calls.append(lambda case=case: case.prefill("native", list(range(len(case.seqs))), grad=True))
+        calls.append(lambda case=case: _paged_decode(case, "native"))
+        calls.append(lambda masked=masked: masked.run("native", list(range(len(masked.seqs))), grad=True, left=True))
+    tokens = torch.randint(0, 300, (2000,), generator=torch.Generator().manual_seed(0)).tolist()
+    for family in ("qwen3", "gemma3_text", "qwen3_moe"):
+        for dtype in (torch.float32, torch.bfloat16):
+            cfg = TrainConfig(steps=1, seq_len=32, micro_batch_tokens=96, accum=2, lr=3e-3, warmup=1, seed=0,
+                              master_weights=dtype == torch.bfloat16)
+            model = Transformer.from_config(ModelConfig.tiny(family, vocab_size=300), seed=0, dtype=dtype)
+            calls.append(Trainer(model, PackedDataset(tokens, cfg.seq_len, cfg.micro_batch_tokens, cfg.seed), cfg).step)
+    engine = Engine(Transformer.from_config(ModelConfig.tiny("qwen3_moe", vocab_size=300), seed=0), block_size=4,
+                    num_blocks=40)
+    sampling = SamplingParams(temperature=0.7, top_k=30, top_p=0.9, max_new_tokens=6, seed=1)
+    calls.append(lambda: engine.generate([tokens[:9], tokens[9:14]], sampling))
+    return calls
+
+
+def test_nothing_lockstep_runs_on_the_native_backend_reduces_in_pytorchs_order():
+    """The thread count and instruction set move PyTorch's reductions and vector math (MKL re-blocks
+    fp32 GEMMs with the thread count on an Intel Xeon, issue 27), so the native backend's bits are
+    machine-independent only if no such op runs. The ops, their gradients, the models around them,
+    the trainer's step and the engine's sampler dispatch only exact ATen ops on floating-point data."""
+    assert registry.cpu_backend() == "native"
+    calls = _native_workload()
+    audit = _AtenAudit()
+    with audit:
+        for call in calls:
+            call()
+    assert {"add", "mul", "copy_", "index_put"} <= audit.seen and len(audit.seen) > 40, sorted(audit.seen)
+    assert not audit.inexact, "\n".join(f"{op}: {where}" for op, where in sorted(audit.inexact.items()))
+    planted = _AtenAudit()
+    with planted:
+        torch.randn(3, 4) @ torch.randn(4, 2)
+        torch.exp(torch.ones(3))
+    assert {"aten.mm.default", "aten.exp.default"} <= set(planted.inexact), planted.inexact

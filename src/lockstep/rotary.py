@@ -1,11 +1,19 @@
-"""Rotary-embedding frequencies: the one definition of the angles every backend rotates by."""
+"""Rotary-embedding frequencies: the one definition of the angles every backend rotates by.
+
+The tables are built from correctly rounded inverse frequencies and IEEE additions, multiplications
+and roundings alone, so their bits are the same on every CPU, vector unit and GPU: PyTorch's pow, cos
+and sin in float64 take a vectorized math library on x86 and the C library in its scalar kernels,
+and the two differ in the last bit (ADR 0021)."""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import threading
 from dataclasses import dataclass
+from decimal import Decimal, localcontext
+from fractions import Fraction
 
 import torch
 from torch import Tensor
@@ -59,10 +67,11 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None = Non
     """Inverse frequencies [head_dim // 2] in float64: theta^(-2i/head_dim), optionally scaled
     (Llama 3, or linear).
 
-    Shared by the kernels of every backend so that they rotate by the same angles; computed in
-    float64 because it is tiny and exactness here is free.
+    Shared by the kernels of every backend so that they rotate by the same angles; each
+    theta^(-2i/head_dim) is correctly rounded (`_inverse_frequencies`), the scalings are IEEE
+    operations, so the bits do not depend on the machine.
     """
-    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    inv = torch.tensor(_inverse_frequencies(head_dim, float(theta)), dtype=torch.float64)
     if scaling is None:
         return inv
     if isinstance(scaling, LinearRopeScaling):
@@ -109,4 +118,75 @@ def _cos_sin(positions: Tensor, head_dim: int, theta: float, scaling: RopeScalin
              dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     inv = rope_inv_freq(head_dim, theta, scaling).to(positions.device)
     angles = positions.to(torch.float64)[:, None] * inv[None, :]
-    return torch.cos(angles).to(dtype)[:, None, :], torch.sin(angles).to(dtype)[:, None, :]
+    cos, sin = cos_sin_float64(angles)
+    return cos.to(dtype)[:, None, :], sin.to(dtype)[:, None, :]
+
+
+@functools.lru_cache(maxsize=64)
+def _inverse_frequencies(head_dim: int, theta: float) -> tuple[float, ...]:
+    """theta^(-k/head_dim) for k = 0, 2, 4, ... < head_dim, each correctly rounded to float64:
+    evaluated in 50-digit decimal arithmetic (Python's, the same on every machine), rounded once."""
+    if not math.isfinite(theta) or theta <= 1:
+        raise ValueError(f"theta: expected a finite number > 1, got {theta!r}")
+    with localcontext() as ctx:
+        ctx.prec = 50
+        log_theta = Decimal(theta).ln()
+        return tuple(float((log_theta * -k / head_dim).exp()) for k in range(0, head_dim, 2))
+
+
+_PI = Fraction(Decimal("3.14159265358979323846264338327950288419716939937510582097494459230781640628620899"))
+
+
+def _leading_parts(value: Fraction, parts: int, bits: int) -> tuple[float, ...]:
+    """`value` as a sum of `parts` floats of `bits` significant bits each (and a remainder below the
+    last): n * part is exact in float64 for |n| < 2^(53 - bits)."""
+    out = []
+    for _ in range(parts):
+        exponent = value.numerator.bit_length() - value.denominator.bit_length()
+        scale = Fraction(2) ** (bits - 1 - exponent)
+        part = Fraction(math.floor(value * scale)) / scale
+        out.append(float(part))
+        value -= part
+    return tuple(out)
+
+
+# pi/2 in four 26-bit parts: the reduction below is exact in its products for |angle| < 2^26 pi.
+_HALF_PI_PARTS = _leading_parts(_PI / 2, 4, 26)
+_TWO_OVER_PI = float(2 / _PI)
+# Taylor coefficients, each 1/n! correctly rounded: sin to r^17, cos to r^18; on |r| <= pi/4 the
+# first omitted terms are below 2^-60 of the result.
+_SIN_COEFFS = tuple(float(Fraction((-1) ** k, math.factorial(2 * k + 1))) for k in range(1, 9))
+_COS_COEFFS = tuple(float(Fraction((-1) ** k, math.factorial(2 * k))) for k in range(1, 10))
+
+
+def cos_sin_float64(angles: Tensor) -> tuple[Tensor, Tensor]:
+    """(cos, sin) of float64 `angles` (any shape, |angle| < 2^26 pi for full accuracy) from IEEE
+    additions, multiplications and roundings alone, so the bits are the same on every device and
+    vector unit (each op its own kernel: nothing is fused into an FMA). Within 1 ulp of torch.cos
+    and torch.sin at rotary angles (tests/test_rope.py).
+
+    The angle is reduced by the nearest multiple n of pi/2 (Cody-Waite, in four exact products),
+    cos and sin of the remainder r (|r| <= pi/4) are Taylor series in r^2 by Horner's rule, and n
+    mod 4 picks which of +-cos r, +-sin r each result is."""
+    if angles.dtype != torch.float64:
+        raise ValueError(f"angles: expected float64, got {angles.dtype}")
+    n = torch.round(angles * _TWO_OVER_PI)
+    r = angles
+    for part in _HALF_PI_PARTS:
+        r = r - n * part
+    z = r * r
+    sin_r = _horner(z, _SIN_COEFFS)
+    sin_r = r + (r * z) * sin_r
+    cos_r = 1.0 + z * _horner(z, _COS_COEFFS)
+    quadrant = n.to(torch.int64) & 3
+    cos = torch.where(quadrant == 0, cos_r, torch.where(quadrant == 1, -sin_r, torch.where(quadrant == 2, -cos_r, sin_r)))
+    sin = torch.where(quadrant == 0, sin_r, torch.where(quadrant == 1, cos_r, torch.where(quadrant == 2, -sin_r, -cos_r)))
+    return cos, sin
+
+
+def _horner(z: Tensor, coeffs: tuple[float, ...]) -> Tensor:
+    """coeffs[0] + coeffs[1] z + coeffs[2] z^2 + ..., from the highest term down."""
+    acc = torch.full_like(z, coeffs[-1])
+    for c in reversed(coeffs[:-1]):
+        acc = acc * z + c
+    return acc

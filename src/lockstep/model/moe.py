@@ -3,8 +3,10 @@
 What a token computes must not depend on which other tokens share the call, on their order, or on
 how many of them chose the same expert (docs/adr/0008-mixture-of-experts.md):
 
-- Router: fp32 probabilities exp(log_softmax(x @ gate.T)), then the top k by a stable descending
-  sort (ties: the lower expert index first), optionally renormalised by their sum in slot order.
+- Router: fp32 probabilities exp(log_softmax(x @ gate.T)), the exp on the CPU backend's kernels
+  (PyTorch's fp32 exp follows the vector unit), then the top k by a stable descending sort (ties:
+  the lower expert index first), optionally renormalised by their sum in slot order, whose backward
+  sums in slot order too.
 - Experts: each expert is a gated MLP of lockstep ops, run on the rows that chose it, gathered in
   token order. ops.linear is row-invariant, so a row's output does not depend on how many rows the
   expert got.
@@ -27,7 +29,8 @@ import torch
 from torch import Tensor, nn
 
 from .. import grad_tree, ops
-from ..fixed_order import accumulate_dtype, row_sum
+from ..fixed_order import accumulate_dtype, exp, row_sum
+from ..registry import cpu_backend_kernels
 
 _ROUTER_LOGITS: contextvars.ContextVar[list | None] = contextvars.ContextVar("lockstep_router_logits", default=None)
 _ROUTING: contextvars.ContextVar[tuple[str, list] | None] = contextvars.ContextVar("lockstep_routing", default=None)
@@ -71,7 +74,42 @@ def replay_routing(choices: list[Tensor]) -> Iterator[None]:
 
 def router_probs(logits: Tensor) -> Tensor:
     """The router's probabilities [T, E]: exp(log_softmax) in fp32 (float64 for float64 logits)."""
-    return torch.exp(ops.log_softmax(logits.to(accumulate_dtype(logits.dtype))))
+    return _Exp.apply(ops.log_softmax(logits.to(accumulate_dtype(logits.dtype))))
+
+
+class _Exp(torch.autograd.Function):
+    """e^x on the CPU backend's kernels (fixed_order.exp), whose bits do not follow the vector unit
+    as PyTorch's fp32 exp does; the backward is autograd's for torch.exp, grad * e^x."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor) -> Tensor:
+        with cpu_backend_kernels():
+            y = exp(x)
+        ctx.save_for_backward(y)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> Tensor:
+        (y,) = ctx.saved_tensors
+        return grad * y
+
+
+class _Normalize(torch.autograd.Function):
+    """Router weights [T, k] over their sum, added slot 0 + slot 1 + ... . Backward: with
+    y = w / total, dw_i = (g_i - sum_j g_j y_j) / total, the sum in slot order too (autograd's
+    would reduce the broadcast total's gradient with an ATen sum, in an order of PyTorch's)."""
+
+    @staticmethod
+    def forward(ctx, w: Tensor) -> Tensor:
+        total = sum_slots(w[..., None])[:, 0]
+        y = w / total[:, None]
+        ctx.save_for_backward(y, total)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> Tensor:
+        y, total = ctx.saved_tensors
+        return (grad - sum_slots((grad * y)[..., None])) / total[:, None]
 
 
 def route(logits: Tensor, top_k: int, normalize: bool, experts: Tensor | None = None) -> tuple[Tensor, Tensor]:
@@ -85,10 +123,7 @@ def route(logits: Tensor, top_k: int, normalize: bool, experts: Tensor | None = 
         experts = torch.sort(ranked, dim=-1).values
     weights = probs.gather(1, experts)
     if normalize:
-        total = weights[:, 0]
-        for j in range(1, top_k):
-            total = total + weights[:, j]
-        weights = weights / total[:, None]
+        weights = _Normalize.apply(weights)
     return weights.to(logits.dtype), experts
 
 

@@ -192,7 +192,10 @@ class Transformer(nn.Module):
     @classmethod
     def from_config(cls, config: ModelConfig, seed: int = 0, dtype: torch.dtype = torch.float32,
                     device: str | torch.device = "cpu") -> "Transformer":
-        """Random weights (normal, std 0.02; norms at 1), the same for a given seed on any machine."""
+        """Random weights (normal, std 0.02; norms at 1) from torch.randn: the same for a given seed
+        wherever PyTorch draws normals with the same kernel. Its vector sampler runs on every x86
+        CPU with AVX2 (AVX-512 included); its scalar one (ATEN_CPU_CAPABILITY=default, a CPU
+        without AVX2) gives other weights (ADR 0021)."""
         model = cls(config)
         gen = torch.Generator().manual_seed(seed)
         with torch.no_grad():
