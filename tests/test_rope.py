@@ -114,3 +114,18 @@ def test_a_bad_theta_is_named_by_rope_inv_freq():
 
     with pytest.raises(ValueError, match=r"theta: expected a finite number > 1, got nan"):
         rope_inv_freq(64, float("nan"))
+
+
+def test_tables_gathered_from_cached_blocks_are_the_direct_ones():
+    """The CPU gathers a call's rows from cached blocks of 256 positions (a decode step reuses its
+    block): the same bits as computing them for the call, in any order, across blocks, empty, or
+    over more blocks than it gathers from."""
+    from lockstep.rotary import _cos_sin, rope_cos_sin
+
+    for positions in (torch.tensor([5]), torch.tensor([70000, 3, 3, 255, 256]), torch.arange(1000, 1300),
+                      torch.arange(0, 1 << 20, 97), torch.arange(0)):
+        for scaling in (None, Llama3RopeScaling()):
+            for dtype in (torch.float32, torch.bfloat16):
+                got = rope_cos_sin(positions, 128, 1e6, scaling, dtype)
+                want = _cos_sin(positions, 128, 1e6, scaling, dtype)
+                assert all(g.shape == w.shape and torch.equal(g, w) for g, w in zip(got, want)), positions[:5]

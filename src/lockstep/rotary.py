@@ -100,7 +100,7 @@ def rope_cos_sin(positions: Tensor, head_dim: int, theta: float, scaling: RopeSc
     if hit is None:
         # Outside inference mode, so that a result first made under it can still be saved for backward.
         with torch.inference_mode(False):
-            hit = _cos_sin(positions.clone(), head_dim, theta, scaling, dtype)
+            hit = _cos_sin_by_blocks(positions.clone(), head_dim, theta, scaling, dtype)
     with _RECENT_LOCK:
         _RECENT[key] = hit
         while len(_RECENT) > 8:
@@ -112,6 +112,31 @@ def rope_cos_sin(positions: Tensor, head_dim: int, theta: float, scaling: RopeSc
 # key alone, so reusing them changes no bit; the key holds the positions' values, not the tensor.
 _RECENT: dict[tuple, tuple[Tensor, Tensor]] = {}
 _RECENT_LOCK = threading.Lock()
+
+
+# Positions per cached block of the CPU's tables, and the most blocks one call gathers from the
+# cache: a decode step's positions fall in blocks already built, and a long prefill builds its own.
+_BLOCK = 256
+_MAX_BLOCKS = 16
+
+
+def _cos_sin_by_blocks(positions: Tensor, head_dim: int, theta: float, scaling: RopeScaling | None,
+                       dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """_cos_sin's rows for `positions` [T] (CPU), gathered from cached blocks of _BLOCK consecutive
+    positions. A row is a function of its position alone, so the bits are _cos_sin's."""
+    blocks = torch.unique(positions // _BLOCK) if positions.numel() else positions
+    if not 0 < blocks.numel() <= _MAX_BLOCKS:
+        return _cos_sin(positions, head_dim, theta, scaling, dtype)
+    tables = [_cos_sin_block(int(b), head_dim, theta, scaling, dtype) for b in blocks]
+    cos, sin = (torch.cat([t[i] for t in tables]) if len(tables) > 1 else tables[0][i] for i in (0, 1))
+    rows = torch.searchsorted(blocks, positions // _BLOCK) * _BLOCK + positions % _BLOCK
+    return cos[rows], sin[rows]
+
+
+@functools.lru_cache(maxsize=64)
+def _cos_sin_block(block: int, head_dim: int, theta: float, scaling: RopeScaling | None,
+                   dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    return _cos_sin(torch.arange(block * _BLOCK, (block + 1) * _BLOCK), head_dim, theta, scaling, dtype)
 
 
 def _cos_sin(positions: Tensor, head_dim: int, theta: float, scaling: RopeScaling | None,
