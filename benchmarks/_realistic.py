@@ -14,16 +14,7 @@ SHAPE = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_he
 
 
 def lockstep_model(dtype=torch.bfloat16, layers: int = LAYERS) -> Transformer:
-    config = ModelConfig.tiny("qwen3", num_layers=layers, **SHAPE)
-    model = Transformer(config)
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.fill_(1.0)
-            else:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
-    return model.to(dtype).eval()
+    return Transformer.from_config(ModelConfig.tiny("qwen3", num_layers=layers, **SHAPE), seed=0, dtype=dtype).eval()
 
 
 def hf_model(ours: Transformer, attn: str = "sdpa"):
