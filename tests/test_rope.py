@@ -129,3 +129,24 @@ def test_tables_gathered_from_cached_blocks_are_the_direct_ones():
                 got = rope_cos_sin(positions, 128, 1e6, scaling, dtype)
                 want = _cos_sin(positions, 128, 1e6, scaling, dtype)
                 assert all(g.shape == w.shape and torch.equal(g, w) for g, w in zip(got, want)), positions[:5]
+
+
+def test_on_a_gpu_a_positions_tensor_reuses_its_tables_only_while_unmodified(monkeypatch):
+    """Off the CPU the tables are found by the positions tensor itself (reading its values would
+    wait for the device): each layer's call reuses the first one's, an in-place change to the
+    positions makes new ones, and another tensor with the same values gets its own, equal bits.
+    Run here on CPU tensors with the GPU's keying."""
+    from lockstep import rotary
+
+    monkeypatch.setattr(rotary, "_keyed_by_values", lambda positions: False)
+    rotary._RECENT.clear()
+    positions = torch.arange(3, 40)
+    first = rotary.rope_cos_sin(positions, 64, 1e4, None, torch.float32)
+    assert all(a is b for a, b in zip(first, rotary.rope_cos_sin(positions, 64, 1e4, None, torch.float32)))
+    positions.add_(100)
+    moved = rotary.rope_cos_sin(positions, 64, 1e4, None, torch.float32)
+    assert all(torch.equal(a, b) for a, b in zip(moved, rotary._cos_sin(torch.arange(103, 140), 64, 1e4, None,
+                                                                         torch.float32)))
+    other = rotary.rope_cos_sin(torch.arange(103, 140), 64, 1e4, None, torch.float32)
+    assert all(a is not b and torch.equal(a, b) for a, b in zip(other, moved))
+    rotary._RECENT.clear()

@@ -11,6 +11,7 @@ import dataclasses
 import functools
 import math
 import threading
+import weakref
 from dataclasses import dataclass
 from decimal import Decimal, localcontext
 from fractions import Fraction
@@ -90,27 +91,40 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None = Non
 def rope_cos_sin(positions: Tensor, head_dim: int, theta: float, scaling: RopeScaling | None,
                  dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """cos and sin [T, 1, head_dim // 2] for each token's own position, in `dtype`; the angles are
-    position x frequency in float64. Read-only: on the CPU the last few results are reused, since
-    every layer of a forward rotates its queries and keys by the same positions."""
-    if positions.device.type != "cpu":
-        return _cos_sin(positions, head_dim, theta, scaling, dtype)
-    key = (positions.dtype, tuple(positions.shape), positions.numpy().tobytes(), head_dim, theta, scaling, dtype)
+    position x frequency in float64. Read-only: the last few results are reused, since every layer
+    of a forward rotates its queries and keys by the same positions. On the CPU they are found by
+    the positions' values; on a GPU, where reading the values would wait for the device, by the
+    positions tensor itself, while that object is alive and unmodified (its version counter)."""
+    on_cpu = _keyed_by_values(positions)
+    if on_cpu:
+        key = ("values", positions.dtype, tuple(positions.shape), positions.numpy().tobytes(), head_dim, theta,
+               scaling, dtype)
+    else:
+        key = ("tensor", id(positions), positions._version, head_dim, theta, scaling, dtype)
     with _RECENT_LOCK:
         hit = _RECENT.pop(key, None)
+    if hit is not None and not on_cpu and hit[0]() is not positions:
+        hit = None                              # another tensor now has the id of a freed one
     if hit is None:
         # Outside inference mode, so that a result first made under it can still be saved for backward.
         with torch.inference_mode(False):
-            hit = _cos_sin_by_blocks(positions.clone(), head_dim, theta, scaling, dtype)
+            build = _cos_sin_by_blocks if on_cpu else _cos_sin
+            hit = (None if on_cpu else weakref.ref(positions), build(positions.clone(), head_dim, theta, scaling, dtype))
     with _RECENT_LOCK:
         _RECENT[key] = hit
         while len(_RECENT) > 8:
             _RECENT.pop(next(iter(_RECENT)))
-    return hit
+    return hit[1]
 
 
-# Recently computed (cos, sin) by their arguments, oldest first. The values are a function of the
-# key alone, so reusing them changes no bit; the key holds the positions' values, not the tensor.
-_RECENT: dict[tuple, tuple[Tensor, Tensor]] = {}
+def _keyed_by_values(positions: Tensor) -> bool:
+    return positions.device.type == "cpu"
+
+
+# Recently computed (cos, sin) by their arguments, oldest first, each with a weak reference to the
+# positions tensor where the key names it by id. The values are a function of the key alone, so
+# reusing them changes no bit.
+_RECENT: dict[tuple, tuple[weakref.ref | None, tuple[Tensor, Tensor]]] = {}
 _RECENT_LOCK = threading.Lock()
 
 
