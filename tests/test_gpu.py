@@ -68,15 +68,22 @@ def test_masked_attention_contract_on_cuda(dtype):
 
 
 def test_rotary_tables_on_cuda_are_the_cpus_bit_for_bit():
-    """rotary.rope_cos_sin builds its tables from IEEE additions, multiplications and roundings alone
-    (ADR 0021), each its own kernel, so a GPU's tables are the CPU's: a trainer on one and a server on
-    the other rotate by the same angles."""
-    from lockstep.rotary import Llama3RopeScaling, rope_cos_sin
+    """rotary.rope_cos_sin builds a GPU's tables on the CPU and copies them (ADR 0021): the CPU's
+    bits, also under inference mode and on a reused result; and exact_math.cos_sin_float64 run on the
+    GPU itself gives the CPU's bits too (IEEE operations, each its own kernel)."""
+    from lockstep import rotary
+    from lockstep.exact_math import cos_sin_float64
 
     positions = torch.arange(0, 1 << 20, 97)
-    for head_dim, theta, scaling in ((128, 1_000_000.0, None), (128, 500_000.0, Llama3RopeScaling())):
+    for head_dim, theta, scaling in ((128, 1_000_000.0, None), (128, 500_000.0, rotary.Llama3RopeScaling())):
         for dtype in (torch.float32, torch.bfloat16):
-            cpu = rope_cos_sin(positions, head_dim, theta, scaling, dtype)
-            gpu = rope_cos_sin(positions.cuda(), head_dim, theta, scaling, dtype)
-            for c, g in zip(cpu, gpu):
-                assert g.is_cuda and torch.equal(c, g.cpu()), (head_dim, theta, scaling, dtype)
+            cpu = rotary.rope_cos_sin(positions, head_dim, theta, scaling, dtype)
+            on_gpu = positions.cuda()
+            with torch.inference_mode():
+                first = rotary.rope_cos_sin(on_gpu, head_dim, theta, scaling, dtype)
+            again = rotary.rope_cos_sin(on_gpu, head_dim, theta, scaling, dtype)
+            for c, f, a in zip(cpu, first, again):
+                assert f.is_cuda and a is f and torch.equal(c, f.cpu()), (head_dim, theta, scaling, dtype)
+    angles = positions[:, None].double() * rotary.rope_inv_freq(128, 1e6)
+    for c, g in zip(cos_sin_float64(angles), cos_sin_float64(angles.cuda())):
+        assert torch.equal(c, g.cpu())

@@ -15,7 +15,8 @@ PACKAGE = SRC / "lockstep"
 
 # Lower layers never import higher ones. A module's layer is that of its longest listed prefix.
 LAYERS = {
-    0: ["lockstep.registry", "lockstep.fixed_order", "lockstep.grad_tree", "lockstep.rotary", "lockstep.paged_cache",
+    0: ["lockstep.registry", "lockstep.fixed_order", "lockstep.grad_tree", "lockstep.exact_math", "lockstep.rotary",
+        "lockstep.paged_cache",
         "lockstep.checks", "lockstep.autocast", "lockstep.softcap", "lockstep.chunks",
         "lockstep.contract", "lockstep.mismatch"],
     1: ["lockstep.ops", "lockstep.backends"],

@@ -29,3 +29,9 @@ def test_log_softmax_handles_minus_inf_and_float64():
 def test_log_softmax_empty_last_dim_is_refused():
     with pytest.raises(ValueError, match="x: expected a non-empty last dimension"):
         ops.log_softmax(torch.randn(3, 0))
+
+
+def test_log_softmax_of_no_rows_has_a_gradient_of_no_rows():
+    x = torch.zeros(0, 8, requires_grad=True)
+    ops.log_softmax(x).sum().backward()
+    assert x.grad.shape == (0, 8)

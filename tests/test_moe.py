@@ -6,6 +6,7 @@ import torch
 
 from lockstep import contract
 from lockstep.model import ModelConfig, Transformer, load_model, logprobs
+from lockstep.model import moe
 from lockstep.model.moe import load_balancing_loss, record_routing, replay_routing, route
 
 
@@ -28,9 +29,9 @@ def test_route_breaks_ties_toward_the_lower_expert_and_orders_slots():
 
 
 def test_router_probabilities_take_the_cpu_backends_exp():
-    """PyTorch's fp32 exp gives other bits in its vector and scalar kernels (a third of them at
-    ATEN_CPU_CAPABILITY=default); the router's exp is the native kernels', the same on every CPU
-    (tests/test_native.py digests the router under each kernel selection)."""
+    """The router's exp is the native kernels', the same on every CPU: PyTorch's fp32 exp may take
+    MKL's vector math, whose bits follow the instruction set (ADR 0010). tests/test_native.py digests
+    the router under each kernel selection."""
     from lockstep import fixed_order, ops
     from lockstep.model.moe import router_probs
     from lockstep.registry import cpu_backend
@@ -57,6 +58,9 @@ def test_renormalised_weights_have_the_gradient_of_w_over_their_sum():
     (row,) = torch.autograd.grad(route(x[4:5], 8, normalize=True)[0], x, g[4:5].float())
     (full,) = torch.autograd.grad(w, x, torch.zeros(9, 8).index_copy(0, torch.tensor([4]), g[4:5].float()))
     assert torch.equal(row[4], full[4])
+    normalize = moe._Normalize.apply
+    w = torch.rand(5, 4, dtype=torch.float64, generator=gen).requires_grad_()
+    assert torch.autograd.gradgradcheck(normalize, (w,))            # its derivative under create_graph too
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)

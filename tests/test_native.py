@@ -827,20 +827,36 @@ def test_bf16_gemm_order_is_the_documented_one():
 
 # ATen ops whose value on floating-point tensors is exact (IEEE-rounded arithmetic, moves, selections,
 # comparisons), so their bits cannot follow the thread count, the instruction set or the BLAS.
-# On the CPU, index_put with accumulate and scatter_add run serially in index order, and cumsum (the
-# sampler's top-p) is a serial scan in index order. Anything else (mm and the BLAS, sum, softmax,
-# exp, tanh, pow with a general exponent, ...) reduces or rounds in an order of PyTorch's vector
+# scatter_add, and cumsum (the sampler's top-p), run serially in index order on the CPU. Two are exact
+# only in some calls (`_exact_call`): index_put with accumulate (parallel on several threads, so its
+# sums at a repeated index change from run to run) with unique indices, and add / sub / rsub with
+# alpha 1 or -1 (the vector kernels fuse alpha into an FMA). Anything else (mm and the BLAS, sum,
+# softmax, exp, tanh, pow with a general exponent, ...) reduces or rounds in an order of PyTorch's
 # kernels and would make the native backend's bits the machine's.
 EXACT_ATEN_OPS = frozenset("""
-    _local_scalar_dense _to_copy _unsafe_view abs add add_ alias amax amin argmax argmin as_strided cat ceil clamp
+    _local_scalar_dense _to_copy _unsafe_view abs alias amax amin argmax argmin as_strided cat ceil clamp
     clamp_ clamp_max clamp_min clone constant_pad_nd copy_ cummax cummin cumsum detach div div_ empty empty_like
     empty_strided eq expand fill fill_ flip floor frexp full full_like gather ge gt index index_copy index_copy_
-    index_put index_put_ index_select isfinite isinf isnan le lift_fresh lt masked_fill masked_fill_ max maximum min
+    index_select isfinite isinf isnan le lift_fresh lt masked_fill masked_fill_ max maximum min
     minimum mul mul_ nan_to_num narrow ne neg neg_ new_empty new_empty_strided new_full new_ones new_zeros ones
-    ones_like permute reciprocal reciprocal_ repeat round rsqrt rsub scalar_tensor scatter scatter_ scatter_add
-    select select_backward sign slice slice_backward sort split split_with_sizes sqrt squeeze stack sub sub_ t topk
+    ones_like permute reciprocal reciprocal_ repeat round rsqrt scalar_tensor scatter scatter_ scatter_add
+    select select_backward sign slice slice_backward sort split split_with_sizes sqrt squeeze stack t topk
     transpose tril triu trunc unbind unsqueeze view where zero_ zeros zeros_like
 """.split())
+
+
+def _exact_call(name: str, args: tuple, kwargs: dict) -> bool:
+    """Whether one call of an op outside EXACT_ATEN_OPS is exact all the same (see above)."""
+    if name in ("add", "add_", "sub", "sub_", "rsub"):
+        return kwargs.get("alpha", 1) in (1, -1)
+    if name in ("index_put", "index_put_"):
+        accumulate = args[3] if len(args) > 3 else kwargs.get("accumulate", False)
+        indices = [i for i in args[1] if i is not None]
+        if not accumulate or any(i.dtype == torch.bool for i in indices):
+            return True
+        rows = torch.stack([i.reshape(-1) for i in torch.broadcast_tensors(*indices)], 1)
+        return torch.unique(rows, dim=0).shape[0] == rows.shape[0]
+    return name == "pow" and args[1:2] in ((2,), (2.0,))          # x * x
 
 
 class _AtenAudit(torch.utils._python_dispatch.TorchDispatchMode):
@@ -858,7 +874,7 @@ class _AtenAudit(torch.utils._python_dispatch.TorchDispatchMode):
         if any(t.is_floating_point() for t in tensors):
             name = func.overloadpacket.__name__
             self.seen.add(name)
-            exact = name in EXACT_ATEN_OPS or (name == "pow" and args[1:2] in ((2,), (2.0,)))   # x * x
+            exact = name in EXACT_ATEN_OPS or _exact_call(name, args, kwargs or {})
             if not exact and str(func) not in self.inexact:
                 frames = [f"{f.filename.rsplit('/src/', 1)[-1]}:{f.lineno}" for f in traceback.extract_stack()
                           if "/src/lockstep/" in f.filename]
@@ -902,10 +918,14 @@ def _native_workload() -> list:
                               master_weights=dtype == torch.bfloat16)
             model = Transformer.from_config(ModelConfig.tiny(family, vocab_size=300), seed=0, dtype=dtype)
             calls.append(Trainer(model, PackedDataset(tokens, cfg.seq_len, cfg.micro_batch_tokens, cfg.seed), cfg).step)
-    engine = Engine(Transformer.from_config(ModelConfig.tiny("qwen3_moe", vocab_size=300), seed=0), block_size=4,
-                    num_blocks=40)
-    sampling = SamplingParams(temperature=0.7, top_k=30, top_p=0.9, max_new_tokens=6, seed=1)
-    calls.append(lambda: engine.generate([tokens[:9], tokens[9:14]], sampling))
+    for family, sampling in (
+            ("qwen3_moe", SamplingParams(temperature=0.7, top_k=30, top_p=0.9, max_new_tokens=6, seed=1)),
+            ("gemma3_text", SamplingParams(temperature=0.9, min_p=0.05, repetition_penalty=1.3, max_new_tokens=6,
+                                           seed=2))):
+        softcap = 30.0 if family == "gemma3_text" else None
+        config = ModelConfig.tiny(family, vocab_size=300, final_logit_softcapping=softcap)
+        engine = Engine(Transformer.from_config(config, seed=0), block_size=4, num_blocks=40)
+        calls.append(lambda engine=engine, sampling=sampling: engine.generate([tokens[:9], tokens[9:14]], sampling))
     return calls
 
 
@@ -924,6 +944,9 @@ def test_nothing_lockstep_runs_on_the_native_backend_reduces_in_pytorchs_order()
     assert not audit.inexact, "\n".join(f"{op}: {where}" for op, where in sorted(audit.inexact.items()))
     planted = _AtenAudit()
     with planted:
-        torch.randn(3, 4) @ torch.randn(4, 2)
+        torch.ones(3, 4) @ torch.ones(4, 2)
         torch.exp(torch.ones(3))
-    assert {"aten.mm.default", "aten.exp.default"} <= set(planted.inexact), planted.inexact
+        torch.add(torch.ones(3), torch.ones(3), alpha=0.3)
+        torch.zeros(3).index_put_((torch.tensor([0, 0]),), torch.ones(2), accumulate=True)
+    assert set(planted.inexact) == {"aten.mm.default", "aten.exp.default", "aten.add.Tensor",
+                                    "aten.index_put_.default"}, planted.inexact

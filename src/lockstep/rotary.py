@@ -1,9 +1,9 @@
 """Rotary-embedding frequencies: the one definition of the angles every backend rotates by.
 
-The tables are built from correctly rounded inverse frequencies and IEEE additions, multiplications
-and roundings alone, so their bits are the same on every CPU, vector unit and GPU: PyTorch's pow, cos
-and sin in float64 take a vectorized math library on x86 and the C library in its scalar kernels,
-and the two differ in the last bit (ADR 0021)."""
+The tables are built from correctly rounded inverse frequencies and IEEE operations alone
+(lockstep.exact_math), on the CPU for every device, so their bits are the same on every machine:
+PyTorch's pow, cos and sin in float64 take a vectorized math library on x86 and the C library in
+its scalar kernels, and the two differ in the last bit (ADR 0021)."""
 
 from __future__ import annotations
 
@@ -11,13 +11,17 @@ import dataclasses
 import functools
 import math
 import threading
-import weakref
 from dataclasses import dataclass
-from decimal import Decimal, localcontext
 from fractions import Fraction
 
 import torch
 from torch import Tensor
+
+from .exact_math import cos_sin_float64, power
+
+# Positions at or above this are refused by ops.rope: their angles would leave cos_sin_float64's
+# exact range at inverse frequencies up to 4 (every real model's are at most 1).
+MAX_POSITION = 2 ** 24
 
 
 @dataclass(frozen=True)
@@ -72,6 +76,10 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None = Non
     theta^(-2i/head_dim) is correctly rounded (`_inverse_frequencies`), the scalings are IEEE
     operations, so the bits do not depend on the machine.
     """
+    if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim < 0:
+        raise ValueError(f"head_dim: expected an int >= 0, got {head_dim!r}")
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not math.isfinite(theta) or theta <= 1:
+        raise ValueError(f"theta: expected a finite number > 1, got {theta!r}")
     inv = torch.tensor(_inverse_frequencies(head_dim, float(theta)), dtype=torch.float64)
     if scaling is None:
         return inv
@@ -90,41 +98,31 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None = Non
 
 def rope_cos_sin(positions: Tensor, head_dim: int, theta: float, scaling: RopeScaling | None,
                  dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """cos and sin [T, 1, head_dim // 2] for each token's own position, in `dtype`; the angles are
-    position x frequency in float64. Read-only: the last few results are reused, since every layer
-    of a forward rotates its queries and keys by the same positions. On the CPU they are found by
-    the positions' values; on a GPU, where reading the values would wait for the device, by the
-    positions tensor itself, while that object is alive and unmodified (its version counter)."""
-    on_cpu = _keyed_by_values(positions)
-    if on_cpu:
-        key = ("values", positions.dtype, tuple(positions.shape), positions.numpy().tobytes(), head_dim, theta,
-               scaling, dtype)
-    else:
-        key = ("tensor", id(positions), positions._version, head_dim, theta, scaling, dtype)
+    """cos and sin [T, 1, head_dim // 2] for each token's own position [T] (integers in
+    [0, MAX_POSITION)), in `dtype`, on the positions' device; the angles are position x frequency
+    in float64. Built on the CPU whatever the device (a GPU gets a copy: the same bits everywhere,
+    and one copy instead of some 60 small kernels). Read-only: the last few results are reused,
+    found by the positions' values, since every layer of a forward rotates its queries and keys by
+    the same positions."""
+    host = positions if positions.device.type == "cpu" else positions.cpu()
+    key = (positions.device, host.dtype, tuple(host.shape), host.numpy().tobytes(), head_dim, theta, scaling, dtype)
     with _RECENT_LOCK:
         hit = _RECENT.pop(key, None)
-    if hit is not None and not on_cpu and hit[0]() is not positions:
-        hit = None                              # another tensor now has the id of a freed one
     if hit is None:
         # Outside inference mode, so that a result first made under it can still be saved for backward.
         with torch.inference_mode(False):
-            build = _cos_sin_by_blocks if on_cpu else _cos_sin
-            hit = (None if on_cpu else weakref.ref(positions), build(positions.clone(), head_dim, theta, scaling, dtype))
+            cos, sin = _cos_sin_by_blocks(host.clone(), head_dim, theta, scaling, dtype)
+            hit = cos.to(positions.device), sin.to(positions.device)
     with _RECENT_LOCK:
         _RECENT[key] = hit
         while len(_RECENT) > 8:
             _RECENT.pop(next(iter(_RECENT)))
-    return hit[1]
+    return hit
 
 
-def _keyed_by_values(positions: Tensor) -> bool:
-    return positions.device.type == "cpu"
-
-
-# Recently computed (cos, sin) by their arguments, oldest first, each with a weak reference to the
-# positions tensor where the key names it by id. The values are a function of the key alone, so
-# reusing them changes no bit.
-_RECENT: dict[tuple, tuple[weakref.ref | None, tuple[Tensor, Tensor]]] = {}
+# Recently computed (cos, sin) by their arguments, oldest first. The values are a function of the
+# key alone, so reusing them changes no bit; the key holds the positions' values, not the tensor.
+_RECENT: dict[tuple, tuple[Tensor, Tensor]] = {}
 _RECENT_LOCK = threading.Lock()
 
 
@@ -138,8 +136,10 @@ def _cos_sin_by_blocks(positions: Tensor, head_dim: int, theta: float, scaling: 
                        dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """_cos_sin's rows for `positions` [T] (CPU), gathered from cached blocks of _BLOCK consecutive
     positions. A row is a function of its position alone, so the bits are _cos_sin's."""
-    blocks = torch.unique(positions // _BLOCK) if positions.numel() else positions
-    if not 0 < blocks.numel() <= _MAX_BLOCKS:
+    if positions.dtype != torch.int64 or not positions.numel():
+        return _cos_sin(positions, head_dim, theta, scaling, dtype)
+    blocks = torch.unique(positions // _BLOCK)
+    if blocks.numel() > _MAX_BLOCKS:
         return _cos_sin(positions, head_dim, theta, scaling, dtype)
     tables = [_cos_sin_block(int(b), head_dim, theta, scaling, dtype) for b in blocks]
     cos, sin = (torch.cat([t[i] for t in tables]) if len(tables) > 1 else tables[0][i] for i in (0, 1))
@@ -163,69 +163,5 @@ def _cos_sin(positions: Tensor, head_dim: int, theta: float, scaling: RopeScalin
 
 @functools.lru_cache(maxsize=64)
 def _inverse_frequencies(head_dim: int, theta: float) -> tuple[float, ...]:
-    """theta^(-k/head_dim) for k = 0, 2, 4, ... < head_dim, each correctly rounded to float64:
-    evaluated in 50-digit decimal arithmetic (Python's, the same on every machine), rounded once."""
-    if not math.isfinite(theta) or theta <= 1:
-        raise ValueError(f"theta: expected a finite number > 1, got {theta!r}")
-    with localcontext() as ctx:
-        ctx.prec = 50
-        log_theta = Decimal(theta).ln()
-        return tuple(float((log_theta * -k / head_dim).exp()) for k in range(0, head_dim, 2))
-
-
-_PI = Fraction(Decimal("3.14159265358979323846264338327950288419716939937510582097494459230781640628620899"))
-
-
-def _leading_parts(value: Fraction, parts: int, bits: int) -> tuple[float, ...]:
-    """`value` as a sum of `parts` floats of `bits` significant bits each (and a remainder below the
-    last): n * part is exact in float64 for |n| < 2^(53 - bits)."""
-    out = []
-    for _ in range(parts):
-        exponent = value.numerator.bit_length() - value.denominator.bit_length()
-        scale = Fraction(2) ** (bits - 1 - exponent)
-        part = Fraction(math.floor(value * scale)) / scale
-        out.append(float(part))
-        value -= part
-    return tuple(out)
-
-
-# pi/2 in four 26-bit parts: the reduction below is exact in its products for |angle| < 2^26 pi.
-_HALF_PI_PARTS = _leading_parts(_PI / 2, 4, 26)
-_TWO_OVER_PI = float(2 / _PI)
-# Taylor coefficients, each 1/n! correctly rounded: sin to r^17, cos to r^18; on |r| <= pi/4 the
-# first omitted terms are below 2^-60 of the result.
-_SIN_COEFFS = tuple(float(Fraction((-1) ** k, math.factorial(2 * k + 1))) for k in range(1, 9))
-_COS_COEFFS = tuple(float(Fraction((-1) ** k, math.factorial(2 * k))) for k in range(1, 10))
-
-
-def cos_sin_float64(angles: Tensor) -> tuple[Tensor, Tensor]:
-    """(cos, sin) of float64 `angles` (any shape, |angle| < 2^26 pi for full accuracy) from IEEE
-    additions, multiplications and roundings alone, so the bits are the same on every device and
-    vector unit (each op its own kernel: nothing is fused into an FMA). Within 1 ulp of torch.cos
-    and torch.sin at rotary angles (tests/test_rope.py).
-
-    The angle is reduced by the nearest multiple n of pi/2 (Cody-Waite, in four exact products),
-    cos and sin of the remainder r (|r| <= pi/4) are Taylor series in r^2 by Horner's rule, and n
-    mod 4 picks which of +-cos r, +-sin r each result is."""
-    if angles.dtype != torch.float64:
-        raise ValueError(f"angles: expected float64, got {angles.dtype}")
-    n = torch.round(angles * _TWO_OVER_PI)
-    r = angles
-    for part in _HALF_PI_PARTS:
-        r = r - n * part
-    z = r * r
-    sin_r = _horner(z, _SIN_COEFFS)
-    sin_r = r + (r * z) * sin_r
-    cos_r = 1.0 + z * _horner(z, _COS_COEFFS)
-    quadrant = n.to(torch.int64) & 3
-    cos = torch.where(quadrant == 0, cos_r, torch.where(quadrant == 1, -sin_r, torch.where(quadrant == 2, -cos_r, sin_r)))
-    sin = torch.where(quadrant == 0, sin_r, torch.where(quadrant == 1, cos_r, torch.where(quadrant == 2, -sin_r, -cos_r)))
-    return cos, sin
-
-
-def _horner(z: Tensor, coeffs: tuple[float, ...]) -> Tensor:
-    """coeffs[0] + coeffs[1] z + coeffs[2] z^2 + ..., from the highest term down."""
-    acc = torch.full_like(z, coeffs[-1])
-    for c in reversed(coeffs[:-1]):
-        acc = acc * z + c
-    return acc
+    """theta^(-k/head_dim) for k = 0, 2, 4, ... < head_dim, each correctly rounded to float64."""
+    return tuple(power(theta, Fraction(-k, head_dim)) for k in range(0, head_dim, 2))

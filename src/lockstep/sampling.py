@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from . import ops
+from . import exact_math, ops
 from .fixed_order import exp
 from .registry import cpu_backend_kernels
 
@@ -173,13 +173,13 @@ def allowed_tokens(logp: Tensor, p: SamplingParams, seen: Tensor | None) -> tupl
     applied to the scores, then top-k, min-p and top-p restrict the allowed set."""
     scores = logp
     if p.repetition_penalty != 1.0 and seen is not None and bool(seen.any()):
-        scores = torch.where(seen, logp - math.log(p.repetition_penalty), logp)
+        scores = torch.where(seen, logp - exact_math.log(p.repetition_penalty), logp)
     allowed = torch.isfinite(scores)
     if p.top_k:
         kth = torch.topk(scores, min(p.top_k, scores.numel())).values[-1]
         allowed &= scores >= kth
     if p.min_p > 0:
-        allowed &= scores >= torch.amax(scores) + math.log(p.min_p)
+        allowed &= scores >= torch.amax(scores) + exact_math.log(p.min_p)
     if p.top_p < 1.0:
         probs = probabilities(scores, allowed)
         order = torch.argsort(probs, descending=True, stable=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .. import checks
+from ..exact_math import power
 from ..rotary import LinearRopeScaling, RopeScaling, rope_scaling_from_hf, rope_scaling_to_hf
 
 # Hugging Face model_type -> the fields that make the family what it is.
@@ -133,7 +134,8 @@ class ModelConfig:
 
     @property
     def attn_scale(self) -> float | None:
-        return None if self.query_pre_attn_scalar is None else self.query_pre_attn_scalar ** -0.5
+        # exact_math.power: the C library's pow follows the CPU
+        return None if self.query_pre_attn_scalar is None else power(self.query_pre_attn_scalar, -0.5)
 
     @classmethod
     def tiny(cls, family: str = "llama", **overrides) -> "ModelConfig":

@@ -78,8 +78,10 @@ def router_probs(logits: Tensor) -> Tensor:
 
 
 class _Exp(torch.autograd.Function):
-    """e^x on the CPU backend's kernels (fixed_order.exp), whose bits do not follow the vector unit
-    as PyTorch's fp32 exp does; the backward is autograd's for torch.exp, grad * e^x."""
+    """e^x: fp32 and lower on a CPU by the CPU backend's kernels (fixed_order.exp: the native
+    backend's own exp, where PyTorch's may take MKL's vector math, whose bits follow the
+    instruction set; ADR 0010), else torch.exp. The backward is autograd's for torch.exp,
+    grad * e^x."""
 
     @staticmethod
     def forward(ctx, x: Tensor) -> Tensor:
@@ -97,19 +99,25 @@ class _Exp(torch.autograd.Function):
 class _Normalize(torch.autograd.Function):
     """Router weights [T, k] over their sum, added slot 0 + slot 1 + ... . Backward: with
     y = w / total, dw_i = (g_i - sum_j g_j y_j) / total, the sum in slot order too (autograd's
-    would reduce the broadcast total's gradient with an ATen sum, in an order of PyTorch's)."""
+    would reduce the broadcast total's gradient with an ATen sum, in an order of PyTorch's). The
+    backward recomputes total and y from w, so that under create_graph its own derivative is right."""
 
     @staticmethod
     def forward(ctx, w: Tensor) -> Tensor:
-        total = sum_slots(w[..., None])[:, 0]
-        y = w / total[:, None]
-        ctx.save_for_backward(y, total)
-        return y
+        ctx.save_for_backward(w)
+        return _normalize(w)[0]
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> Tensor:
-        y, total = ctx.saved_tensors
+        (w,) = ctx.saved_tensors
+        y, total = _normalize(w)
         return (grad - sum_slots((grad * y)[..., None])) / total[:, None]
+
+
+def _normalize(w: Tensor) -> tuple[Tensor, Tensor]:
+    """(w / total, total) for weights [T, k], total = slot 0 + slot 1 + ... in that order."""
+    total = sum_slots(w[..., None])[:, 0]
+    return w / total[:, None], total
 
 
 def route(logits: Tensor, top_k: int, normalize: bool, experts: Tensor | None = None) -> tuple[Tensor, Tensor]:

@@ -9,6 +9,7 @@ give the same bits for the same token.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -230,7 +231,7 @@ class Transformer(nn.Module):
         self._check_ids(input_ids)
         x = ops.embedding(input_ids, self.model.embed_tokens.weight)
         if self.config.embed_scale:
-            x = x * torch.tensor(self.config.hidden_size ** 0.5, dtype=torch.float32).to(x.dtype)
+            x = x * torch.tensor(math.sqrt(self.config.hidden_size), dtype=torch.float32).to(x.dtype)  # IEEE, unlike pow
         return x
 
     def forward(self, input_ids: Tensor | None, cu_seqlens: Tensor, positions: Tensor | None = None,

@@ -92,9 +92,18 @@ RESUMABLE = ("steps", "save_every", "keep_checkpoints")
 
 
 def group_advantages(rewards: list[float], group: int) -> list[float]:
-    """(r - mean) / (std + 1e-6) within each group of `group` consecutive rewards (float64)."""
-    r = torch.tensor(rewards, dtype=torch.float64).view(-1, group)
-    return ((r - r.mean(1, keepdim=True)) / (r.std(1, unbiased=False, keepdim=True) + 1e-6)).view(-1).tolist()
+    """(r - mean) / (std + 1e-6) within each group of `group` consecutive rewards, in float64. The
+    sums are math.fsum's, correctly rounded, so the bits are the same on every machine (ATen's mean
+    and std reduce in an order of its vector kernels)."""
+    if isinstance(group, bool) or not isinstance(group, int) or group < 1 or len(rewards) % group:
+        raise ValueError(f"group: expected a positive int that divides the {len(rewards)} rewards, got {group!r}")
+    out = []
+    for start in range(0, len(rewards), group):
+        r = [float(x) for x in rewards[start:start + group]]
+        mean = math.fsum(r) / group
+        std = math.sqrt(math.fsum((x - mean) * (x - mean) for x in r) / group)
+        out += [(x - mean) / (std + 1e-6) for x in r]
+    return out
 
 
 def prompt_ids(tokenizer, problem: Problem) -> list[int]:

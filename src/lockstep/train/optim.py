@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from ..chunks import row_chunks
+from ..exact_math import cos, power
 from ..fixed_order import row_sum, tree_sum
 
 
@@ -47,8 +48,8 @@ class AdamW:
         A parameter without a gradient is left as it is."""
         self.step_count += 1
         b1, b2 = self.cfg.betas
-        bc1 = 1 - b1 ** self.step_count
-        bc2_sqrt = math.sqrt(1 - b2 ** self.step_count)
+        bc1 = 1 - power(b1, self.step_count)       # the C library's pow follows the CPU (exact_math)
+        bc2_sqrt = math.sqrt(1 - power(b2, self.step_count))
         for name, p in self.params:
             grad = p.grad if grads is None else grads.get(name)
             if grad is None:
@@ -157,11 +158,12 @@ def square_sum(grad: Tensor) -> Tensor:
 
 
 def lr_at(step: int, base_lr: float, warmup: int, total: int, min_lr_ratio: float = 0.1) -> float:
-    """Linear warmup for `warmup` steps, then cosine decay to min_lr_ratio * base_lr at `total`."""
+    """Linear warmup for `warmup` steps, then cosine decay to min_lr_ratio * base_lr at `total`
+    (the cosine of lockstep.exact_math: the C library's follows the CPU)."""
     if warmup > 0 and step < warmup:
         return base_lr * (step + 1) / warmup
     progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    return base_lr * (min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+    return base_lr * (min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + cos(math.pi * progress)))
 
 
 

@@ -17,6 +17,8 @@ _MODES = {"row_sum": 0, "log_softmax": 1, "log_softmax_backward": 2}
 
 def _rows(mode: str, x: Tensor, y: Tensor | None, out: Tensor) -> Tensor:
     rows, length = x.shape
+    if rows == 0:           # nothing to compute (an empty tensor's data pointer may be NULL)
+        return out
     status = library().ls_rows(rows, length, x.data_ptr(), None if y is None else y.data_ptr(), out.data_ptr(),
                                _MODES[mode], isa(), torch.get_num_threads())
     if status != 0:
