@@ -156,6 +156,16 @@ def test_adamw_matches_torch_adamw():
     torch.testing.assert_close(p1, p2, atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("kw, message", [
+    (dict(betas=(0.9, 1.0)), r"betas: expected two numbers in \[0, 1\), got \(0.9, 1.0\)"),
+    (dict(betas=(-0.1, 0.9)), r"betas: expected two numbers in \[0, 1\)"),
+    (dict(eps=0.0), "eps: expected a positive number, got 0.0"),
+])
+def test_adamw_config_names_a_bad_setting(kw, message):
+    with pytest.raises(ValueError, match=message):
+        AdamWConfig(**kw)
+
+
 def test_policy_loss_clips_and_its_slope_is_autograds():
     lp = torch.tensor([0.0, 0.5, -0.5, 0.1, -0.1])
     old = torch.zeros(5)

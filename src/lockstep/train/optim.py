@@ -27,6 +27,17 @@ class AdamWConfig:
     eps: float = 1e-8
     weight_decay: float = 0.0
 
+    def __post_init__(self):
+        check_betas_and_eps(self.betas, self.eps)
+
+
+def check_betas_and_eps(betas: tuple[float, float], eps: float) -> None:
+    """A ValueError naming `betas` unless they are two numbers in [0, 1), or `eps` unless positive."""
+    if not (len(betas) == 2 and all(isinstance(b, (int, float)) and 0 <= b < 1 for b in betas)):
+        raise ValueError(f"betas: expected two numbers in [0, 1), got {betas!r}")
+    if not eps > 0:
+        raise ValueError(f"eps: expected a positive number, got {eps!r}")
+
 
 class AdamW:
     """AdamW in a fixed order of elementwise ops, over named parameters in name order.

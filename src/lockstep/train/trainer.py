@@ -31,7 +31,7 @@ from ..model.moe import record_router_logits
 from . import checkpoint
 from .data import PackedDataset, micro_batches, sequences_of
 from .losses import CrossEntropy, RouterAuxLoss, TokenLoss
-from .optim import AdamW, AdamWConfig, clip_scale, grad_norm, lr_at
+from .optim import AdamW, AdamWConfig, check_betas_and_eps, clip_scale, grad_norm, lr_at
 from .sync import GradientSync, SingleProcessSync
 
 
@@ -70,10 +70,7 @@ class TrainConfig:
             raise ValueError(f"grad_clip: expected a number >= 0 (0 disables clipping), got {self.grad_clip!r}")
         if not 0 <= self.min_lr_ratio <= 1:
             raise ValueError(f"min_lr_ratio: expected a number in [0, 1], got {self.min_lr_ratio!r}")
-        if not (len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas)):
-            raise ValueError(f"betas: expected two numbers in [0, 1), got {self.betas!r}")
-        if not self.eps > 0:
-            raise ValueError(f"eps: expected a positive number, got {self.eps!r}")
+        check_betas_and_eps(self.betas, self.eps)
         if self.global_batch_tokens:
             if self.global_batch_tokens % self.seq_len:
                 raise ValueError(f"global_batch_tokens: expected a multiple of seq_len ({self.seq_len}), "
