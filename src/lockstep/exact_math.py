@@ -4,10 +4,11 @@ PyTorch's transcendental kernels give other last bits in their vector and scalar
 library picks FMA or plain variants of its functions from the CPU (glibc's pow, cos and log). So
 wherever lockstep needs such a value in a computation whose bits it promises, it takes it from here:
 
-- `power` and `log` on Python floats: evaluated in 50-digit decimal arithmetic (Python's software
+- `power` and `log` of Python floats: evaluated in 50-digit decimal arithmetic (Python's software
   arithmetic, the same everywhere), then rounded once to float64.
+- `cos` on one Python float: its Taylor series in the same decimal arithmetic.
 - `cos_sin_float64` on float64 tensors: from IEEE additions, multiplications and roundings alone,
-  each its own PyTorch kernel, so the same bits on every CPU, vector unit and GPU; `cos` on one float.
+  each its own PyTorch kernel, so the same bits on every CPU, vector unit and GPU.
 """
 
 from __future__ import annotations
@@ -100,8 +101,19 @@ def cos_sin_float64(angles: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def cos(x: float) -> float:
-    """cos of one float (|x| < 2^26) by `cos_sin_float64`."""
-    return cos_sin_float64(torch.tensor([x], dtype=torch.float64))[0].item()
+    """cos of one finite float, correctly rounded to float64 but in the rarest cases: its Taylor
+    series in 50-digit decimal arithmetic after subtracting the nearest multiple of 2 pi (pi to 80
+    digits)."""
+    if not math.isfinite(x) or abs(x) >= 2.0 ** 64:
+        raise ValueError(f"x: expected a finite number below 2^64 in magnitude, got {x!r}")
+    two_pi = 2 * Decimal(_PI.numerator) / Decimal(_PI.denominator)
+    r = _CONTEXT.subtract(Decimal(x), _CONTEXT.multiply(two_pi, (Decimal(x) / two_pi).to_integral_value()))
+    r2, term, total, n = _CONTEXT.multiply(r, r), Decimal(1), Decimal(1), 0
+    while abs(term) > Decimal("1e-60"):
+        n += 2
+        term = _CONTEXT.divide(_CONTEXT.multiply(-term, r2), Decimal(n * (n - 1)))
+        total = _CONTEXT.add(total, term)
+    return float(total)
 
 
 def _horner(z: Tensor, coeffs: tuple[float, ...]) -> Tensor:
