@@ -74,7 +74,7 @@ def cos_sin_float64(angles: Tensor) -> tuple[Tensor, Tensor]:
     """(cos, sin) of float64 `angles` (any shape and device; finite, |angle| < MAX_ANGLE = 2^26)
     from IEEE additions, multiplications and roundings alone. Each is its own kernel, so nothing
     is fused into an FMA, and the bits are the same on every device and vector unit. Measured within
-    2^-52 (absolute) of torch.cos and torch.sin (tests/test_rope.py).
+    2^-52 (absolute) of torch.cos and torch.sin (tests/test_exact_math.py).
 
     The angle is reduced by the nearest multiple n of pi/2 (Cody-Waite, in four exact products);
     cos and sin of the remainder r (|r| <= pi/4) are Taylor series in r^2 by Horner's rule; n mod 4

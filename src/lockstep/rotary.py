@@ -101,7 +101,7 @@ def rope_cos_sin(positions: Tensor, head_dim: int, theta: float, scaling: RopeSc
     """cos and sin [T, 1, head_dim // 2] for each token's own position [T] (integers in
     [0, MAX_POSITION)), in `dtype`, on the positions' device; the angles are position x frequency
     in float64. Built on the CPU whatever the device (a GPU gets a copy: the same bits everywhere,
-    and one copy instead of some 60 small kernels). Read-only: the last few results are reused,
+    and one copy instead of about 70 small kernels). Read-only: the last few results are reused,
     found by the positions' values, since every layer of a forward rotates its queries and keys by
     the same positions."""
     host = positions if positions.device.type == "cpu" else positions.cpu()

@@ -4,9 +4,9 @@ What a token computes must not depend on which other tokens share the call, on t
 how many of them chose the same expert (docs/adr/0008-mixture-of-experts.md):
 
 - Router: fp32 probabilities exp(log_softmax(x @ gate.T)), the exp on the CPU backend's kernels
-  (PyTorch's fp32 exp follows the vector unit), then the top k by a stable descending sort (ties:
-  the lower expert index first), optionally renormalised by their sum in slot order, whose backward
-  sums in slot order too.
+  (PyTorch's fp32 exp may take MKL's vector math, ADR 0010), then the top k by a stable descending
+  sort (ties: the lower expert index first), optionally renormalised by their sum in slot order,
+  whose backward sums in slot order too.
 - Experts: each expert is a gated MLP of lockstep ops, run on the rows that chose it, gathered in
   token order. ops.linear is row-invariant, so a row's output does not depend on how many rows the
   expert got.
