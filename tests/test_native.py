@@ -464,6 +464,85 @@ def test_attention_never_reads_a_key_into_a_row_that_cannot_see_it():
     assert torch.isnan(out[60:, 0]).all() and torch.isnan(out[62:, 1, 5]).all()
 
 
+def _fold16(lanes: torch.Tensor) -> torch.Tensor:
+    t = lanes[:8] + lanes[8:]
+    u = t[:4] + t[4:]
+    w = u[:2] + u[2:]
+    return w[0] + w[1]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("isa_name", ["scalar", "avx2", "avx512"])
+def test_attention_backward_order_is_the_documented_one(dtype, isa_name, isa):
+    """kernels.c's attention backward, restated in Python for one sequence of 70 tokens (two 64-key
+    blocks; 140 rows of a KV head, up to 134 of which see a key) with a window that cuts into the
+    first: p from the forward's scores, max and sum; dp by the GEMM's dot; delta as the blocks'
+    folded lane sums of p dp; dq as one FMA chain per key block, the blocks added in order; dk and
+    dv as one FMA chain per group of 64 rows that see the key, the groups added in order."""
+    from lockstep.backends.native.attention import attention_backward, attention_forward
+
+    isa(isa_name)
+    gen = torch.Generator().manual_seed(5)
+    n, d, window, scale, g_size = 70, 20, 67, 0.3, 2
+    q, go = (torch.randn(n, g_size, d, generator=gen).to(dtype) for _ in range(2))
+    k, v = (torch.randn(n, 1, d, generator=gen).to(dtype) for _ in range(2))
+    _, row_max, row_sum = attention_forward(q, k, v, [0, n], [n], [0], None, scale, True, window)
+    dq, dk, dv = attention_backward(q, k, v, go, row_max, row_sum, [0, n], [0, n], scale, True, window)
+    qf, kf, vf, gf = q.float(), k.float()[:, 0], v.float()[:, 0], go.float()
+    rows = [(t, h) for t in range(n) for h in range(g_size)]           # row i = t * G + h
+    keys_of = {t: [j for j in range(t + 1) if j > t - window] for t in range(n)}
+    p, ds = {}, {}
+    for t, h in rows:
+        keys = keys_of[t]
+        s = gemm.gemm_nt(qf[t, h][None], kf[keys])[0] * scale
+        m, l = row_max[t, h], row_sum[t, h]
+        pt = unary.exp(s - m) / l
+        dp = gemm.gemm_nt(gf[t, h][None], vf[keys])[0]
+        delta = torch.tensor(0.0)
+        for k0 in (0, 64):
+            w = torch.zeros(64)
+            block = [i for i, j in enumerate(keys) if k0 <= j < k0 + 64]
+            if block:
+                w[[keys[i] - k0 for i in block]] = pt[block] * dp[block]
+                delta = delta + _fold16(((w[0:16] + w[16:32]) + w[32:48]) + w[48:64])
+        dst = pt * (dp - delta)
+        acc = torch.zeros(d)
+        for k0 in (0, 64):
+            part = torch.zeros(d)
+            for i, j in enumerate(keys):
+                if k0 <= j < k0 + 64:
+                    part = _fma32(dst[i].expand(d), kf[j], part)
+            acc = acc + part
+        assert torch.equal(dq[t, h], acc * scale), (t, h)
+        p.update({(t, h, j): pt[i] for i, j in enumerate(keys)})
+        ds.update({(t, h, j): dst[i] for i, j in enumerate(keys)})
+    for j in range(n):
+        seeing = [(t, h) for t, h in rows if (t, h, j) in p]
+        acc_k, acc_v = torch.zeros(d), torch.zeros(d)
+        for r0 in range(0, len(seeing), 64):
+            part_k, part_v = torch.zeros(d), torch.zeros(d)
+            for t, h in seeing[r0:r0 + 64]:
+                part_k = _fma32(ds[t, h, j].expand(d), qf[t, h], part_k)
+                part_v = _fma32(p[t, h, j].expand(d), gf[t, h], part_v)
+            acc_k, acc_v = acc_k + part_k, acc_v + part_v
+        assert torch.equal(dk[j, 0], acc_k * scale) and torch.equal(dv[j, 0], acc_v), j
+
+
+def test_attention_backward_keeps_a_nan_query_in_its_own_row_and_keys():
+    """A NaN query (token 30, head 1) reaches the dk and dv of the keys it sees and nothing else: the
+    other rows' dq and the keys after it stay finite."""
+    gen = torch.Generator().manual_seed(6)
+    q, k, v, go = (torch.randn(64, h, 16, generator=gen) for h in (2, 1, 1, 2))
+    q[30, 1, 4] = float("nan")
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    cu = torch.tensor([0, 64], dtype=torch.int32)
+    ops.attention(q, k, v, cu, cu, 0.25, True, None).backward(go)
+    others = torch.ones(64, 2, dtype=torch.bool)
+    others[30, 1] = False
+    assert torch.isfinite(q.grad[others]).all() and torch.isnan(q.grad[30, 1]).all()
+    assert torch.isnan(k.grad[:31]).any() and torch.isfinite(k.grad[31:]).all() and torch.isfinite(v.grad[31:]).all()
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_rms_norm_forward_is_the_portable_arithmetic(dtype, isa):
     """The C forward performs the portable forward's operations in the portable order, so both

@@ -1,6 +1,6 @@
 """Native attention: the forward is lockstep's own kernel (kernels.c, `ls_attention_fwd`), which reads
-a paged KV cache through its block table in place; the backward is the portable op's, on the native
-GEMMs, exp and log, from the forward's softmax statistics (docs/adr/0016-native-attention.md).
+a paged KV cache through its block table in place (docs/adr/0016-native-attention.md); the backward
+is another (`ls_attention_bwd`), from the forward's softmax statistics (docs/adr/0022-native-attention-backward.md).
 
 The kernel computes each query row on its own, in 64-key blocks anchored at key 0, so a query's
 bits do not depend on the other queries of its call: one query (decode) gives the same bits as
@@ -33,8 +33,7 @@ def attention_forward(q: Tensor, k: Tensor, v: Tensor, cu_q: list[int], len_k: l
     fp16. mask: [Tq, Lk] bool, the keys each query row may see (its blocks start at the first).
     Returns fp32 (out [Tq, Hq, D], row max [Tq, Hq], row sum of exponentials [Tq, Hq]); rows past
     cu_q[-1] are zero."""
-    if not (q.dtype == k.dtype == v.dtype and q.dtype in DTYPE_CODES):
-        q, k, v = q.float(), k.float(), v.float()
+    q, k, v = _computed(q, k, v)
     q = q.contiguous()
     if mask is None or k.stride(-1) != 1 or k.stride() != v.stride():
         k, v = k.contiguous(), v.contiguous()
@@ -69,23 +68,60 @@ def attention_forward(q: Tensor, k: Tensor, v: Tensor, cu_q: list[int], len_k: l
     return out, row_max, row_sum
 
 
-def _portable_stats(row_max: Tensor, row_sum: Tensor, q0: int, q1: int, hkv: int) -> Tensor:
-    """One sequence's statistics in the portable backward's layout: [2, Hkv, len_q * G], rows
-    ordered (token, head in group)."""
-    n, hq = q1 - q0, row_max.shape[1]
-    return torch.stack([x[q0:q1].reshape(n, hkv, hq // hkv).permute(1, 0, 2).reshape(hkv, -1)
-                        for x in (row_max, row_sum)])
+def _computed(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """q, k, v as the kernels take them: one dtype of theirs (else fp32)."""
+    if not (q.dtype == k.dtype == v.dtype and q.dtype in DTYPE_CODES):
+        return q.float(), k.float(), v.float()
+    return q, k, v
 
 
-def _packed_forward(q, k, v, cu_q, cu_k, scale, causal, window) -> tuple[Tensor, list[Tensor | None]]:
-    """The kernel's output and each sequence's statistics in the portable backward's layout."""
-    lens = [cu_k[b + 1] - cu_k[b] for b in range(len(cu_k) - 1)]
-    out, row_max, row_sum = attention_forward(q, k, v, cu_q, lens, cu_k[:-1], None, scale, causal, window)
-    return out, [_portable_stats(row_max, row_sum, cu_q[b], cu_q[b + 1], k.shape[1]) if cu_q[b + 1] > cu_q[b]
-                 else None for b in range(len(cu_q) - 1)]
+def attention_backward(q: Tensor, k: Tensor, v: Tensor, grad_out: Tensor, row_max: Tensor, row_sum: Tensor,
+                       cu_q: list[int], cu_k: list[int], scale: float, causal: bool,
+                       window: int | None) -> tuple[Tensor, Tensor, Tensor]:
+    """dq [Tq, Hq, D], dk, dv [Tk, Hkv, D] (fp32) of packed attention without a mask, from the
+    forward's row max and row sum ([Tq, Hq] fp32, as `attention_forward` returns them); q, k, v and
+    grad_out as the forward took them (fp32, bf16 or fp16; one dtype, else fp32)."""
+    q, k, v = (t.contiguous() for t in _computed(q, k, v))
+    g = grad_out.to(q.dtype).contiguous()
+    tq, hq, d = q.shape
+    hkv = k.shape[1]
+    dq = torch.zeros((tq, hq, d), dtype=torch.float32)
+    dk = torch.zeros(k.shape, dtype=torch.float32)
+    dv = torch.zeros(v.shape, dtype=torch.float32)
+    if dq.numel() == 0 or dk.numel() == 0:  # no heads, no head dims, no queries or no keys
+        return dq, dk, dv
+    delta = torch.empty((tq, hq))
+    cu, lens = _int64(cu_q), _int64([cu_k[b + 1] - cu_k[b] for b in range(len(cu_k) - 1)])
+    starts = _int64([s * hkv * d for s in cu_k[:-1]])
+    row_max, row_sum = row_max.contiguous(), row_sum.contiguous()
+    status = library().ls_attention_bwd(
+        len(cu_k) - 1, hq, hkv, d, q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr(), cu.data_ptr(),
+        lens.data_ptr(), starts.data_ptr(), scale, int(causal), window or 0, row_max.data_ptr(), row_sum.data_ptr(),
+        delta.data_ptr(), dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), DTYPE_CODES[q.dtype], isa(),
+        torch.get_num_threads())
+    if status == -2:
+        raise MemoryError("ls_attention_bwd: out of memory for its work buffers")
+    if status != 0:
+        raise RuntimeError(f"ls_attention_bwd refused q {tuple(q.shape)}, k {tuple(k.shape)} ({q.dtype})")
+    return dq, dk, dv
 
 
-_Attention = portable.packed_attention_function(_packed_forward)
+class _Attention(torch.autograd.Function):
+    """Packed attention, forward and backward on the native kernels."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu_q, cu_k, scale, causal, window):
+        lens = [cu_k[b + 1] - cu_k[b] for b in range(len(cu_k) - 1)]
+        out, row_max, row_sum = attention_forward(q, k, v, cu_q, lens, cu_k[:-1], None, scale, causal, window)
+        ctx.save_for_backward(q, k, v, row_max, row_sum)
+        ctx.options = (cu_q, cu_k, scale, causal, window)
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, row_max, row_sum = ctx.saved_tensors
+        dq, dk, dv = attention_backward(q, k, v, grad_out, row_max, row_sum, *ctx.options)
+        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)) + (None,) * 5
 
 
 @register("native", "attention")

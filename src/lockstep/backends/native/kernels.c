@@ -1296,9 +1296,10 @@ static inline void attn_mask_bounds(const attn_job *J, int64_t qt, int64_t *lo, 
 
 /* The scores of up to MR query rows (A, row stride lda bytes) against the block's keys from
  * ja & ~3 to je: s[i * KEY_BLOCK + j] = dot(A_i, k_j) * scale, by the GEMM's micro-tiles (runs of
- * up to NR keys one stride apart; a run that crosses a cache block splits into single keys). */
+ * up to NR keys one stride apart; a run that crosses a cache block splits into single keys). The
+ * backward passes value rows as krow and scale 1 (an exact no-op) for dot(dO_i, v_j). */
 static void attn_scores(const attn_job *J, int mr, const char *A, int64_t lda, const char *const *krow, int n,
-                        int ja, int je, float *s) {
+                        int ja, int je, float *s, float scale) {
     micro_fn micro = micro_of(J->isa);
     float folded[MR * NR], one[MR * NR];
     int64_t ldb = J->kv_token * (J->dt == DT_F32 ? 4 : 2);
@@ -1316,7 +1317,7 @@ static void attn_scores(const attn_job *J, int mr, const char *A, int64_t lda, c
             }
         }
         for (int i = 0; i < mr; i++)
-            for (int jj = 0; jj < nr; jj++) s[i * KEY_BLOCK + j + jj] = folded[i * NR + jj] * J->scale;
+            for (int jj = 0; jj < nr; jj++) s[i * KEY_BLOCK + j + jj] = folded[i * NR + jj] * scale;
     }
 }
 
@@ -1398,7 +1399,7 @@ static void attn_scores(const attn_job *J, int mr, const char *A, int64_t lda, c
                     }                                                                               \
                 }                                                                                   \
                 if (ja_u > je_u) continue; /* an exact no-op for these rows */                      \
-                attn_scores(J, mr, Qp + (int64_t)i0 * D * es, D * es, krow, n, ja_u, je_u, S);      \
+                attn_scores(J, mr, Qp + (int64_t)i0 * D * es, D * es, krow, n, ja_u, je_u, S, J->scale); \
                 for (int i = 0; i < mr; i++) {                                                      \
                     int ja = ja_of[i], je = je_of[i];                                               \
                     if (ja > je) continue;                                                          \
@@ -1492,6 +1493,370 @@ static void attn_item(void *ctx, int64_t item) {
 #endif
         attn_item_s(J, b, t0, t1, hk, Qp, S, Vb);
     free(buf);
+}
+
+/* ---------------------------------------------------------------- attention backward
+ * The gradients of the forward above over packed sequences without a mask, from its row max m and
+ * row sum l. The rows of a sequence and KV head are ordered i = t * G + g (query token t, head g of
+ * the group). For row i and each key j it sees (the forward's keys [lo, hi]):
+ *
+ *   s_ij = the forward's score (the same dot, so the same bits); shift_i = m_i, or 0 where m_i = -inf;
+ *   p_ij = exp(s_ij - shift_i) / l_i (l_i = 1 where it is 0), exp the file's;
+ *   dp_ij = dot(dO_i, v_j), the GEMM's order on dO in q's dtype;
+ *   delta_i = over the 64-key blocks it sees (anchored at key 0) ascending, from +0:
+ *             delta_i + fold16(((w[0:16] + w[16:32]) + w[32:48]) + w[48:64]), w_j = p_ij dp_ij,
+ *             and w = 0 in the block's other slots;
+ *   ds_ij = p_ij (dp_ij - delta_i);
+ *   dq_i[d] = (over those key blocks ascending, from +0: acc + one FMA chain over the block's keys
+ *             j ascending of ds_ij k_j[d], from +0) * scale;
+ *   dk_j[d] = (over the rows that see j, ascending, in groups of 64 (the last may be shorter), from
+ *             +0: acc + one FMA chain over the group's rows i of ds_ij q_i[d], from +0) * scale;
+ *   dv_j[d] = the same with p_ij dO_i[d], unscaled.
+ *
+ * delta sums p dp rather than dO . O so that dp - delta cancels exactly where it should (a row that
+ * sees one key), as the portable backward does. None of these sums can reach -0 (x + y rounds an
+ * exact zero to +0, and every one starts from +0), so a block or a row that adds nothing is an
+ * exact no-op and is skipped. A row never reads a key it cannot see, nor a key a row that cannot
+ * see it. Phase 1 items are the forward's (tokens of a sequence x one KV head): delta and dq;
+ * phase 2 items are a sequence's 64-key block x one KV head: dk and dv. Each output is written by
+ * one item, so neither the thread count nor the instruction set changes a bit. */
+
+#define ROW_GROUP_ATTN 64
+
+typedef struct {
+    attn_job J;              /* the forward's arguments (no mask); row_max, row_sum its results */
+    const char *dout;        /* [Tq, Hq, D] in q's dtype */
+    float *delta;            /* [Tq, Hq] */
+    float *dq, *dk, *dv;     /* fp32, laid out as q, k, v */
+    int64_t *key_item_start; /* [B + 1]: phase 2's first item of each sequence */
+} attn_bwd_job;
+
+/* Up to MR rows (global rows r_of[i], packed queries Qt and upstream gradients Ot in q's dtype)
+ * against one key block (krow, vrow; n keys), row i seeing the block's keys [ja_of[i], je_of[i]]:
+ * Pm[i * KEY_BLOCK + j] = p_ij and DPm[...] = dp_ij where it sees j, +0 elsewhere. S: scratch. */
+#define ATTN_BWD_BLOCK(P, T)                                                                        \
+    T static void attn_bwd_block_##P(const attn_bwd_job *W, int mr, const char *Qt, const char *Ot,  \
+                                     const int64_t *r_of, const char *const *krow, const char *const *vrow, \
+                                     int n, const int *ja_of, const int *je_of, float *S, float *Pm, \
+                                     float *DPm) {                                                  \
+        const attn_job *J = &W->J;                                                                  \
+        const int64_t lda = J->D * (J->dt == DT_F32 ? 4 : 2);                                       \
+        int ja_u = KEY_BLOCK, je_u = -1;                                                            \
+        for (int i = 0; i < mr; i++)                                                                \
+            if (ja_of[i] <= je_of[i]) {                                                             \
+                if (ja_of[i] < ja_u) ja_u = ja_of[i];                                               \
+                if (je_of[i] > je_u) je_u = je_of[i];                                               \
+            }                                                                                       \
+        if (ja_u > je_u) return;                                                                    \
+        attn_scores(J, mr, Qt, lda, krow, n, ja_u, je_u, S, J->scale);                              \
+        attn_scores(J, mr, Ot, lda, vrow, n, ja_u, je_u, DPm, 1.0f);                                \
+        for (int i = 0; i < mr; i++) {                                                              \
+            float *p = Pm + i * KEY_BLOCK, *dp = DPm + i * KEY_BLOCK;                               \
+            const int ja = ja_of[i], je = je_of[i];                                                 \
+            if (ja <= je) {                                                                         \
+                const float m = J->row_max[r_of[i]], l = J->row_sum[r_of[i]];                        \
+                const float shift = m == -INFINITY ? 0.0f : m, div = l == 0.0f ? 1.0f : l;          \
+                for (int c = 0; c < KEY_BLOCK / 16; c++)                                            \
+                    if (16 * c <= je && 16 * c + 15 >= ja)                                          \
+                        P##16_store(p + 16 * c, P##16_div(P##16_exp(P##16_sub(P##16_load(S + i * KEY_BLOCK + 16 * c, 16), \
+                                                                             P##16_set(shift))),     \
+                                                         P##16_set(div)), 16);                      \
+            }                                                                                       \
+            for (int j = 0; j < KEY_BLOCK; j++)                                                     \
+                if (j < ja || j > je) p[j] = dp[j] = 0.0f;                                          \
+        }                                                                                           \
+    }
+
+/* Rows [i0, i0 + mr) of sequence b (i = t * G + g), KV head hk: their global rows, queries and
+ * upstream gradients packed (Qt, Ot), and each row's keys [lo, hi]. */
+static void attn_bwd_rows_of(const attn_bwd_job *W, int64_t b, int64_t hk, int64_t i0, int mr, int64_t *r_of,
+                             int64_t *lo_of, int64_t *hi_of, char *Qt, char *Ot) {
+    const attn_job *J = &W->J;
+    const int64_t G = J->Hq / J->Hkv, q0 = J->cu_q[b], len_q = J->cu_q[b + 1] - q0, len_k = J->len_k[b];
+    const int64_t row_bytes = J->D * (J->dt == DT_F32 ? 4 : 2);
+    for (int i = 0; i < mr; i++) {
+        int64_t t = (i0 + i) / G;
+        r_of[i] = (q0 + t) * J->Hq + hk * G + (i0 + i) % G;
+        attn_interval(J, len_k, len_k - len_q + t, &lo_of[i], &hi_of[i]);
+        memcpy(Qt + i * row_bytes, J->q + r_of[i] * row_bytes, (size_t)row_bytes);
+        memcpy(Ot + i * row_bytes, W->dout + r_of[i] * row_bytes, (size_t)row_bytes);
+    }
+}
+
+/* The key rows of block [k0, k0 + n) of sequence b, KV head hk, in k and v. */
+static void attn_bwd_key_rows(const attn_job *J, int64_t b, int64_t hk, int64_t k0, int n, const char **krow,
+                              const char **vrow) {
+    const int64_t es = J->dt == DT_F32 ? 4 : 2;
+    for (int j = 0; j < n; j++) {
+        int64_t off = attn_key_offset(J, b, k0 + j) + hk * J->kv_head;
+        krow[j] = J->k + off * es;
+        vrow[j] = J->v + off * es;
+    }
+}
+
+/* Row i's visible keys of block [k0, k0 + n), relative to k0 (ja > je: none). */
+static inline void attn_bwd_clip(int64_t lo, int64_t hi, int64_t k0, int n, int *ja, int *je) {
+    if (lo < k0) lo = k0;
+    if (hi > k0 + n - 1) hi = k0 + n - 1;
+    *ja = (int)(lo - k0);
+    *je = lo <= hi ? (int)(hi - k0) : -1;
+}
+
+/* Phase 1: tokens [t0, t1) of sequence b with every query head of KV head hk, MR rows at a time:
+ * the first walk over the key blocks keeps every p and dp (Pall, DPall) and sums delta; the second
+ * makes ds and dq's chains. Kw: a block's keys widened to fp32 (16-bit dtypes). */
+#define ATTN_BWD_ROWS(P, T)                                                                         \
+    T static void attn_bwd_rows_##P(const attn_bwd_job *W, int64_t b, int64_t t0, int64_t t1, int64_t hk, \
+                                    char *Qt, char *Ot, float *S, float *Kw, float *Pall, float *DPall, \
+                                    float *acc) {                                                   \
+        const attn_job *J = &W->J;                                                                  \
+        const int64_t D = J->D, G = J->Hq / J->Hkv, len_k = J->len_k[b];                            \
+        const int nd = (int)((D + 15) / 16);                                                        \
+        const char *krow[KEY_BLOCK], *vrow[KEY_BLOCK];                                              \
+        float lanes[16], ds[KEY_BLOCK];                                                             \
+        for (int64_t i0 = t0 * G; i0 < t1 * G; i0 += MR) {                                          \
+            int mr = (int)(t1 * G - i0 < MR ? t1 * G - i0 : MR);                                    \
+            int64_t r_of[MR], lo_of[MR], hi_of[MR], first = INT64_MAX, last = -1;                   \
+            float delta[MR];                                                                        \
+            attn_bwd_rows_of(W, b, hk, i0, mr, r_of, lo_of, hi_of, Qt, Ot);                         \
+            for (int i = 0; i < mr; i++) {                                                          \
+                delta[i] = 0.0f;                                                                    \
+                if (lo_of[i] > hi_of[i]) continue;                                                  \
+                if (lo_of[i] < first) first = lo_of[i];                                             \
+                if (hi_of[i] > last) last = hi_of[i];                                               \
+            }                                                                                       \
+            for (int i = 0; i < mr; i++) W->delta[r_of[i]] = 0.0f;                                  \
+            if (last < 0) continue; /* no row sees a key: dq stays zero */                          \
+            const int64_t kstart = first / KEY_BLOCK * KEY_BLOCK;                                   \
+            for (int64_t k0 = kstart; k0 <= last; k0 += KEY_BLOCK) {                                \
+                int n = (int)(len_k - k0 < KEY_BLOCK ? len_k - k0 : KEY_BLOCK), ja_of[MR], je_of[MR]; \
+                float *Pm = Pall + (k0 - kstart) / KEY_BLOCK * MR * KEY_BLOCK;                       \
+                float *DPm = DPall + (k0 - kstart) / KEY_BLOCK * MR * KEY_BLOCK;                     \
+                attn_bwd_key_rows(J, b, hk, k0, n, krow, vrow);                                     \
+                for (int i = 0; i < mr; i++) attn_bwd_clip(lo_of[i], hi_of[i], k0, n, &ja_of[i], &je_of[i]); \
+                attn_bwd_block_##P(W, mr, Qt, Ot, r_of, krow, vrow, n, ja_of, je_of, S, Pm, DPm);    \
+                for (int i = 0; i < mr; i++) {                                                      \
+                    if (ja_of[i] > je_of[i]) continue;                                              \
+                    const float *p = Pm + i * KEY_BLOCK, *dp = DPm + i * KEY_BLOCK;                 \
+                    P##16 w = P##16_mul(P##16_load(p, 16), P##16_load(dp, 16));                     \
+                    for (int c = 1; c < KEY_BLOCK / 16; c++)                                        \
+                        w = P##16_add(w, P##16_mul(P##16_load(p + 16 * c, 16), P##16_load(dp + 16 * c, 16))); \
+                    P##16_store(lanes, w, 16);                                                      \
+                    delta[i] = delta[i] + fold16(lanes);                                            \
+                }                                                                                   \
+            }                                                                                       \
+            memset(acc, 0, (size_t)(MR * D) * 4);                                                   \
+            for (int64_t k0 = kstart; k0 <= last; k0 += KEY_BLOCK) {                                \
+                int n = (int)(len_k - k0 < KEY_BLOCK ? len_k - k0 : KEY_BLOCK), ja_of[MR], je_of[MR]; \
+                const float *Pm = Pall + (k0 - kstart) / KEY_BLOCK * MR * KEY_BLOCK;                 \
+                const float *DPm = DPall + (k0 - kstart) / KEY_BLOCK * MR * KEY_BLOCK;               \
+                int ja_u = KEY_BLOCK, je_u = -1;                                                    \
+                for (int i = 0; i < mr; i++) {                                                      \
+                    attn_bwd_clip(lo_of[i], hi_of[i], k0, n, &ja_of[i], &je_of[i]);                 \
+                    if (ja_of[i] <= je_of[i]) {                                                     \
+                        if (ja_of[i] < ja_u) ja_u = ja_of[i];                                       \
+                        if (je_of[i] > je_u) je_u = je_of[i];                                       \
+                    }                                                                               \
+                }                                                                                   \
+                if (ja_u > je_u) continue;                                                          \
+                attn_bwd_key_rows(J, b, hk, k0, n, krow, vrow);                                     \
+                if (J->dt != DT_F32)                                                                \
+                    for (int j = ja_u; j <= je_u; j++)                                              \
+                        for (int c = 0; c < nd; c++) {                                              \
+                            int cnt = (int)(D - 16 * c < 16 ? D - 16 * c : 16);                     \
+                            P##16_store(Kw + j * D + 16 * c, P##16_loadw(krow[j], 16 * c, J->dt, cnt), cnt); \
+                        }                                                                           \
+                for (int i = 0; i < mr; i++) {                                                      \
+                    const int ja = ja_of[i], je = je_of[i];                                         \
+                    if (ja > je) continue;                                                          \
+                    for (int j = ja; j <= je; j++)                                                  \
+                        ds[j] = Pm[i * KEY_BLOCK + j] * (DPm[i * KEY_BLOCK + j] - delta[i]);         \
+                    for (int c = 0; c < nd; c++) {                                                  \
+                        int cnt = (int)(D - 16 * c < 16 ? D - 16 * c : 16);                         \
+                        P##16 part = P##16_zero();                                                  \
+                        for (int j = ja; j <= je; j++)                                              \
+                            part = P##16_fma(P##16_set(ds[j]),                                      \
+                                             J->dt == DT_F32 ? P##16_load((const float *)krow[j] + 16 * c, cnt) \
+                                                             : P##16_load(Kw + j * D + 16 * c, cnt), part); \
+                        float *a = acc + i * D + 16 * c;                                            \
+                        P##16_store(a, P##16_add(P##16_load(a, cnt), part), cnt);                   \
+                    }                                                                               \
+                }                                                                                   \
+            }                                                                                       \
+            for (int i = 0; i < mr; i++) {                                                          \
+                W->delta[r_of[i]] = delta[i];                                                       \
+                for (int c = 0; c < nd; c++) {                                                      \
+                    int cnt = (int)(D - 16 * c < 16 ? D - 16 * c : 16);                             \
+                    P##16_store(W->dq + r_of[i] * D + 16 * c,                                       \
+                                P##16_mul(P##16_load(acc + i * D + 16 * c, cnt), P##16_set(J->scale)), cnt); \
+                }                                                                                   \
+            }                                                                                       \
+        }                                                                                           \
+    }
+
+/* Phase 2: key block [k0, k0 + n) of sequence b, KV head hk, over the rows that see some key of it,
+ * MR at a time: Qw, Ow the rows' queries and upstream gradients widened to fp32; PK, PV each key's
+ * chains of its current group of rows, AK, AV the sums of its complete groups. A key's groups count
+ * only the rows that see it, so rows that see nothing (padding) change no bit. */
+#define ATTN_BWD_KEYS(P, T)                                                                         \
+    T static void attn_bwd_keys_##P(const attn_bwd_job *W, int64_t b, int64_t k0, int64_t hk, char *Qt, \
+                                    char *Ot, float *Qw, float *Ow, float *S, float *Pm, float *DPm, \
+                                    float *PK, float *PV, float *AK, float *AV) {                   \
+        const attn_job *J = &W->J;                                                                  \
+        const int64_t D = J->D, G = J->Hq / J->Hkv, len_k = J->len_k[b];                            \
+        const int64_t len_q = J->cu_q[b + 1] - J->cu_q[b];                                          \
+        const int nd = (int)((D + 15) / 16);                                                        \
+        const int n = (int)(len_k - k0 < KEY_BLOCK ? len_k - k0 : KEY_BLOCK);                       \
+        const char *krow[KEY_BLOCK], *vrow[KEY_BLOCK];                                              \
+        attn_bwd_key_rows(J, b, hk, k0, n, krow, vrow);                                             \
+        /* The tokens that see some key of the block: their intervals only grow with t. */          \
+        int64_t ta = 0, tb = len_q;                                                                 \
+        for (int64_t lo, hi; ta < len_q; ta++) {                                                    \
+            attn_interval(J, len_k, len_k - len_q + ta, &lo, &hi);                                  \
+            if (lo <= hi && hi >= k0 && lo <= k0 + n - 1) break;                                    \
+        }                                                                                           \
+        for (int64_t lo, hi; tb > ta; tb--) {                                                       \
+            attn_interval(J, len_k, len_k - len_q + tb - 1, &lo, &hi);                              \
+            if (lo <= hi && hi >= k0 && lo <= k0 + n - 1) break;                                    \
+        }                                                                                           \
+        memset(AK, 0, (size_t)(KEY_BLOCK * D) * 4);                                                 \
+        memset(AV, 0, (size_t)(KEY_BLOCK * D) * 4);                                                 \
+        memset(PK, 0, (size_t)(KEY_BLOCK * D) * 4);                                                 \
+        memset(PV, 0, (size_t)(KEY_BLOCK * D) * 4);                                                 \
+        int64_t count[KEY_BLOCK] = {0}; /* rows that have seen key j so far */                      \
+        for (int64_t i0 = ta * G; i0 < tb * G; i0 += MR) {                                          \
+            int mr = (int)(tb * G - i0 < MR ? tb * G - i0 : MR), ja_of[MR], je_of[MR];              \
+            int64_t r_of[MR], lo_of[MR], hi_of[MR];                                                 \
+            attn_bwd_rows_of(W, b, hk, i0, mr, r_of, lo_of, hi_of, Qt, Ot);                         \
+            for (int i = 0; i < mr; i++) attn_bwd_clip(lo_of[i], hi_of[i], k0, n, &ja_of[i], &je_of[i]); \
+            attn_bwd_block_##P(W, mr, Qt, Ot, r_of, krow, vrow, n, ja_of, je_of, S, Pm, DPm);        \
+            for (int i = 0; i < mr; i++) {                                                          \
+                float *ds = DPm + i * KEY_BLOCK; /* dp becomes ds in place */                       \
+                const float delta = W->delta[r_of[i]];                                              \
+                for (int j = ja_of[i]; j <= je_of[i]; j++) ds[j] = Pm[i * KEY_BLOCK + j] * (ds[j] - delta); \
+                for (int c = 0; c < nd; c++) {                                                      \
+                    int cnt = (int)(D - 16 * c < 16 ? D - 16 * c : 16);                             \
+                    P##16_store(Qw + i * D + 16 * c, P##16_loadw(Qt, i * D + 16 * c, J->dt, cnt), cnt); \
+                    P##16_store(Ow + i * D + 16 * c, P##16_loadw(Ot, i * D + 16 * c, J->dt, cnt), cnt); \
+                }                                                                                   \
+            }                                                                                       \
+            for (int j = 0; j < n; j++) {                                                           \
+                int seen = 0;                                                                       \
+                for (int i = 0; i < mr; i++) seen += ja_of[i] <= j && j <= je_of[i];                \
+                if (!seen) continue;                                                                \
+                for (int c = 0; c < nd; c++) {                                                      \
+                    int cnt = (int)(D - 16 * c < 16 ? D - 16 * c : 16);                             \
+                    float *pk = PK + j * D + 16 * c, *pv = PV + j * D + 16 * c;                     \
+                    float *ak = AK + j * D + 16 * c, *av = AV + j * D + 16 * c;                     \
+                    P##16 sk = P##16_load(pk, cnt), sv = P##16_load(pv, cnt);                       \
+                    int64_t rows = count[j];                                                        \
+                    for (int i = 0; i < mr; i++) {                                                  \
+                        if (j < ja_of[i] || j > je_of[i]) continue;                                 \
+                        if (rows > 0 && rows % ROW_GROUP_ATTN == 0) { /* a group is complete */     \
+                            P##16_store(ak, P##16_add(P##16_load(ak, cnt), sk), cnt);               \
+                            P##16_store(av, P##16_add(P##16_load(av, cnt), sv), cnt);               \
+                            sk = sv = P##16_zero();                                                 \
+                        }                                                                           \
+                        sk = P##16_fma(P##16_set(DPm[i * KEY_BLOCK + j]), P##16_load(Qw + i * D + 16 * c, cnt), sk); \
+                        sv = P##16_fma(P##16_set(Pm[i * KEY_BLOCK + j]), P##16_load(Ow + i * D + 16 * c, cnt), sv); \
+                        rows++;                                                                     \
+                    }                                                                               \
+                    P##16_store(pk, sk, cnt);                                                       \
+                    P##16_store(pv, sv, cnt);                                                       \
+                }                                                                                   \
+                count[j] += seen;                                                                   \
+            }                                                                                       \
+        }                                                                                           \
+        for (int64_t e = 0; e < n * D; e += 16) {                                                   \
+            int cnt = (int)(n * D - e < 16 ? n * D - e : 16);                                       \
+            P##16_store(AK + e, P##16_add(P##16_load(AK + e, cnt), P##16_load(PK + e, cnt)), cnt);  \
+            P##16_store(AV + e, P##16_add(P##16_load(AV + e, cnt), P##16_load(PV + e, cnt)), cnt);  \
+        }                                                                                           \
+        for (int j = 0; j < n; j++) {                                                               \
+            int64_t off = attn_key_offset(J, b, k0 + j) + hk * J->kv_head;                          \
+            for (int c = 0; c < nd; c++) {                                                          \
+                int cnt = (int)(D - 16 * c < 16 ? D - 16 * c : 16);                                 \
+                P##16_store(W->dk + off + 16 * c, P##16_mul(P##16_load(AK + j * D + 16 * c, cnt), P##16_set(J->scale)), cnt); \
+                P##16_store(W->dv + off + 16 * c, P##16_load(AV + j * D + 16 * c, cnt), cnt);       \
+            }                                                                                       \
+        }                                                                                           \
+    }
+
+ATTN_BWD_BLOCK(s, )
+ATTN_BWD_ROWS(s, )
+ATTN_BWD_KEYS(s, )
+#if LS_X86
+ATTN_BWD_BLOCK(a, AVX2_T)
+ATTN_BWD_ROWS(a, AVX2_T)
+ATTN_BWD_KEYS(a, AVX2_T)
+ATTN_BWD_BLOCK(z, AVX512_T)
+ATTN_BWD_ROWS(z, AVX512_T)
+ATTN_BWD_KEYS(z, AVX512_T)
+#endif
+
+/* The sequence b with starts[b] <= item < starts[b + 1]. */
+static int64_t attn_sequence_of(const int64_t *starts, int64_t B, int64_t item) {
+    int64_t lo = 0, hi = B;
+    while (hi - lo > 1) {
+        int64_t mid = (lo + hi) / 2;
+        if (starts[mid] <= item) lo = mid; else hi = mid;
+    }
+    return lo;
+}
+
+/* 64-byte aligned scratch of `floats` fp32 values, zeroed (the exp reads whole 16-lane groups of
+ * S, lanes past a row's keys included; zeroed memory keeps those reads defined). */
+static float *attn_scratch(size_t floats, void **base) {
+    *base = calloc(1, floats * 4 + 64);
+    return *base ? (float *)(((uintptr_t)*base + 63) & ~(uintptr_t)63) : NULL;
+}
+
+static void attn_bwd_rows_item(void *ctx, int64_t item) {
+    attn_bwd_job *W = (attn_bwd_job *)ctx;
+    const attn_job *J = &W->J;
+    int64_t b = attn_sequence_of(J->item_start, J->B, item), r = item - J->item_start[b];
+    int64_t t0 = (r / J->Hkv) * J->tokens, hk = r % J->Hkv, len_q = J->cu_q[b + 1] - J->cu_q[b];
+    int64_t t1 = t0 + J->tokens < len_q ? t0 + J->tokens : len_q;
+    size_t D = (size_t)J->D, pd = (size_t)(J->len_k[b] / KEY_BLOCK + 2) * MR * KEY_BLOCK;
+    void *base;
+    float *S = attn_scratch(MR * KEY_BLOCK + KEY_BLOCK * D + 2 * pd + MR * D + 2 * MR * D, &base);
+    if (!S) {
+        atomic_store(&((attn_job *)J)->failed, 1);
+        return;
+    }
+    float *Kw = S + MR * KEY_BLOCK, *Pall = Kw + KEY_BLOCK * D, *DPall = Pall + pd, *acc = DPall + pd;
+    char *Qt = (char *)(acc + MR * D), *Ot = Qt + MR * D * 4;
+#if LS_X86
+    if (J->isa >= ISA_AVX512) attn_bwd_rows_z(W, b, t0, t1, hk, Qt, Ot, S, Kw, Pall, DPall, acc);
+    else if (J->isa == ISA_AVX2) attn_bwd_rows_a(W, b, t0, t1, hk, Qt, Ot, S, Kw, Pall, DPall, acc);
+    else
+#endif
+        attn_bwd_rows_s(W, b, t0, t1, hk, Qt, Ot, S, Kw, Pall, DPall, acc);
+    free(base);
+}
+
+static void attn_bwd_keys_item(void *ctx, int64_t item) {
+    attn_bwd_job *W = (attn_bwd_job *)ctx;
+    const attn_job *J = &W->J;
+    int64_t b = attn_sequence_of(W->key_item_start, J->B, item), r = item - W->key_item_start[b];
+    int64_t k0 = (r / J->Hkv) * KEY_BLOCK, hk = r % J->Hkv;
+    size_t D = (size_t)J->D, blk = KEY_BLOCK * D;
+    void *base;
+    float *S = attn_scratch(3 * MR * KEY_BLOCK + 4 * MR * D + 4 * blk, &base);
+    if (!S) {
+        atomic_store(&((attn_job *)J)->failed, 1);
+        return;
+    }
+    float *Pm = S + MR * KEY_BLOCK, *DPm = Pm + MR * KEY_BLOCK, *Qw = DPm + MR * KEY_BLOCK, *Ow = Qw + MR * D;
+    float *PK = Ow + MR * D, *PV = PK + blk, *AK = PV + blk, *AV = AK + blk;
+    char *Qt = (char *)(AV + blk), *Ot = Qt + MR * D * 4;
+#if LS_X86
+    if (J->isa >= ISA_AVX512) attn_bwd_keys_z(W, b, k0, hk, Qt, Ot, Qw, Ow, S, Pm, DPm, PK, PV, AK, AV);
+    else if (J->isa == ISA_AVX2) attn_bwd_keys_a(W, b, k0, hk, Qt, Ot, Qw, Ow, S, Pm, DPm, PK, PV, AK, AV);
+    else
+#endif
+        attn_bwd_keys_s(W, b, k0, hk, Qt, Ot, Qw, Ow, S, Pm, DPm, PK, PV, AK, AV);
+    free(base);
 }
 
 /* ---------------------------------------------------------------- elementwise rows
@@ -1884,7 +2249,7 @@ ROW_PASSES(z, AVX512_T)
 
 /* ---------------------------------------------------------------- exported */
 
-int ls_abi_version(void) { return 8; }
+int ls_abi_version(void) { return 9; }
 
 /* Run parallel work on the OpenMP runtime whose GOMP_parallel (GCC's ABI: fn, data, team size,
  * flags) is `fn`, or on the library's own threads when `fn` is NULL. */
@@ -2054,6 +2419,43 @@ int ls_attention_fwd(int64_t B, int64_t Hq, int64_t Hkv, int64_t D, const void *
     parallel_for(attn_item, &J, item_start[B], work * Hq * D < (int64_t)1 << 16 ? 1 : threads);
     free(item_start);
     return atomic_load(&J.failed) ? -2 : 0;
+}
+
+/* Attention backward over packed sequences without a mask (the order of the attention backward
+ * section above): q, k, v, cu_q, len_k, k_start, scale, causal, window as ls_attention_fwd takes
+ * them, with k and v packed [Tk, Hkv, D] contiguous; dout [Tq, Hq, D] in q's dtype; row_max,
+ * row_sum the forward's. dq (fp32, as q), dk and dv (fp32, as k) must be zero on entry: rows and
+ * keys that no score involves stay zero. delta: fp32 [Tq, Hq] scratch. Returns 0, -1 for arguments
+ * it cannot take, -2 when memory runs out. */
+int ls_attention_bwd(int64_t B, int64_t Hq, int64_t Hkv, int64_t D, const void *q, const void *k, const void *v,
+                     const void *dout, const int64_t *cu_q, const int64_t *len_k, const int64_t *k_start,
+                     float scale, int causal, int64_t window, const float *row_max, const float *row_sum,
+                     float *delta, float *dq, float *dk, float *dv, int dt, int isa, int threads) {
+    if (B < 0 || Hq <= 0 || Hkv <= 0 || Hq % Hkv || D <= 0 || window < 0 || dt < DT_F32 || dt > DT_F16 ||
+        !ls_cpu_supports(isa) || k_start == NULL)
+        return -1;
+    for (int64_t b = 0; b < B; b++)
+        if (cu_q[b + 1] < cu_q[b] || len_k[b] < 0 || cu_q[b + 1] - cu_q[b] > len_k[b]) return -1;
+    int64_t *starts = (int64_t *)malloc((size_t)(2 * B + 2) * 8);
+    if (!starts) return -2;
+    int64_t tokens = Hq / Hkv >= 64 ? 1 : 64 / (Hq / Hkv), work = 0;
+    int64_t *key_starts = starts + B + 1;
+    starts[0] = key_starts[0] = 0;
+    for (int64_t b = 0; b < B; b++) {
+        int64_t len_q = cu_q[b + 1] - cu_q[b];
+        starts[b + 1] = starts[b] + (len_q + tokens - 1) / tokens * Hkv;
+        key_starts[b + 1] = key_starts[b] + (len_q ? (len_k[b] + KEY_BLOCK - 1) / KEY_BLOCK * Hkv : 0);
+        work += len_q * len_k[b];
+    }
+    attn_bwd_job W = {{B, Hq, Hkv, D, (const char *)q, (const char *)k, (const char *)v, cu_q, len_k, k_start, NULL,
+                       0, 0, window, Hkv * D, D, NULL, 0, scale, causal, dt, isa, NULL, (float *)row_max,
+                       (float *)row_sum, starts, tokens, 0},
+                      (const char *)dout, delta, dq, dk, dv, key_starts};
+    int team = work * Hq * D < (int64_t)1 << 14 ? 1 : threads;
+    parallel_for(attn_bwd_rows_item, &W, starts[B], team);
+    if (!atomic_load(&W.J.failed)) parallel_for(attn_bwd_keys_item, &W, key_starts[B], team);
+    free(starts);
+    return atomic_load(&W.J.failed) ? -2 : 0;
 }
 
 /* rms_norm forward over rows of x [rows, H] (dtype dt, contiguous) with weight w [H] (dtype wdt):
