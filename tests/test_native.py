@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from lockstep import ops, registry
-from lockstep.backends.native import build, gemm, unary
+from lockstep.backends.native import build, gemm, masked_attention, unary
 from lockstep.harness.check import num_threads
 
 from test_cpu_kernels import ATEN_CAPABILITIES, MKL_ISAS, ONEDNN_ISAS, require
@@ -471,35 +471,25 @@ def _fold16(lanes: torch.Tensor) -> torch.Tensor:
     return w[0] + w[1]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("isa_name", ["scalar", "avx2", "avx512"])
-def test_attention_backward_order_is_the_documented_one(dtype, isa_name, isa):
-    """kernels.c's attention backward, restated in Python for one sequence of 70 tokens (two 64-key
-    blocks; 140 rows of a KV head, up to 134 of which see a key) with a window that cuts into the
-    first: p from the forward's scores, max and sum; dp by the GEMM's dot; delta as the blocks'
-    folded lane sums of p dp; dq as one FMA chain per key block, the blocks added in order; dk and
-    dv as one FMA chain per group of 64 rows that see the key, the groups added in order."""
-    from lockstep.backends.native.attention import attention_backward, attention_forward
-
-    isa(isa_name)
-    gen = torch.Generator().manual_seed(5)
-    n, d, window, scale, g_size = 70, 20, 67, 0.3, 2
-    q, go = (torch.randn(n, g_size, d, generator=gen).to(dtype) for _ in range(2))
-    k, v = (torch.randn(n, 1, d, generator=gen).to(dtype) for _ in range(2))
-    _, row_max, row_sum = attention_forward(q, k, v, [0, n], [n], [0], None, scale, True, window)
-    dq, dk, dv = attention_backward(q, k, v, go, row_max, row_sum, [0, n], [0, n], scale, True, window)
-    qf, kf, vf, gf = q.float(), k.float()[:, 0], v.float()[:, 0], go.float()
-    rows = [(t, h) for t in range(n) for h in range(g_size)]           # row i = t * G + h
-    keys_of = {t: [j for j in range(t + 1) if j > t - window] for t in range(n)}
+def _attention_backward(qf, kf, vf, gf, row_max, row_sum, keys_of, anchor_of, scale):
+    """kernels.c's attention backward for the rows (t, h) of one sequence and KV head, restated:
+    qf, gf [Lq, G, D] and kf, vf [Lk, D] fp32 (16-bit operands widened first), row_max, row_sum
+    [Lq, G] the forward's, keys_of[t] the keys token t sees (ascending), anchor_of[t] its first
+    block's start. Returns (dq [Lq, G, D], dk, dv [Lk, D]), fp32."""
+    lq, g_size, d = qf.shape
+    rows = [(t, h) for t in range(lq) for h in range(g_size)]          # row i = t * G + h
+    dq, dk, dv = torch.zeros(lq, g_size, d), torch.zeros(kf.shape), torch.zeros(kf.shape)
     p, ds = {}, {}
     for t, h in rows:
         keys = keys_of[t]
+        if not keys:
+            continue
         s = gemm.gemm_nt(qf[t, h][None], kf[keys])[0] * scale
-        m, l = row_max[t, h], row_sum[t, h]
-        pt = unary.exp(s - m) / l
+        pt = unary.exp(s - row_max[t, h]) / row_sum[t, h]
         dp = gemm.gemm_nt(gf[t, h][None], vf[keys])[0]
+        starts = range(anchor_of[t], keys[-1] + 1, 64)
         delta = torch.tensor(0.0)
-        for k0 in (0, 64):
+        for k0 in starts:
             w = torch.zeros(64)
             block = [i for i, j in enumerate(keys) if k0 <= j < k0 + 64]
             if block:
@@ -507,25 +497,86 @@ def test_attention_backward_order_is_the_documented_one(dtype, isa_name, isa):
                 delta = delta + _fold16(((w[0:16] + w[16:32]) + w[32:48]) + w[48:64])
         dst = pt * (dp - delta)
         acc = torch.zeros(d)
-        for k0 in (0, 64):
+        for k0 in starts:
             part = torch.zeros(d)
             for i, j in enumerate(keys):
                 if k0 <= j < k0 + 64:
                     part = _fma32(dst[i].expand(d), kf[j], part)
             acc = acc + part
-        assert torch.equal(dq[t, h], acc * scale), (t, h)
+        dq[t, h] = acc * scale
         p.update({(t, h, j): pt[i] for i, j in enumerate(keys)})
         ds.update({(t, h, j): dst[i] for i, j in enumerate(keys)})
-    for j in range(n):
+    for j in range(kf.shape[0]):
         seeing = [(t, h) for t, h in rows if (t, h, j) in p]
         acc_k, acc_v = torch.zeros(d), torch.zeros(d)
         for r0 in range(0, len(seeing), 64):
-            part_k, part_v = torch.zeros(d), torch.zeros(d)
-            for t, h in seeing[r0:r0 + 64]:
-                part_k = _fma32(ds[t, h, j].expand(d), qf[t, h], part_k)
-                part_v = _fma32(p[t, h, j].expand(d), gf[t, h], part_v)
-            acc_k, acc_v = acc_k + part_k, acc_v + part_v
-        assert torch.equal(dk[j, 0], acc_k * scale) and torch.equal(dv[j, 0], acc_v), j
+            group_k, group_v = torch.zeros(d), torch.zeros(d)
+            for r1 in range(r0, min(r0 + 64, len(seeing)), 8):
+                run_k, run_v = torch.zeros(d), torch.zeros(d)
+                for t, h in seeing[r1:min(r1 + 8, r0 + 64)]:
+                    run_k = _fma32(ds[t, h, j].expand(d), qf[t, h], run_k)
+                    run_v = _fma32(p[t, h, j].expand(d), gf[t, h], run_v)
+                group_k, group_v = group_k + run_k, group_v + run_v
+            acc_k, acc_v = acc_k + group_k, acc_v + group_v
+        dk[j], dv[j] = acc_k * scale, acc_v
+    return dq, dk, dv
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("isa_name", ["scalar", "avx2", "avx512"])
+def test_attention_backward_order_is_the_documented_one(dtype, isa_name, isa):
+    """kernels.c's attention backward, restated in Python for one sequence of 70 tokens (two 64-key
+    blocks; 140 rows of a KV head, up to 134 of which see a key) with a window that cuts into the
+    first: p from the forward's scores, max and sum; dp by the GEMM's dot; delta as the blocks'
+    folded lane sums of p dp; dq as one FMA chain per key block, the blocks added in order; dk and
+    dv over the rows that see the key as one FMA chain per run of 8, the runs added in groups of 64,
+    the groups added in order."""
+    from lockstep.backends.native.attention import attention_backward, attention_forward
+
+    isa(isa_name)
+    gen = torch.Generator().manual_seed(5)
+    n, d, window, scale = 70, 20, 67, 0.3
+    q, go = (torch.randn(n, 2, d, generator=gen).to(dtype) for _ in range(2))
+    k, v = (torch.randn(n, 1, d, generator=gen).to(dtype) for _ in range(2))
+    _, row_max, row_sum = attention_forward(q, k, v, [0, n], [n], [0], None, scale, True, window)
+    dq, dk, dv = attention_backward(q, k, v, go, row_max, row_sum, [0, n], [n], [0], scale, True, window)
+    keys_of = [[j for j in range(t + 1) if j > t - window] for t in range(n)]
+    want = _attention_backward(q.float(), k.float()[:, 0], v.float()[:, 0], go.float(), row_max, row_sum, keys_of,
+                               [0] * n, scale)
+    assert torch.equal(dq, want[0]) and torch.equal(dk[:, 0], want[1]) and torch.equal(dv[:, 0], want[2])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_masked_attention_backward_order_is_the_documented_one(dtype):
+    """The same arithmetic under an explicit mask with holes: each row's blocks start at the first
+    key it sees (2 and 7 here: left padding), a row that sees nothing adds nothing, and rows that
+    see nothing (padding) are not counted in a key's groups of 64 rows."""
+    gen = torch.Generator().manual_seed(7)
+    b, lq, lk, d, scale = 2, 40, 140, 24, 0.2
+    q, go = (torch.randn(b, 4, lq, d, generator=gen).to(dtype) for _ in range(2))
+    k, v = (torch.randn(b, 2, lk, d, generator=gen).to(dtype) for _ in range(2))
+    visible = torch.rand(b, lq, lk, generator=gen) < 0.7
+    visible[0, :, :2] = False
+    visible[1, :, :7] = False
+    visible[0, :, 2] = visible[1, :, 7] = True
+    visible[1, 3] = visible[1, 10] = False
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    out, _ = ops.masked_attention(q, k, v, visible, scale)
+    out.backward(go)
+    with torch.no_grad():
+        _, _, (row_max, row_sum) = masked_attention.forward(q, k, v, visible, scale)
+    for i in range(b):
+        keys_of = [torch.nonzero(visible[i, t])[:, 0].tolist() for t in range(lq)]
+        for hk in range(2):
+            heads = slice(2 * hk, 2 * hk + 2)
+            want = _attention_backward(q.detach()[i, heads].float().transpose(0, 1), k.detach()[i, hk].float(),
+                                       v.detach()[i, hk].float(), go[i, heads].float().transpose(0, 1),
+                                       row_max[i, :, heads], row_sum[i, :, heads], keys_of,
+                                       [keys[0] if keys else 0 for keys in keys_of], scale)
+            assert torch.equal(q.grad[i, heads].transpose(0, 1).float(), want[0].to(dtype).float()), (i, hk)
+            assert torch.equal(k.grad[i, hk].float(), want[1].to(dtype).float()), (i, hk)
+            assert torch.equal(v.grad[i, hk].float(), want[2].to(dtype).float()), (i, hk)
+    assert (q.grad[1, :, 3] == 0).all()
 
 
 def test_attention_backward_keeps_a_nan_query_in_its_own_row_and_keys():

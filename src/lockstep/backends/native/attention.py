@@ -76,29 +76,35 @@ def _computed(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
 
 
 def attention_backward(q: Tensor, k: Tensor, v: Tensor, grad_out: Tensor, row_max: Tensor, row_sum: Tensor,
-                       cu_q: list[int], cu_k: list[int], scale: float, causal: bool,
-                       window: int | None) -> tuple[Tensor, Tensor, Tensor]:
-    """dq [Tq, Hq, D], dk, dv [Tk, Hkv, D] (fp32) of packed attention without a mask, from the
-    forward's row max and row sum ([Tq, Hq] fp32, as `attention_forward` returns them); q, k, v and
-    grad_out as the forward took them (fp32, bf16 or fp16; one dtype, else fp32)."""
+                       cu_q: list[int], len_k: list[int], k_start: list[int] | None, scale: float, causal: bool,
+                       window: int | None, mask: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """The gradients of `attention_forward` (without a block table), from its row max and row sum
+    ([Tq, Hq] fp32): q, k, v, cu_q, len_k, k_start, scale, causal, window and mask as it took them,
+    grad_out [Tq, Hq, D]. Returns fp32 dq (q's shape) and dk, dv (k's shape)."""
     q, k, v = (t.contiguous() for t in _computed(q, k, v))
     g = grad_out.to(q.dtype).contiguous()
     tq, hq, d = q.shape
-    hkv = k.shape[1]
     dq = torch.zeros((tq, hq, d), dtype=torch.float32)
     dk = torch.zeros(k.shape, dtype=torch.float32)
     dv = torch.zeros(v.shape, dtype=torch.float32)
     if dq.numel() == 0 or dk.numel() == 0:  # no heads, no head dims, no queries or no keys
         return dq, dk, dv
+    if mask is not None:                   # [B, Hkv, Lk, D]: batch b's keys at k[b]
+        kv_token, kv_head = k.stride(2), k.stride(1)
+        offsets = [b * k.stride(0) for b in range(k.shape[0])]
+        mask = mask.contiguous()
+    else:                                  # [Tk, Hkv, D] rows
+        kv_token, kv_head = k.stride(0), k.stride(1)
+        offsets = [s * kv_token for s in k_start]
     delta = torch.empty((tq, hq))
-    cu, lens = _int64(cu_q), _int64([cu_k[b + 1] - cu_k[b] for b in range(len(cu_k) - 1)])
-    starts = _int64([s * hkv * d for s in cu_k[:-1]])
+    cu, lens, starts = _int64(cu_q), _int64(len_k), _int64(offsets)
     row_max, row_sum = row_max.contiguous(), row_sum.contiguous()
     status = library().ls_attention_bwd(
-        len(cu_k) - 1, hq, hkv, d, q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr(), cu.data_ptr(),
-        lens.data_ptr(), starts.data_ptr(), scale, int(causal), window or 0, row_max.data_ptr(), row_sum.data_ptr(),
-        delta.data_ptr(), dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), DTYPE_CODES[q.dtype], isa(),
-        torch.get_num_threads())
+        len(len_k), hq, k.shape[1], d, q.data_ptr(), k.data_ptr(), v.data_ptr(),
+        g.data_ptr(), kv_token, kv_head, cu.data_ptr(), lens.data_ptr(), starts.data_ptr(),
+        None if mask is None else mask.data_ptr(), 0 if mask is None else mask.shape[-1], scale, int(causal),
+        window or 0, row_max.data_ptr(), row_sum.data_ptr(), delta.data_ptr(), dq.data_ptr(), dk.data_ptr(),
+        dv.data_ptr(), DTYPE_CODES[q.dtype], isa(), torch.get_num_threads())
     if status == -2:
         raise MemoryError("ls_attention_bwd: out of memory for its work buffers")
     if status != 0:
@@ -114,7 +120,7 @@ class _Attention(torch.autograd.Function):
         lens = [cu_k[b + 1] - cu_k[b] for b in range(len(cu_k) - 1)]
         out, row_max, row_sum = attention_forward(q, k, v, cu_q, lens, cu_k[:-1], None, scale, causal, window)
         ctx.save_for_backward(q, k, v, row_max, row_sum)
-        ctx.options = (cu_q, cu_k, scale, causal, window)
+        ctx.options = (cu_q, lens, cu_k[:-1], scale, causal, window)
         return out.to(q.dtype)
 
     @staticmethod

@@ -144,8 +144,8 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.ls_attention_fwd.argtypes = [i64, i64, i64, i64, ptr, ptr, ptr, i64, i64, ptr, ptr, ptr, ptr, i64, i64, ptr,
                                      i64, flt, cint, i64, ptr, ptr, ptr, cint, cint, cint]
     lib.ls_attention_fwd.restype = cint
-    lib.ls_attention_bwd.argtypes = [i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, flt, cint, i64, ptr, ptr,
-                                     ptr, ptr, ptr, ptr, cint, cint, cint]
+    lib.ls_attention_bwd.argtypes = [i64, i64, i64, i64, ptr, ptr, ptr, ptr, i64, i64, ptr, ptr, ptr, ptr, i64, flt,
+                                     cint, i64, ptr, ptr, ptr, ptr, ptr, ptr, cint, cint, cint]
     lib.ls_attention_bwd.restype = cint
     lib.ls_rms_norm_fwd.argtypes = [i64, i64, ptr, ptr, flt, flt, ptr, ptr, cint, cint, cint, cint, cint]
     lib.ls_rms_norm_fwd.restype = cint

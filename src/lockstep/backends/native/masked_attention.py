@@ -1,17 +1,18 @@
-"""Native masked attention: the forward is the attention kernel (kernels.c, `ls_attention_fwd`) under
-the explicit mask, each query's blocks anchored at the first key it can see, reading k and v in
-place; the backward is the portable op's, on the native GEMMs, exp and log, from the forward's
-softmax statistics (docs/adr/0016-native-attention.md). float64 takes the portable op."""
+"""Native masked attention: the attention kernels (kernels.c, `ls_attention_fwd` and
+`ls_attention_bwd`) under the explicit mask, each query's blocks anchored at the first key it can
+see; the forward reads k and v in place, the backward starts from its softmax statistics
+(docs/adr/0016-native-attention.md, docs/adr/0022-native-attention-backward.md). float64 takes the
+portable op."""
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
-from ...fixed_order import log, records_cpu_kernels, restores_cpu_kernels
+from ...fixed_order import log
 from ...registry import register
 from ..portable import masked_attention as portable
-from .attention import attention_forward
+from .attention import attention_backward, attention_forward
 from .cpu import native_kernels
 
 
@@ -31,7 +32,6 @@ def forward(q: Tensor, k: Tensor, v: Tensor, visible: Tensor, scale: float
 
 class _MaskedAttention(torch.autograd.Function):
     @staticmethod
-    @records_cpu_kernels
     def forward(ctx, q, k, v, visible, scale):
         out, lse, (row_max, row_sum) = forward(q, k, v, visible, scale)
         ctx.save_for_backward(q, k, v, visible, row_max, row_sum)
@@ -40,10 +40,16 @@ class _MaskedAttention(torch.autograd.Function):
         return out, lse
 
     @staticmethod
-    @restores_cpu_kernels
     def backward(ctx, grad, _grad_lse):
         q, k, v, visible, row_max, row_sum = ctx.saved_tensors
-        return (*portable.backward(grad, q, k, v, visible, ctx.scale, (row_max, row_sum)), None, None)
+        b, hq, lq, d = q.shape
+        lk = k.shape[2]
+        rows = q.transpose(1, 2).reshape(b * lq, hq, d)
+        dq, dk, dv = attention_backward(rows, k, v, grad.transpose(1, 2).reshape(b * lq, hq, d),
+                                        row_max.reshape(b * lq, hq), row_sum.reshape(b * lq, hq),
+                                        [i * lq for i in range(b + 1)], [lk] * b, None, ctx.scale, False, None,
+                                        mask=visible.reshape(b * lq, lk))
+        return dq.view(b, lq, hq, d).transpose(1, 2).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
 
 
 @register("native", "masked_attention")
