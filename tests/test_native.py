@@ -535,7 +535,7 @@ def test_attention_backward_order_is_the_documented_one(dtype, isa_name, isa):
 
     isa(isa_name)
     gen = torch.Generator().manual_seed(5)
-    n, d, window, scale = 70, 20, 67, 0.3
+    n, d, window, scale = 70, 72, 67, 0.3      # d: four chunks of 16 and a part of one
     q, go = (torch.randn(n, 2, d, generator=gen).to(dtype) for _ in range(2))
     k, v = (torch.randn(n, 1, d, generator=gen).to(dtype) for _ in range(2))
     _, row_max, row_sum = attention_forward(q, k, v, [0, n], [n], [0], None, scale, True, window)
