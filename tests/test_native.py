@@ -526,7 +526,7 @@ def _attention_backward(qf, kf, vf, gf, row_max, row_sum, keys_of, anchor_of, sc
 @pytest.mark.parametrize("isa_name", ["scalar", "avx2", "avx512"])
 def test_attention_backward_order_is_the_documented_one(dtype, isa_name, isa):
     """kernels.c's attention backward, restated in Python for one sequence of 70 tokens (two 64-key
-    blocks; 140 rows of a KV head, up to 134 of which see a key) with a window that cuts into the
+    blocks; 140 rows of a KV head, up to 134 of which see one key) with a window that cuts into the
     first: p from the forward's scores, max and sum; dp by the GEMM's dot; delta as the blocks'
     folded lane sums of p dp; dq as one FMA chain per key block, the blocks added in order; dk and
     dv over the rows that see the key as one FMA chain per run of 8, the runs added in groups of 64,

@@ -1520,8 +1520,9 @@ static void attn_item(void *ctx, int64_t item) {
  * key may be seen by thousands of rows: one chain of 64 was twice as far from float64 as eager. None of these sums can reach -0 (x + y rounds an
  * exact zero to +0, and every one starts from +0), so a block or a row that adds nothing is an
  * exact no-op and is skipped. A key's groups count only the rows that see it, so rows that see
- * nothing (padding) change no bit of dk and dv. A row never reads a key it cannot see, nor a key
- * a row that cannot see it. Phase 1 items are the forward's (tokens of a sequence x one KV head):
+ * nothing (padding) change no bit of dk and dv. A row's sums never take a key it cannot see, nor
+ * a key's sums a row that cannot see it (a tile's scores may cover such pairs; they are set to +0
+ * before any sum). Phase 1 items are the forward's (tokens of a sequence x one KV head):
  * delta and dq; phase 2 items are a sequence's 64-key block x one KV head: dk and dv. Each output
  * is written by one item, so neither the thread count nor the instruction set changes a bit. */
 
@@ -1535,6 +1536,7 @@ typedef struct {
     float *delta;            /* [Tq, Hq] */
     float *dq, *dk, *dv;     /* fp32, laid out as q, k, v */
     int64_t *key_item_start; /* [B + 1]: phase 2's first item of each sequence */
+    int64_t *lo, *hi;        /* [Tq]: each query token's first and last key (with a mask, shown) */
 } attn_bwd_job;
 
 /* Up to MR rows (global rows r_of[i], packed queries Qt and upstream gradients Ot in q's dtype)
@@ -1578,19 +1580,19 @@ typedef struct {
         }                                                                                           \
     }
 
-/* Rows [i0, i0 + mr) of sequence b (i = t * G + g), KV head hk: their global rows, queries and
+/* Rows rows[0 .. mr) of sequence b (i = t * G + g), KV head hk: their global rows, queries and
  * upstream gradients packed (Qt, Ot), each row's keys [lo, hi] (with a mask, its first and last
  * shown key) and its anchor. */
-static void attn_bwd_rows_of(const attn_bwd_job *W, int64_t b, int64_t hk, int64_t i0, int mr, int64_t *r_of,
-                             int64_t *lo_of, int64_t *hi_of, int64_t *anchor_of, char *Qt, char *Ot) {
+static void attn_bwd_rows_of(const attn_bwd_job *W, int64_t b, int64_t hk, const int64_t *rows, int mr,
+                             int64_t *r_of, int64_t *lo_of, int64_t *hi_of, int64_t *anchor_of, char *Qt, char *Ot) {
     const attn_job *J = &W->J;
-    const int64_t G = J->Hq / J->Hkv, q0 = J->cu_q[b], len_q = J->cu_q[b + 1] - q0, len_k = J->len_k[b];
+    const int64_t G = J->Hq / J->Hkv, q0 = J->cu_q[b];
     const int64_t row_bytes = J->D * (J->dt == DT_F32 ? 4 : 2);
     for (int i = 0; i < mr; i++) {
-        int64_t t = (i0 + i) / G;
-        r_of[i] = (q0 + t) * J->Hq + hk * G + (i0 + i) % G;
-        attn_interval(J, len_k, len_k - len_q + t, &lo_of[i], &hi_of[i]);
-        attn_mask_bounds(J, q0 + t, &lo_of[i], &hi_of[i]);
+        int64_t t = rows[i] / G;
+        r_of[i] = (q0 + t) * J->Hq + hk * G + rows[i] % G;
+        lo_of[i] = W->lo[q0 + t];
+        hi_of[i] = W->hi[q0 + t];
         anchor_of[i] = J->mask ? lo_of[i] : 0;
         memcpy(Qt + i * row_bytes, J->q + r_of[i] * row_bytes, (size_t)row_bytes);
         memcpy(Ot + i * row_bytes, W->dout + r_of[i] * row_bytes, (size_t)row_bytes);
@@ -1645,7 +1647,9 @@ static inline void attn_bwd_clip(const attn_job *J, int64_t qt, int64_t lo, int6
         for (int64_t i0 = t0 * G; i0 < t1 * G; i0 += MR) {                                          \
             int mr = (int)(t1 * G - i0 < MR ? t1 * G - i0 : MR);                                    \
             int64_t r_of[MR], lo_of[MR], hi_of[MR], a_of[MR], next_of[MR], first = INT64_MAX, last = -1; \
-            attn_bwd_rows_of(W, b, hk, i0, mr, r_of, lo_of, hi_of, a_of, Qt, Ot);                   \
+            int64_t rows[MR];                                                                       \
+            for (int i = 0; i < mr; i++) rows[i] = i0 + i;                                          \
+            attn_bwd_rows_of(W, b, hk, rows, mr, r_of, lo_of, hi_of, a_of, Qt, Ot);                 \
             for (int i = 0; i < mr; i++) {                                                          \
                 W->delta[r_of[i]] = 0.0f;                                                           \
                 if (lo_of[i] > hi_of[i]) continue;                                                  \
@@ -1768,17 +1772,6 @@ static inline void attn_bwd_clip(const attn_job *J, int64_t qt, int64_t lo, int6
         const int n = (int)(len_k - k0 < KEY_BLOCK ? len_k - k0 : KEY_BLOCK);                       \
         const char *krow[KEY_BLOCK], *vrow[KEY_BLOCK];                                              \
         attn_bwd_key_rows(J, b, hk, k0, n, krow, vrow);                                             \
-        /* Without a mask, the tokens that see some key of the block are a range (a token's keys   \
-         * only move forward with t); with one, every token is looked at. */                       \
-        int64_t ta = 0, tb = len_q;                                                                 \
-        for (int64_t lo, hi; !J->mask && ta < len_q; ta++) {                                        \
-            attn_interval(J, len_k, len_k - len_q + ta, &lo, &hi);                                  \
-            if (lo <= hi && hi >= k0 && lo <= k0 + n - 1) break;                                    \
-        }                                                                                           \
-        for (int64_t lo, hi; !J->mask && tb > ta; tb--) {                                           \
-            attn_interval(J, len_k, len_k - len_q + tb - 1, &lo, &hi);                              \
-            if (lo <= hi && hi >= k0 && lo <= k0 + n - 1) break;                                    \
-        }                                                                                           \
         memset(AK, 0, (size_t)(KEY_BLOCK * D) * 4);                                                 \
         memset(AV, 0, (size_t)(KEY_BLOCK * D) * 4);                                                 \
         memset(PK, 0, (size_t)(KEY_BLOCK * D) * 4);                                                 \
@@ -1787,14 +1780,25 @@ static inline void attn_bwd_clip(const attn_job *J, int64_t qt, int64_t lo, int6
         memset(GV, 0, (size_t)(KEY_BLOCK * D) * 4);                                                 \
         int64_t count[KEY_BLOCK] = {0}; /* rows that have seen key j so far */                      \
         const int64_t row_bytes = D * (J->dt == DT_F32 ? 4 : 2);                                    \
-        for (int64_t i0 = ta * G; i0 < tb * G; i0 += BWD_TILE) {                                    \
-            int mr = (int)(tb * G - i0 < BWD_TILE ? tb * G - i0 : BWD_TILE), any = 0;               \
+        for (int64_t t = 0, g = 0;;) {                                                              \
+            /* The next BWD_TILE rows, in order, of the tokens whose keys reach into the block. */  \
+            int64_t rows[BWD_TILE];                                                                 \
+            int mr = 0, any = 0;                                                                    \
+            for (; mr < BWD_TILE && t < len_q; g = g + 1 == G ? 0 : g + 1, t += g == 0) {          \
+                const int64_t lo = W->lo[q0 + t], hi = W->hi[q0 + t];                               \
+                if (lo > hi || hi < k0 || lo > k0 + n - 1) {                                        \
+                    g = G - 1; /* the whole token is skipped */                                     \
+                    continue;                                                                       \
+                }                                                                                   \
+                rows[mr++] = t * G + g;                                                             \
+            }                                                                                       \
+            if (mr == 0) break;                                                                     \
             int ja_of[BWD_TILE], je_of[BWD_TILE];                                                   \
             int64_t r_of[BWD_TILE], lo_of[BWD_TILE], hi_of[BWD_TILE], a_of[BWD_TILE];               \
             uint64_t bits_of[BWD_TILE];                                                             \
-            attn_bwd_rows_of(W, b, hk, i0, mr, r_of, lo_of, hi_of, a_of, Qt, Ot);                   \
+            attn_bwd_rows_of(W, b, hk, rows, mr, r_of, lo_of, hi_of, a_of, Qt, Ot);                 \
             for (int i = 0; i < mr; i++) {                                                          \
-                attn_bwd_clip(J, q0 + (i0 + i) / G, lo_of[i], hi_of[i], k0, n, &ja_of[i], &je_of[i], &bits_of[i]); \
+                attn_bwd_clip(J, q0 + rows[i] / G, lo_of[i], hi_of[i], k0, n, &ja_of[i], &je_of[i], &bits_of[i]); \
                 if (J->mask && !bits_of[i]) je_of[i] = -1;                                          \
                 any |= ja_of[i] <= je_of[i];                                                        \
             }                                                                                       \
@@ -2540,21 +2544,26 @@ int ls_attention_bwd(int64_t B, int64_t Hq, int64_t Hkv, int64_t D, const void *
         return -1;
     for (int64_t b = 0; b < B; b++)
         if (cu_q[b + 1] < cu_q[b] || len_k[b] < 0 || (mask && len_k[b] > mask_stride)) return -1;
-    int64_t *starts = (int64_t *)malloc((size_t)(2 * B + 2) * 8);
+    const int64_t tq = B > 0 ? cu_q[B] : 0;
+    int64_t *starts = (int64_t *)malloc((size_t)(2 * B + 2 + 2 * tq) * 8);
     if (!starts) return -2;
     int64_t tokens = Hq / Hkv >= 64 ? 1 : 64 / (Hq / Hkv), work = 0;
-    int64_t *key_starts = starts + B + 1;
+    int64_t *key_starts = starts + B + 1, *lo = key_starts + B + 1, *hi = lo + tq;
     starts[0] = key_starts[0] = 0;
+    attn_bwd_job W = {{B, Hq, Hkv, D, (const char *)q, (const char *)k, (const char *)v, cu_q, len_k, k_start, NULL,
+                       0, 0, window, kv_token, kv_head, mask, mask_stride, scale, causal, dt, isa, NULL,
+                       (float *)row_max, (float *)row_sum, starts, tokens, 0},
+                      (const char *)dout, delta, dq, dk, dv, key_starts, lo, hi};
     for (int64_t b = 0; b < B; b++) {
         int64_t len_q = cu_q[b + 1] - cu_q[b];
         starts[b + 1] = starts[b] + (len_q + tokens - 1) / tokens * Hkv;
         key_starts[b + 1] = key_starts[b] + (len_q ? (len_k[b] + KEY_BLOCK - 1) / KEY_BLOCK * Hkv : 0);
         work += len_q * len_k[b];
+        for (int64_t t = 0; t < len_q; t++) { /* once here, not per key block in phase 2 */
+            attn_interval(&W.J, len_k[b], len_k[b] - len_q + t, &lo[cu_q[b] + t], &hi[cu_q[b] + t]);
+            attn_mask_bounds(&W.J, cu_q[b] + t, &lo[cu_q[b] + t], &hi[cu_q[b] + t]);
+        }
     }
-    attn_bwd_job W = {{B, Hq, Hkv, D, (const char *)q, (const char *)k, (const char *)v, cu_q, len_k, k_start, NULL,
-                       0, 0, window, kv_token, kv_head, mask, mask_stride, scale, causal, dt, isa, NULL,
-                       (float *)row_max, (float *)row_sum, starts, tokens, 0},
-                      (const char *)dout, delta, dq, dk, dv, key_starts};
     int team = work * Hq * D < (int64_t)1 << 14 ? 1 : threads;
     parallel_for(attn_bwd_rows_item, &W, starts[B], team);
     if (!atomic_load(&W.J.failed)) parallel_for(attn_bwd_keys_item, &W, key_starts[B], team);

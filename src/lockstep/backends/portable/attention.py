@@ -15,8 +15,6 @@ in order, and dk, dv of a key block reduce over query rows in fixed row blocks. 
 
 from __future__ import annotations
 
-from typing import Callable
-
 import torch
 from torch import Tensor
 
@@ -219,34 +217,24 @@ def _grouped_forward(q: Tensor, k: Tensor, v: Tensor, cu_q: list[int], cu_k: lis
     return out, stats
 
 
-def packed_attention_function(forward: Callable[..., tuple[Tensor, list[Tensor | None]]]) -> type:
-    """An autograd Function for packed attention (q, k, v, cu_q, cu_k, scale, causal, window) whose
-    forward is `forward` with the same arguments, returning the output and each sequence's softmax
-    statistics (as `_grouped_forward` does), and whose backward is `packed_backward` on the CPU
-    kernels the forward ran with."""
+class _Attention(torch.autograd.Function):
+    """Packed attention (q, k, v, cu_q, cu_k, scale, causal, window): `_grouped_forward`, and
+    `packed_backward` on the CPU kernels the forward ran with."""
 
-    class PackedAttention(torch.autograd.Function):
-        @staticmethod
-        @records_cpu_kernels
-        def forward(ctx, q, k, v, cu_q, cu_k, scale, causal, window):
-            out, stats = forward(q, k, v, cu_q, cu_k, scale, causal, window)
-            ctx.save_for_backward(q, k, v)
-            ctx.stats, ctx.cu_q, ctx.cu_k = stats, cu_q, cu_k
-            ctx.options = (scale, causal, window)
-            return out.to(q.dtype)
+    @staticmethod
+    @records_cpu_kernels
+    def forward(ctx, q, k, v, cu_q, cu_k, scale, causal, window):
+        out, stats = _grouped_forward(q, k, v, cu_q, cu_k, scale, causal, window, accumulate_dtype(q.dtype))
+        ctx.save_for_backward(q, k, v)
+        ctx.stats, ctx.cu_q, ctx.cu_k = stats, cu_q, cu_k
+        ctx.options = (scale, causal, window)
+        return out.to(q.dtype)
 
-        @staticmethod
-        @restores_cpu_kernels
-        def backward(ctx, grad_out):
-            q, k, v = ctx.saved_tensors
-            return packed_backward(q, k, v, grad_out, ctx.stats, ctx.cu_q, ctx.cu_k, *ctx.options) + (None,) * 5
-
-    return PackedAttention
-
-
-_Attention = packed_attention_function(
-    lambda q, k, v, cu_q, cu_k, scale, causal, window: _grouped_forward(q, k, v, cu_q, cu_k, scale, causal, window,
-                                                                        accumulate_dtype(q.dtype)))
+    @staticmethod
+    @restores_cpu_kernels
+    def backward(ctx, grad_out):
+        q, k, v = ctx.saved_tensors
+        return packed_backward(q, k, v, grad_out, ctx.stats, ctx.cu_q, ctx.cu_k, *ctx.options) + (None,) * 5
 
 
 def packed_backward(q: Tensor, k: Tensor, v: Tensor, grad_out: Tensor, stats: list[Tensor | None], cu_q: list[int],
