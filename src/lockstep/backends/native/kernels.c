@@ -1526,6 +1526,13 @@ static void attn_item(void *ctx, int64_t item) {
  * delta and dq; phase 2 items are a sequence's 64-key block x one KV head: dk and dv. Each output
  * is written by one item, so neither the thread count nor the instruction set changes a bit. */
 
+/* How many of 16-lane chunk c's lanes fall inside d < D (0 past the end: such a chunk loads zeros
+ * and stores nothing). */
+static inline int chunk_lanes(int64_t D, int c) {
+    int64_t left = D - 16 * (int64_t)c;
+    return (int)(left < 0 ? 0 : left < 16 ? left : 16);
+}
+
 #define ROW_GROUP_ATTN 64 /* powers of two */
 #define ROW_RUN_ATTN 8
 #define BWD_TILE (4 * MR) /* phase 2's rows per pass over a key's chains */
@@ -1716,8 +1723,7 @@ static inline void attn_bwd_clip(const attn_job *J, int64_t qt, int64_t lo, int6
                         P##16 acc[4], pc[4];                                                        \
                         float *a = W->dq + r_of[i] * D + 16 * c0, *pt = part + i * D + 16 * c0;     \
                         for (int u = 0; u < 4; u++) {                                               \
-                            int64_t left = D - 16 * (c0 + u);                                       \
-                            cnt[u] = (int)(left < 0 ? 0 : left < 16 ? left : 16);                   \
+                            cnt[u] = chunk_lanes(D, c0 + u);                                        \
                             acc[u] = P##16_load(a + 16 * u, cnt[u]);                                \
                             pc[u] = P##16_load(pt + 16 * u, cnt[u]);                                \
                         }                                                                           \
@@ -1831,8 +1837,7 @@ static inline void attn_bwd_clip(const attn_job *J, int64_t qt, int64_t lo, int6
                     float *gk = GK + j * D + 16 * c0, *gv = GV + j * D + 16 * c0;                   \
                     float *ak = AK + j * D + 16 * c0, *av = AV + j * D + 16 * c0;                   \
                     for (int u = 0; u < 4; u++) {                                                   \
-                        int64_t left = D - 16 * (c0 + u);                                           \
-                        cnt[u] = (int)(left < 0 ? 0 : left < 16 ? left : 16);                       \
+                        cnt[u] = chunk_lanes(D, c0 + u);                                            \
                         sk[u] = P##16_load(pk + 16 * u, cnt[u]);                                    \
                         sv[u] = P##16_load(pv + 16 * u, cnt[u]);                                    \
                     }                                                                               \
