@@ -43,8 +43,8 @@
 #define NR 4 /* columns of a micro-tile */
 
 /* DT_BF16_WIDE (internal): bf16 operands in the fp32 order, widened first; attention's scores use
- * it, so that the portable backward, which recomputes them from widened operands by the fp32 GEMM,
- * finds the forward's scores bit for bit (ADR 0016). */
+ * it, so that a backward that recomputes them from widened operands by the fp32 GEMM finds the
+ * forward's scores bit for bit (ADR 0016). The native backward calls the same dot (ADR 0022). */
 enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2, DT_BF16_WIDE = 3 };
 /* ISA_AVX512_BF16: the AVX-512 path with the VDPBF16PS instruction for bf16 products. */
 enum { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX512 = 2, ISA_AVX512_BF16 = 3 };
@@ -1162,8 +1162,8 @@ static void unary_item(void *ctx, int64_t item) {
  * first key the token may see (docs/adr/0015). Per block, for its visible keys j:
  *
  *   s_j = dot(q, k_j) * scale, dot the GEMM's fp32 order (the file's header; bf16 widened first),
- *         so that the portable backward, which recomputes the scores from widened operands with the
- *         native GEMM, finds the forward's scores bit for bit;
+ *         which the backward below recomputes with the same call, finding the forward's scores
+ *         bit for bit;
  *   M = max(m, s_j over j) (NaN propagates); shift = M, or 0 where M = -inf;
  *   alpha = exp(m - shift); p_j = exp(s_j - shift), and p = 0 for the block's other slots;
  *   l = l * alpha + fold16(((p[0:16] + p[16:32]) + p[32:48]) + p[48:64]);
