@@ -1640,8 +1640,8 @@ static inline void attn_bwd_clip(const attn_job *J, int64_t qt, int64_t lo, int6
  * The first walk, over 64-key blocks from kstart (a multiple of 64), keeps every p and dp of the
  * rows' keys in Pall, DPall ([MR, span], span = keys from kstart, zero past the last, unseen keys
  * zero); then each row takes its delta over its own blocks, and a second walk over the key blocks
- * makes dq's chains (part: each row's chain of its current block). Kw: those keys widened to fp32
- * (16-bit dtypes). */
+ * makes dq's chains (part: each row's chain of its current block). Kw: with 16-bit dtypes, the
+ * keys the item's rows see widened to fp32, once per item, by key. */
 #define ATTN_BWD_ROWS(P, T)                                                                         \
     T static void attn_bwd_rows_##P(const attn_bwd_job *W, int64_t b, int64_t t0, int64_t t1, int64_t hk, \
                                     char *Qt, char *Ot, float *S, float *Pm, float *DPm, float *Kw,  \
@@ -1651,6 +1651,22 @@ static inline void attn_bwd_clip(const attn_job *J, int64_t qt, int64_t lo, int6
         const int nd = (int)((D + 15) / 16);                                                        \
         const char *krow[KEY_BLOCK], *vrow[KEY_BLOCK];                                              \
         float lanes[16];                                                                            \
+        if (J->dt != DT_F32) { /* every key some row of the item sees, widened once */              \
+            const int64_t es = 2;                                                                   \
+            int64_t ulo = INT64_MAX, uhi = -1;                                                      \
+            for (int64_t t = t0; t < t1; t++)                                                       \
+                if (W->lo[q0 + t] <= W->hi[q0 + t]) {                                               \
+                    if (W->lo[q0 + t] < ulo) ulo = W->lo[q0 + t];                                   \
+                    if (W->hi[q0 + t] > uhi) uhi = W->hi[q0 + t];                                   \
+                }                                                                                   \
+            for (int64_t j = ulo; j <= uhi; j++) {                                                  \
+                const char *kj = J->k + (attn_key_offset(J, b, j) + hk * J->kv_head) * es;          \
+                for (int c = 0; c < nd; c++) {                                                      \
+                    int cnt = chunk_lanes(D, c);                                                    \
+                    P##16_store(Kw + j * D + 16 * c, P##16_loadw(kj, 16 * c, J->dt, cnt), cnt);    \
+                }                                                                                   \
+            }                                                                                       \
+        }                                                                                           \
         for (int64_t i0 = t0 * G; i0 < t1 * G; i0 += MR) {                                          \
             int mr = (int)(t1 * G - i0 < MR ? t1 * G - i0 : MR);                                    \
             int64_t r_of[MR], lo_of[MR], hi_of[MR], a_of[MR], next_of[MR], first = INT64_MAX, last = -1; \
@@ -1676,12 +1692,6 @@ static inline void attn_bwd_clip(const attn_job *J, int64_t qt, int64_t lo, int6
                     memcpy(Pall + i * span + (k0 - kstart), Pm + i * KEY_BLOCK, KEY_BLOCK * 4);      \
                     memcpy(DPall + i * span + (k0 - kstart), DPm + i * KEY_BLOCK, KEY_BLOCK * 4);    \
                 }                                                                                   \
-                if (J->dt != DT_F32)                                                                \
-                    for (int j = 0; j < n; j++)                                                     \
-                        for (int c = 0; c < nd; c++) {                                              \
-                            int cnt = (int)(D - 16 * c < 16 ? D - 16 * c : 16);                     \
-                            P##16_store(Kw + (k0 - kstart + j) * D + 16 * c, P##16_loadw(krow[j], 16 * c, J->dt, cnt), cnt); \
-                        }                                                                           \
             }                                                                                       \
             const int64_t filled = (last / KEY_BLOCK + 1) * KEY_BLOCK - kstart;                     \
             for (int i = 0; i < mr; i++) {                                                          \
@@ -1738,7 +1748,7 @@ static inline void attn_bwd_clip(const attn_job *J, int64_t qt, int64_t lo, int6
                             }                                                                       \
                             if (J->mask && !attn_sees(J, qt, lo, hi, j)) continue;                  \
                             const float *kr = (J->dt == DT_F32 ? (const float *)krow[j - k0]        \
-                                                               : Kw + (j - kstart) * D) + 16 * c0;  \
+                                                               : Kw + j * D) + 16 * c0;             \
                             const P##16 dsj = P##16_set(ds[j]);                                     \
                             for (int u = 0; u < 4; u++)                                             \
                                 pc[u] = P##16_fma(dsj, P##16_load(kr + 16 * u, cnt[u]), pc[u]);     \
@@ -1927,7 +1937,7 @@ static void attn_bwd_rows_item(void *ctx, int64_t item) {
     int64_t t1 = t0 + J->tokens < len_q ? t0 + J->tokens : len_q;
     /* Keys from a multiple of 64 to the last block's end, and a block past it read as zeros. */
     int64_t span = (J->len_k[b] / KEY_BLOCK + 2) * KEY_BLOCK;
-    size_t D = (size_t)J->D, kw = J->dt == DT_F32 ? 0 : (size_t)span * D;
+    size_t D = (size_t)J->D, kw = J->dt == DT_F32 ? 0 : (size_t)J->len_k[b] * D;
     void *base;
     float *S = attn_scratch(3 * MR * KEY_BLOCK + kw + 2 * (size_t)span * MR + 3 * MR * D, &base);
     if (!S) {
