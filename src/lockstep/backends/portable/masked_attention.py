@@ -43,25 +43,19 @@ def forward(q: Tensor, k: Tensor, v: Tensor, visible: Tensor, scale: float) -> t
     return out.to(q.dtype), lse
 
 
-def backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, visible: Tensor, scale: float,
-             row_stats: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor, Tensor]:
-    """(dq, dk, dv) of the forward's out. row_stats: the forward's (row max, row sum of
-    exponentials), each [B, Lq, Hq] in the accumulation dtype; without them each anchor group's
-    statistics are recomputed by `forward`'s arithmetic."""
+def backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, visible: Tensor,
+             scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dv) of the forward's out; each anchor group's softmax statistics are recomputed by
+    `forward`'s arithmetic."""
     acc = accumulate_dtype(q.dtype)
-    hkv = k.shape[1]
     dq, dk, dv = (torch.zeros(t.shape, dtype=acc, device=t.device) for t in (q, k, v))
     for i in range(q.shape[0]):
         for a, rows in anchor_groups(visible[i]):
             qi = q[i][:, rows].transpose(0, 1).to(acc)
             ki, vi = k[i, :, a:].transpose(0, 1).to(acc), v[i, :, a:].transpose(0, 1).to(acc)
             m = visible[i][rows, a:]
-            if row_stats is None:
-                _, stats = portable_attention.group_forward(qi[None], ki[None], vi[None], [ki.shape[0]], scale, False,
-                                                            None, m[None])
-            else:   # the group's layout [2, Hkv, rows * G], rows ordered (query, head in group)
-                stats = torch.stack([x[i][rows].reshape(len(rows), hkv, -1).permute(1, 0, 2).reshape(hkv, -1)
-                                     for x in row_stats])
+            _, stats = portable_attention.group_forward(qi[None], ki[None], vi[None], [ki.shape[0]], scale, False,
+                                                        None, m[None])
             gq, gk, gv = portable_attention.sequence_backward(qi, ki, vi, grad_out[i][:, rows].transpose(0, 1).to(acc),
                                                               stats, scale, False, None, m)
             dq[i][:, rows] = gq.transpose(0, 1)
