@@ -618,6 +618,75 @@ def test_rms_norm_forward_is_the_portable_arithmetic(dtype, isa):
         assert torch.isfinite(grads["native"][0][[0, 1, 2, 4] + list(range(6, 37))]).all()
 
 
+def _rms_norm_unit_partials(backend: str, x: torch.Tensor, w: torch.Tensor, gy: torch.Tensor,
+                            offsets: list[int]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """rms_norm's d x and the weight's unit partials ([heads, H] per unit for heads x tokens rows),
+    with the units' token offsets `offsets`, on `backend`."""
+    from lockstep import grad_tree
+    from lockstep.fixed_order import TreeSum
+
+    weight = torch.nn.Parameter(w.clone())
+    xx = x.clone().requires_grad_()
+    trees = grad_tree.UnitTrees([("norm", weight)])
+    leaves = []
+    tree_add = TreeSum.add
+
+    def add(tree, start, size, value, donated=False):
+        leaves.append(value.clone())   # before the tree adds into it
+        tree_add(tree, start, size, value, donated)
+
+    with (trees.active(), grad_tree.unit_rows(offsets, 0), registry.use_backend(backend),
+          pytest.MonkeyPatch.context() as patch):
+        patch.setattr(TreeSum, "add", add)
+        y = ops.rms_norm(xx, weight, eps=1e-6, offset=0.5)
+        y.backward(gy)
+    assert weight.grad is None, "inside a unit tree the partials go to the tree"
+    return xx.grad, leaves
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_rms_norm_backward_in_c_is_the_portable_arithmetic_unit_by_unit(dtype, isa):
+    """Inside a unit tree the C backward hands the tree one partial per unit, each with the portable
+    column sum's bits: units of 0, 1, 130 and 300 tokens (past the sum's 128-row blocks), one and
+    three rows per token (a q/k norm's heads), row lengths 72 and 1024 (strips of 64 columns and a
+    partial one), 1 to 3 threads, every instruction set; NaN in one unit stays in that unit's
+    partial and its own row of d x."""
+    gen = torch.Generator().manual_seed(9)
+    offsets = [0, 130, 130, 131, 431]   # unit 1 is empty
+    for name, threads, heads, hidden in itertools.product(build.ISAS, (1, 2, 3), (1, 3), (72, 1024)):
+        if heads == 3 and hidden == 1024 or (name, threads) != ("scalar", 1) and hidden == 72 and heads == 1:
+            continue
+        isa(name)
+        rows = offsets[-1] * heads
+        x = (torch.randn(rows, hidden, generator=gen) * 3).to(dtype)
+        x[140 * heads, 5] = float("nan")   # token 140: unit 3
+        w = torch.randn(hidden, generator=gen).to(dtype)
+        gy = torch.randn(rows, hidden, generator=gen).to(dtype)
+        with num_threads(threads):
+            native = _rms_norm_unit_partials("native", x, w, gy, offsets)
+            portable = _rms_norm_unit_partials("portable", x, w, gy, offsets)
+        assert torch.equal(_bits(native[0]), _bits(portable[0])), (name, threads, heads, hidden)
+        assert len(native[1]) == len(portable[1]) == len(offsets) - 1
+        for a, b in zip(native[1], portable[1]):
+            assert a.shape == ((heads, hidden) if heads > 1 else (hidden,))
+            assert torch.equal(_bits(a), _bits(b)), (name, threads, heads, hidden)
+        assert torch.isnan(native[1][3]).any() and not torch.isnan(torch.stack(native[1][:3])).any()
+        finite_rows = torch.ones(rows, dtype=torch.bool)
+        finite_rows[140 * heads] = False
+        assert torch.isfinite(native[0][finite_rows]).all()
+    # Under create_graph the portable composition runs: the gradient stays differentiable, same bits.
+    x0, w0 = torch.randn(5, 72, generator=gen).to(dtype), torch.randn(72, generator=gen).to(dtype)
+    second = []
+    for backend in ("native", "portable"):
+        xx, ww = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+        with registry.use_backend(backend):
+            y = ops.rms_norm(xx, ww, eps=1e-6, offset=0.5)
+            gx, gw = torch.autograd.grad((y * y).sum(), (xx, ww), create_graph=True)
+            (gg,) = torch.autograd.grad((gx * gx).sum() + (gw * gw).sum(), xx)
+        second.append((gx.detach(), gw.detach(), gg))
+    assert all(torch.equal(_bits(a), _bits(b)) for a, b in zip(*second))
+
+
 def _fused_and_composed(op, inputs: tuple[torch.Tensor, ...], grad: torch.Tensor, **kwargs) -> list:
     """op's output and input gradients on the native backend (rope and silu_mul: one C pass each in
     fp32 and bf16) and as the portable composition on the native exp (what the native backend ran

@@ -34,7 +34,7 @@ SOURCE = Path(__file__).with_name("kernels.c")
 FLAGS = ["-O3", "-std=gnu11", "-shared", "-fPIC", "-pthread", "-ffp-contract=off", "-fno-fast-math", "-frounding-math"]
 ISAS = {"scalar": 0, "avx2": 1, "avx512": 2, "avx512bf16": 3}
 POOLS = ("openmp", "own")
-ABI_VERSION = 9
+ABI_VERSION = 10
 
 
 class NativeUnavailable(RuntimeError):
@@ -149,6 +149,9 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.ls_attention_bwd.restype = cint
     lib.ls_rms_norm_fwd.argtypes = [i64, i64, ptr, ptr, flt, flt, ptr, ptr, cint, cint, cint, cint, cint]
     lib.ls_rms_norm_fwd.restype = cint
+    lib.ls_rms_norm_bwd.argtypes = [i64, i64, ptr, ptr, ptr, ptr, flt, ptr, ptr, ptr, i64, i64, cint, cint, cint, cint,
+                                    cint, cint]
+    lib.ls_rms_norm_bwd.restype = cint
     lib.ls_silu.argtypes = [i64, ptr, ptr, ptr, ptr, ptr, cint, cint, cint, cint]
     lib.ls_silu.restype = cint
     lib.ls_rope.argtypes = [i64, i64, i64, ptr, ptr, ptr, ptr, cint, cint, cint, cint]

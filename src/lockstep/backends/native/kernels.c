@@ -2090,6 +2090,89 @@ INLINE void rms_rows(const rms_job *R, int64_t item) {
     }
 }
 
+/* ---------------------------------------------------------------- rms_norm backward
+ * The portable backward's arithmetic, operation for operation (portable/rms_norm.py), from the
+ * forward's rstd (all values widened exactly; g the output's gradient, w the weight):
+ *   d x, per row: gw = g * (w + offset); xhat = x * rstd; dot = row_sum(gw * xhat) / H, row_sum in
+ *     the forward's order; dx = rstd * (gw - xhat * dot), stored as the forward stores y.
+ *   d w, per unit of rows (grad_tree; one unit of all rows outside a unit tree): fixed_order's
+ *     column_sum of g * xhat over the unit's tokens, a token's per_token rows side by side as one
+ *     row of per_token * H columns: blocks of COLUMN_SUM_ROWS token rows (the last zero-padded; an
+ *     empty unit is one block of zeros), each folded pairwise (row i with row i + w / 2, w = 128,
+ *     64, ..., 2), the blocks' results added in block order.
+ * Threads take rows (d x) and column strips of one unit (d w): outputs only. */
+
+#define COLUMN_SUM_ROWS 128 /* fixed_order.ROW_BLOCK */
+#define COLUMN_STRIP 64     /* d w columns per work item */
+
+typedef struct {
+    const char *x, *w, *g;
+    const float *rstd;
+    char *dx;
+    float *dw;
+    const int64_t *unit_rows; /* [units + 1] row offsets */
+    int64_t H, rows, units, per_token, strips;
+    float offset;
+    int dt, wdt, gdt, dxdt;
+} rms_bwd_job;
+
+INLINE void rms_bwd_rows(const rms_bwd_job *R, int64_t item) {
+    const int64_t H = R->H;
+    int64_t width = SUM_WIDTH;
+    if (H < SUM_WIDTH) for (width = 1; width < H; width *= 2) {}
+    float acc[SUM_WIDTH], v[SUM_WIDTH], gw[SUM_WIDTH], w[SUM_WIDTH];
+    for (int64_t row = item * RMS_ROWS; row < (item + 1) * RMS_ROWS && row < R->rows; row++) {
+        const float rstd = R->rstd[row];
+        for (int64_t c = 0; c < H; c += width) {
+            int64_t n = H - c < width ? H - c : width;
+            load_block(R->g, R->gdt, row * H + c, n, n, gw);
+            load_block(R->w, R->wdt, c, n, n, w);
+            load_block(R->x, R->dt, row * H + c, n, n, v);
+            for (int64_t l = 0; l < n; l++) v[l] = (gw[l] * (w[l] + R->offset)) * (v[l] * rstd);
+            row_sum_chunk(acc, v, c, n, width);
+        }
+        const float dot = row_sum_fold(acc, width) / (float)H;
+        for (int64_t c = 0; c < H; c += ROW_BLOCK) {
+            int64_t n = H - c < ROW_BLOCK ? H - c : ROW_BLOCK;
+            load_block(R->g, R->gdt, row * H + c, n, n, gw);
+            load_block(R->w, R->wdt, c, n, n, w);
+            load_block(R->x, R->dt, row * H + c, n, n, v);
+            for (int64_t h = 0; h < n; h++) {
+                float gwh = gw[h] * (w[h] + R->offset), xhat = v[h] * rstd;
+                v[h] = rstd * (gwh - xhat * dot);
+            }
+            store_block(R->dx, R->dxdt, row * H + c, n, v);
+        }
+    }
+}
+
+INLINE void rms_bwd_strip(const rms_bwd_job *R, int64_t item) {
+    const int64_t unit = item / R->strips, width = R->per_token * R->H;
+    const int64_t c0 = item % R->strips * COLUMN_STRIP, n = width - c0 < COLUMN_STRIP ? width - c0 : COLUMN_STRIP;
+    const int64_t first = R->unit_rows[unit] / R->per_token, stop = R->unit_rows[unit + 1] / R->per_token;
+    float block[COLUMN_SUM_ROWS][COLUMN_STRIP], total[COLUMN_STRIP], g[COLUMN_STRIP];
+    int64_t head[COLUMN_STRIP]; /* which of a token's rows each column is in */
+    for (int64_t j = 0; j < n; j++) head[j] = (c0 + j) / R->H;
+    for (int64_t start = first; start == first || start < stop; start += COLUMN_SUM_ROWS) {
+        for (int64_t r = 0; r < COLUMN_SUM_ROWS; r++) {
+            const int64_t token = start + r;
+            float *b = block[r];
+            if (token >= stop) {
+                for (int64_t j = 0; j < n; j++) b[j] = 0.0f;
+                continue;
+            }
+            load_block(R->g, R->gdt, token * width + c0, n, n, g);
+            load_block(R->x, R->dt, token * width + c0, n, n, b);
+            for (int64_t j = 0; j < n; j++) b[j] = g[j] * (b[j] * R->rstd[token * R->per_token + head[j]]);
+        }
+        for (int64_t w = COLUMN_SUM_ROWS / 2; w >= 1; w /= 2)
+            for (int64_t r = 0; r < w; r++)
+                for (int64_t j = 0; j < n; j++) block[r][j] = block[r][j] + block[r + w][j];
+        for (int64_t j = 0; j < n; j++) total[j] = start == first ? block[0][j] : total[j] + block[0][j];
+    }
+    memcpy(R->dw + unit * width + c0, total, (size_t)n * 4);
+}
+
 /* ---------------------------------------------------------------- SiLU
  * portable/silu_mul.py's fp32 arithmetic (gated, modes 0 and 1) and fixed_order.silu's (alone, modes
  * 2 and 3), operation for operation, on blocks of ROW_BLOCK elements (g = gate, u = up, dy = the
@@ -2186,6 +2269,8 @@ INLINE void rope_token(const rope_job *J, int64_t t) {
 
 #define ELEMENTWISE_PASSES(P, T)                                                                    \
     T static void rms_item_##P(void *ctx, int64_t item) { rms_rows((const rms_job *)ctx, item); }        \
+    T static void rms_bwd_row_item_##P(void *ctx, int64_t item) { rms_bwd_rows((const rms_bwd_job *)ctx, item); } \
+    T static void rms_bwd_strip_item_##P(void *ctx, int64_t item) { rms_bwd_strip((const rms_bwd_job *)ctx, item); } \
     T static void gated_item_##P(void *ctx, int64_t item) { gated_blocks((const gated_job *)ctx, item); } \
     T static void rope_item_##P(void *ctx, int64_t item) { rope_token((const rope_job *)ctx, item); }
 
@@ -2372,7 +2457,7 @@ ROW_PASSES(z, AVX512_T)
 
 /* ---------------------------------------------------------------- exported */
 
-int ls_abi_version(void) { return 9; }
+int ls_abi_version(void) { return 10; }
 
 /* Run parallel work on the OpenMP runtime whose GOMP_parallel (GCC's ABI: fn, data, team size,
  * flags) is `fn`, or on the library's own threads when `fn` is NULL. */
@@ -2597,6 +2682,35 @@ int ls_rms_norm_fwd(int64_t rows, int64_t H, const void *x, const void *w, float
     rms_job R = {(const char *)x, (const char *)w, (char *)y, rstd, H, rows, eps, offset, dt, wdt, ydt, isa};
     int64_t items = (rows + RMS_ROWS - 1) / RMS_ROWS;
     parallel_for(ELEMENTWISE_FOR(rms_item, isa), &R, items, rows * H < (1 << 16) ? 1 : threads);
+    return 0;
+}
+
+/* rms_norm backward (the section above): x [rows, H] (dtype dt, contiguous), w [H] (wdt), g
+ * [rows, H] (gdt), rstd fp32 [rows] the forward's. dx (NULL: not wanted) [rows, H] in dxdt (fp32,
+ * or bf16 rounded as Tensor.to rounds); dw (NULL: not wanted) fp32 [units, per_token * H], one sum
+ * per unit of the rows unit_rows[u] .. unit_rows[u + 1] (offsets in rows, multiples of per_token,
+ * non-decreasing, within [0, rows]). Returns 0, or -1 for arguments it cannot take. */
+int ls_rms_norm_bwd(int64_t rows, int64_t H, const void *x, const void *w, const void *g, const float *rstd,
+                    float offset, void *dx, float *dw, const int64_t *unit_rows, int64_t units, int64_t per_token,
+                    int dt, int wdt, int gdt, int dxdt, int isa, int threads) {
+    if (rows < 0 || H <= 0 || per_token <= 0 || dt < DT_F32 || dt > DT_F16 || wdt < DT_F32 || wdt > DT_F16 ||
+        gdt < DT_F32 || gdt > DT_F16 || (dx && dxdt != DT_F32 && dxdt != DT_BF16) || !ls_cpu_supports(isa) ||
+        (rows > 0 && (!x || !w || !g || !rstd)) || (dw && (units <= 0 || !unit_rows)))
+        return -1;
+    if (dw) {
+        if (unit_rows[0] < 0 || unit_rows[units] > rows) return -1;
+        for (int64_t u = 0; u <= units; u++)
+            if (unit_rows[u] % per_token || (u && unit_rows[u] < unit_rows[u - 1])) return -1;
+    }
+    const int64_t width = per_token * H, strips = (width + COLUMN_STRIP - 1) / COLUMN_STRIP;
+    rms_bwd_job R = {(const char *)x, (const char *)w, (const char *)g, rstd, (char *)dx, dw, unit_rows,
+                     H, rows, units, per_token, strips, offset, dt, wdt, gdt, dxdt};
+    if (dx)
+        parallel_for(ELEMENTWISE_FOR(rms_bwd_row_item, isa), &R, (rows + RMS_ROWS - 1) / RMS_ROWS,
+                     rows * H < (1 << 16) ? 1 : threads);
+    if (dw)
+        parallel_for(ELEMENTWISE_FOR(rms_bwd_strip_item, isa), &R, units * strips,
+                     rows * H < (1 << 16) ? 1 : threads);
     return 0;
 }
 

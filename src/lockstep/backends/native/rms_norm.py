@@ -1,7 +1,9 @@
-"""Native rms_norm: the forward is one C pass per row (kernels.c, `ls_rms_norm_fwd`) that performs
-the portable forward's operations in the portable order, so it gives the portable op's bits on
-every CPU (fp32 and bf16 results are stored by the pass itself, fp16 ones rounded by torch); the
-backward is the portable one, from the forward's saved rstd. float64 takes the portable op."""
+"""Native rms_norm: the forward is one C pass per row (kernels.c, `ls_rms_norm_fwd`) and the
+backward one pass over rows for d x and one over column strips for the weight's gradient
+(`ls_rms_norm_bwd`, every unit of a unit tree in the one call); both perform the portable op's
+operations in the portable order, so they give its bits on every CPU (fp32 and bf16 results are
+stored by the passes themselves, fp16 ones rounded by torch). float64, and a backward under
+create_graph, take the portable op."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import torch
 from torch import Tensor
 
 from ... import grad_tree
+from ...fixed_order import cpu_kernels
 from ...registry import register
 from ..portable import rms_norm as portable
 from .build import isa, library
@@ -30,6 +33,38 @@ def _forward(x: Tensor, weight: Tensor, eps: float, offset: float) -> tuple[Tens
     return y.to(x.dtype), rstd
 
 
+def _backward(ctx, grad_y: Tensor) -> tuple[Tensor | None, Tensor | None]:
+    """d x in x's dtype and the weight's gradient (dense, or None inside a unit tree, whose unit
+    partials it hands to the tree) by the C passes, from the forward's saved x, weight and rstd."""
+    x, weight, rstd = ctx.saved_tensors
+    rows, hidden = x.shape
+    g = grad_y.contiguous() if grad_y.dtype in DTYPE_CODES else grad_y.float().contiguous()
+    need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    dx = torch.empty((rows, hidden), dtype=x.dtype if x.dtype in OUT_CODES else torch.float32) if need_x else None
+    use = ctx.use
+    per_token = use.per_token if use is not None else 1
+    bounds = torch.tensor(use.offsets if use is not None else (0, rows), dtype=torch.int64)
+    units = bounds.numel() - 1
+    partials = torch.empty((units, per_token * hidden), dtype=torch.float32) if need_w else None
+    w = weight.contiguous()
+    status = library().ls_rms_norm_bwd(
+        rows, hidden, x.data_ptr(), w.data_ptr(), g.data_ptr(), rstd.data_ptr(), ctx.offset,
+        None if dx is None else dx.data_ptr(), None if partials is None else partials.data_ptr(), bounds.data_ptr(),
+        units, per_token, DTYPE_CODES[x.dtype], DTYPE_CODES[w.dtype], DTYPE_CODES[g.dtype],
+        OUT_CODES[dx.dtype] if dx is not None else 0, isa(), torch.get_num_threads())
+    if status != 0:
+        raise RuntimeError(f"ls_rms_norm_bwd refused x {tuple(x.shape)} {x.dtype}, weight {w.dtype}, "
+                           f"grad {g.dtype}, {units} units of {per_token} rows per token")
+    dw = None
+    if need_w:
+        # One partial per unit, in unit order: per_unit asks for them in that order.
+        shape = (per_token, hidden) if per_token > 1 else (hidden,)
+        unit_partials = iter(partials.view((units,) + shape).unbind(0))
+        dw = grad_tree.per_unit(use, rows, lambda start, stop: next(unit_partials))
+        dw = None if dw is None else dw.to(weight.dtype)
+    return (None if dx is None else dx.to(x.dtype)), dw
+
+
 class _RMSNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, eps: float, offset: float) -> Tensor:
@@ -41,8 +76,12 @@ class _RMSNorm(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_y: Tensor):
-        with native_kernels():
-            return portable.rms_norm_backward(ctx, grad_y)
+        if torch.is_grad_enabled():
+            # create_graph: the portable composition on PyTorch's kernels (the same bits) records the
+            # gradient's graph, which the C passes, and the native row sums, would not.
+            with cpu_kernels("torch"):
+                return portable.rms_norm_backward(ctx, grad_y)
+        return _backward(ctx, grad_y) + (None, None)
 
 
 @register("native", "rms_norm")
