@@ -18,7 +18,7 @@ LAYERS = {
     0: ["lockstep.registry", "lockstep.fixed_order", "lockstep.grad_tree", "lockstep.exact_math", "lockstep.rotary",
         "lockstep.paged_cache",
         "lockstep.checks", "lockstep.autocast", "lockstep.softcap", "lockstep.chunks",
-        "lockstep.contract", "lockstep.mismatch"],
+        "lockstep.contract", "lockstep.mismatch", "lockstep.second_order"],
     1: ["lockstep.ops", "lockstep.backends"],
     2: ["lockstep.harness", "lockstep.model", "lockstep.sampling"],
     3: ["lockstep.engine", "lockstep.train", "lockstep.dist", "lockstep.mode", "lockstep.hf"],

@@ -674,17 +674,6 @@ def test_rms_norm_backward_in_c_is_the_portable_arithmetic_unit_by_unit(dtype, i
         finite_rows = torch.ones(rows, dtype=torch.bool)
         finite_rows[140 * heads] = False
         assert torch.isfinite(native[0][finite_rows]).all()
-    # Under create_graph the portable composition runs: the gradient stays differentiable, same bits.
-    x0, w0 = torch.randn(5, 72, generator=gen).to(dtype), torch.randn(72, generator=gen).to(dtype)
-    second = []
-    for backend in ("native", "portable"):
-        xx, ww = x0.clone().requires_grad_(), w0.clone().requires_grad_()
-        with registry.use_backend(backend):
-            y = ops.rms_norm(xx, ww, eps=1e-6, offset=0.5)
-            gx, gw = torch.autograd.grad((y * y).sum(), (xx, ww), create_graph=True)
-            (gg,) = torch.autograd.grad((gx * gx).sum() + (gw * gw).sum(), xx)
-        second.append((gx.detach(), gw.detach(), gg))
-    assert all(torch.equal(_bits(a), _bits(b)) for a, b in zip(*second))
 
 
 def _fused_and_composed(op, inputs: tuple[torch.Tensor, ...], grad: torch.Tensor, **kwargs) -> list:

@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from ...registry import register
+from ...second_order import first_order_only
 from ..portable import attention as portable
 from .build import isa, library
 from .cpu import native_kernels
@@ -124,6 +125,7 @@ class _Attention(torch.autograd.Function):
         return out.to(q.dtype)
 
     @staticmethod
+    @first_order_only("attention")
     def backward(ctx, grad_out):
         q, k, v, row_max, row_sum = ctx.saved_tensors
         dq, dk, dv = attention_backward(q, k, v, grad_out, row_max, row_sum, *ctx.options)

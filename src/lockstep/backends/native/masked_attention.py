@@ -11,6 +11,7 @@ from torch import Tensor
 
 from ...fixed_order import log
 from ...registry import register
+from ...second_order import first_order_only
 from ..portable import masked_attention as portable
 from .attention import attention_backward, attention_forward
 from .cpu import native_kernels
@@ -40,6 +41,7 @@ class _MaskedAttention(torch.autograd.Function):
         return out, lse
 
     @staticmethod
+    @first_order_only("masked_attention")
     def backward(ctx, grad, _grad_lse):
         q, k, v, visible, row_max, row_sum = ctx.saved_tensors
         b, hq, lq, d = q.shape

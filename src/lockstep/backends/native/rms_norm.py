@@ -2,8 +2,7 @@
 backward one pass over rows for d x and one over column strips for the weight's gradient
 (`ls_rms_norm_bwd`, every unit of a unit tree in the one call); both perform the portable op's
 operations in the portable order, so they give its bits on every CPU (fp32 and bf16 results are
-stored by the passes themselves, fp16 ones rounded by torch). float64, and a backward under
-create_graph, take the portable op."""
+stored by the passes themselves, fp16 ones rounded by torch). float64 takes the portable op."""
 
 from __future__ import annotations
 
@@ -11,8 +10,8 @@ import torch
 from torch import Tensor
 
 from ... import grad_tree
-from ...fixed_order import cpu_kernels
 from ...registry import register
+from ...second_order import first_order_only
 from ..portable import rms_norm as portable
 from .build import isa, library
 from .cpu import native_kernels
@@ -75,12 +74,8 @@ class _RMSNorm(torch.autograd.Function):
         return y
 
     @staticmethod
+    @first_order_only("rms_norm")
     def backward(ctx, grad_y: Tensor):
-        if torch.is_grad_enabled():
-            # create_graph: the portable composition on PyTorch's kernels (the same bits) records the
-            # gradient's graph, which the C passes, and the native row sums, would not.
-            with cpu_kernels("torch"):
-                return portable.rms_norm_backward(ctx, grad_y)
         return _backward(ctx, grad_y) + (None, None)
 
 

@@ -8,6 +8,7 @@ import torch
 from torch import Tensor
 
 from ...registry import register
+from ...second_order import first_order_only
 from ..portable import silu_mul as portable
 from . import silu
 from .cpu import native_kernels
@@ -20,6 +21,7 @@ class _SiluMul(torch.autograd.Function):
         return silu.run("gated", gate, up)[0]
 
     @staticmethod
+    @first_order_only("silu_mul")
     def backward(ctx, grad_y: Tensor):
         gate, up = ctx.saved_tensors
         return silu.run("gated_backward", gate, up, grad_y.to(gate.dtype).contiguous())

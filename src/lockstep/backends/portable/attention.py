@@ -30,6 +30,7 @@ from ...fixed_order import (
 )
 from ...paged_cache import gather_packed
 from ...registry import register
+from ...second_order import first_order_only
 
 
 def _rows(x: Tensor, hkv: int) -> Tensor:
@@ -231,6 +232,7 @@ class _Attention(torch.autograd.Function):
         return out.to(q.dtype)
 
     @staticmethod
+    @first_order_only("attention")
     @restores_cpu_kernels
     def backward(ctx, grad_out):
         q, k, v = ctx.saved_tensors

@@ -8,6 +8,7 @@ from torch import Tensor
 from ...fixed_order import (accumulate_dtype, exp, records_cpu_kernels, reduce_losses, restores_cpu_kernels, row_scale,
                             shifted_and_lse)
 from ...registry import register
+from ...second_order import first_order_only
 
 
 class _CrossEntropy(torch.autograd.Function):
@@ -27,6 +28,7 @@ class _CrossEntropy(torch.autograd.Function):
         return reduce_losses(loss, count, reduction, logits.dtype)
 
     @staticmethod
+    @first_order_only("cross_entropy")
     @restores_cpu_kernels
     def backward(ctx, grad: Tensor):
         shifted, lse, safe, valid, count = ctx.saved_tensors

@@ -15,6 +15,7 @@ from ...fixed_order import (
     weight_grad,
 )
 from ...registry import register
+from ...second_order import first_order_only
 
 
 def linear_forward(x: Tensor, weight: Tensor, bias: Tensor | None, split_k: int = 1) -> Tensor:
@@ -37,6 +38,7 @@ class _Linear(torch.autograd.Function):
         return linear_forward(x, weight, bias, split_k)
 
     @staticmethod
+    @first_order_only("linear")
     @restores_cpu_kernels
     def backward(ctx, grad_y: Tensor):
         x, weight = ctx.saved_tensors

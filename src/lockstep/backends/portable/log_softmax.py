@@ -8,6 +8,7 @@ from torch import Tensor
 from ...fixed_order import (accumulate_dtype, log_softmax_rows, log_softmax_rows_backward, records_cpu_kernels,
                             restores_cpu_kernels)
 from ...registry import register
+from ...second_order import first_order_only
 
 
 class _LogSoftmax(torch.autograd.Function):
@@ -22,6 +23,7 @@ class _LogSoftmax(torch.autograd.Function):
         return y.to(x.dtype)
 
     @staticmethod
+    @first_order_only("log_softmax")
     @restores_cpu_kernels
     def backward(ctx, grad_y: Tensor):
         (y,) = ctx.saved_tensors

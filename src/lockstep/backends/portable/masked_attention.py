@@ -9,6 +9,7 @@ from torch import Tensor
 
 from ...fixed_order import accumulate_dtype, log, records_cpu_kernels, restores_cpu_kernels
 from ...registry import register
+from ...second_order import first_order_only
 from . import attention as portable_attention
 
 
@@ -75,6 +76,7 @@ class _MaskedAttention(torch.autograd.Function):
         return out, lse
 
     @staticmethod
+    @first_order_only("masked_attention")
     @restores_cpu_kernels
     def backward(ctx, grad, _grad_lse):
         q, k, v, visible = ctx.saved_tensors

@@ -8,6 +8,7 @@ from torch import Tensor
 from ... import grad_tree
 from ...fixed_order import accumulate_dtype, column_sum, row_sum
 from ...registry import register
+from ...second_order import first_order_only
 
 
 def weight_grad_rows(gxhat: Tensor, use: grad_tree.Use | None) -> Tensor | None:
@@ -45,26 +46,21 @@ class _RMSNorm(torch.autograd.Function):
         return y.to(x.dtype)
 
     @staticmethod
+    @first_order_only("rms_norm")
     def backward(ctx, grad_y: Tensor):
-        return rms_norm_backward(ctx, grad_y)
-
-
-def rms_norm_backward(ctx, grad_y: Tensor) -> tuple[Tensor | None, Tensor | None, None, None]:
-    """The backward of an rms_norm autograd Function whose forward saved (x, weight, rstd) and set
-    ctx.offset and ctx.use (grad_tree.capture), as _RMSNorm's does."""
-    x, weight, rstd = ctx.saved_tensors
-    acc = rstd.dtype
-    g = grad_y.contiguous().to(acc)
-    xhat = x.to(acc) * rstd[:, None]
-    dx = dw = None
-    if ctx.needs_input_grad[0]:
-        gw = g * (weight.to(acc) + ctx.offset)
-        dot = row_sum(gw * xhat) / x.shape[-1]
-        dx = (rstd[:, None] * (gw - xhat * dot[:, None])).to(x.dtype)
-    if ctx.needs_input_grad[1]:
-        dw = weight_grad_rows(g * xhat, ctx.use)
-        dw = None if dw is None else dw.to(weight.dtype)
-    return dx, dw, None, None
+        x, weight, rstd = ctx.saved_tensors
+        acc = rstd.dtype
+        g = grad_y.contiguous().to(acc)
+        xhat = x.to(acc) * rstd[:, None]
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            gw = g * (weight.to(acc) + ctx.offset)
+            dot = row_sum(gw * xhat) / x.shape[-1]
+            dx = (rstd[:, None] * (gw - xhat * dot[:, None])).to(x.dtype)
+        if ctx.needs_input_grad[1]:
+            dw = weight_grad_rows(g * xhat, ctx.use)
+            dw = None if dw is None else dw.to(weight.dtype)
+        return dx, dw, None, None
 
 
 @register("portable", "rms_norm")

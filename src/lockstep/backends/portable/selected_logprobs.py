@@ -30,6 +30,7 @@ from ...fixed_order import (
     weight_grad,
 )
 from ...registry import register
+from ...second_order import first_order_only
 from ...softcap import softcap as capped
 
 VOCAB_CHUNK = 4096
@@ -126,6 +127,7 @@ class _SelectedLogprobs(torch.autograd.Function):
         return out    # float32, or float64 for float64 inputs
 
     @staticmethod
+    @first_order_only("selected_logprobs")
     @restores_cpu_kernels
     def backward(ctx, grad_out: Tensor):
         hidden, weight, targets, lse = ctx.saved_tensors

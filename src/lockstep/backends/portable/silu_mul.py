@@ -16,6 +16,7 @@ from torch import Tensor
 from ...chunks import row_chunks
 from ...fixed_order import accumulate_dtype, exp, records_cpu_kernels, restores_cpu_kernels
 from ...registry import register
+from ...second_order import first_order_only
 
 
 def sigmoid(x: Tensor) -> Tensor:
@@ -73,6 +74,7 @@ class GatedMul(torch.autograd.Function):
         return gated_forward(act, gate, up)
 
     @staticmethod
+    @first_order_only("silu_mul / gelu_mul")
     @restores_cpu_kernels
     def backward(ctx, grad_y: Tensor):
         gate, up = ctx.saved_tensors

@@ -20,6 +20,7 @@ import triton.language as tl
 
 from ...fixed_order import KEY_BLOCK, accumulate_dtype
 from ...registry import register
+from ...second_order import first_order_only
 from .common import cast_out, dot, dot_mixed, dot_precision, gpu_capability
 
 BLOCK_Q = 16  # the query tile where FWD_CONFIGS and BWD_BLOCK_Q have no entry for the GPU
@@ -304,6 +305,7 @@ class _Attention(torch.autograd.Function):
         return o
 
     @staticmethod
+    @first_order_only("attention")
     def backward(ctx, do):
         q, k, v, m, l = ctx.saved_tensors
         cu_q, cu_k, scale, causal, window = ctx.args

@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ...second_order import first_order_only
+
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
@@ -191,6 +193,7 @@ def gated_function(fwd_kernel, bwd_kernel, **constants):
             return y
 
         @staticmethod
+        @first_order_only("silu_mul / gelu_mul")
         def backward(ctx, dy):
             gate, up = ctx.saved_tensors
             dg, du = torch.empty_like(gate), torch.empty_like(up)

@@ -9,6 +9,7 @@ import triton.language as tl
 
 from ...fixed_order import accumulate_dtype, reduce_losses, row_scale
 from ...registry import register
+from ...second_order import first_order_only
 from .common import cast_out, lane_block, row_lse
 
 
@@ -58,6 +59,7 @@ class _CrossEntropy(torch.autograd.Function):
         return reduce_losses(loss, count, reduction, logits.dtype)
 
     @staticmethod
+    @first_order_only("cross_entropy")
     def backward(ctx, g):
         logits, targets, lse, count = ctx.saved_tensors
         m, v = logits.shape

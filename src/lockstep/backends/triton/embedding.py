@@ -10,6 +10,7 @@ import triton.language as tl
 from ... import grad_tree
 from ...fixed_order import accumulate_dtype
 from ...registry import register
+from ...second_order import first_order_only
 
 
 @triton.jit(do_not_specialize=["D"])
@@ -52,6 +53,7 @@ class _Embedding(torch.autograd.Function):
         return y
 
     @staticmethod
+    @first_order_only("embedding")
     def backward(ctx, g):
         (ids,) = ctx.saved_tensors
         v, d = ctx.shape

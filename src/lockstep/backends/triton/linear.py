@@ -7,6 +7,7 @@ import torch
 from ... import grad_tree
 from ...fixed_order import split_sum
 from ...registry import register
+from ...second_order import first_order_only
 from .gemm import gemm, weight_grad
 from .reduce import column_sum
 
@@ -25,6 +26,7 @@ class _Linear(torch.autograd.Function):
         return y if bias is None else y + bias
 
     @staticmethod
+    @first_order_only("linear")
     def backward(ctx, g):
         x, weight = ctx.saved_tensors
         g = g.contiguous()

@@ -9,6 +9,7 @@ import triton.language as tl
 
 from ...fixed_order import accumulate_dtype
 from ...registry import register
+from ...second_order import first_order_only
 from .common import cast_out, lane_block, row_lse
 
 
@@ -54,6 +55,7 @@ class _LogSoftmax(torch.autograd.Function):
         return y
 
     @staticmethod
+    @first_order_only("log_softmax")
     def backward(ctx, g):
         x, lse = ctx.saved_tensors
         dx = torch.empty_like(x)

@@ -9,6 +9,7 @@ import triton.language as tl
 from ... import grad_tree
 from ...fixed_order import accumulate_dtype
 from ...registry import register
+from ...second_order import first_order_only
 from .common import cast_out, lane_block
 from .reduce import column_sum
 
@@ -70,6 +71,7 @@ class _RMSNorm(torch.autograd.Function):
         return y
 
     @staticmethod
+    @first_order_only("rms_norm")
     def backward(ctx, g):
         x, weight, rstd = ctx.saved_tensors
         m, h = x.shape

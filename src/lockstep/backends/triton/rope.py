@@ -10,6 +10,7 @@ import triton.language as tl
 from ...fixed_order import accumulate_dtype
 from ...registry import register
 from ...rotary import rope_cos_sin
+from ...second_order import first_order_only
 from .common import cast_out
 
 
@@ -55,6 +56,7 @@ class _Rope(torch.autograd.Function):
         return _rope_launch(x, cos, sin, 1.0, style)
 
     @staticmethod
+    @first_order_only("rope")
     def backward(ctx, g):
         cos, sin = ctx.saved_tensors
         return _rope_launch(g.contiguous(), cos, sin, -1.0, ctx.style), None, None, None, None

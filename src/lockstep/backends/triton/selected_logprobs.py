@@ -14,6 +14,7 @@ import triton.language as tl
 from ... import grad_tree
 from ...fixed_order import accumulate_dtype
 from ...registry import register
+from ...second_order import first_order_only
 from ...softcap import softcap as capped
 from .common import INTERPRET, cast_out, lane_block, row_lse
 from .gemm import gemm, weight_grad
@@ -97,6 +98,7 @@ class _SelectedLogprobs(torch.autograd.Function):
         return tgt - lse
 
     @staticmethod
+    @first_order_only("selected_logprobs")
     def backward(ctx, g):
         hidden, weight, targets, lse = ctx.saved_tensors
         acc = lse.dtype

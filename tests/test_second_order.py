@@ -1,0 +1,83 @@
+"""Second derivatives through lockstep's ops (docs/adr/0023): refused with an error that names the
+op, except where the backward is exactly differentiable (rope and embedding on the portable and
+native backends); the first-order gradients under create_graph keep their bits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lockstep import contract, ops, registry
+
+T, H, V = 6, 16, 8
+
+
+def _cases() -> dict:
+    """op -> (function of the differentiated inputs, the inputs), fp32."""
+    gen = torch.Generator().manual_seed(0)
+    x, w = torch.randn(T, H, generator=gen), torch.randn(V, H, generator=gen)
+    targets, ids = torch.randint(0, V, (T,), generator=gen), torch.randint(0, V, (T,), generator=gen)
+    cu = torch.tensor([0, T])
+    visible = torch.ones(1, T, T, dtype=torch.bool).tril()
+    heads = (x.view(T, 1, H), w[:T].reshape(T, 1, H), x.view(T, 1, H) * 2)
+    return {
+        "linear": (lambda x, w: ops.linear(x, w), (x, w)),
+        "silu_mul": (ops.silu_mul, (x, x.flip(0))),
+        "gelu_mul": (ops.gelu_mul, (x, x.flip(0))),
+        "rms_norm": (lambda x, w: ops.rms_norm(x, w, eps=1e-6, offset=1.0), (x, w[0])),
+        "log_softmax": (ops.log_softmax, (x,)),
+        "cross_entropy": (lambda x: ops.cross_entropy(x, targets), (x,)),
+        "selected_logprobs": (lambda h, w: ops.selected_logprobs(h, w, targets, 1.0), (x, w)),
+        "attention": (lambda q, k, v: ops.attention(q, k, v, cu, cu, 0.25, True, None), heads),
+        "masked_attention": (lambda q, k, v: ops.masked_attention(q, k, v, visible, 0.25)[0],
+                             tuple(t.transpose(0, 1)[None] for t in heads)),
+        "rope": (lambda x: ops.rope(x, torch.arange(T)), (x.view(T, 2, H // 2),)),
+        "embedding": (lambda w: ops.embedding(ids, w), (w,)),
+    }
+
+
+DIFFERENTIABLE = {("rope", "portable"), ("rope", "native"), ("embedding", "portable"), ("embedding", "native")}
+PAIRS = [(op, backend) for backend in ("portable", "native", "triton") for op in _cases()
+         if op in contract.backend_ops(backend)]
+
+
+def _grads(backend: str, op: str, create_graph: bool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The inputs (leaves) and d sum(y^2) / d inputs."""
+    fn, inputs = _cases()[op]
+    leaves = [t.clone().requires_grad_() for t in inputs]
+    with registry.use_backend(backend):
+        y = fn(*leaves)
+        grads = torch.autograd.grad((y * y).sum(), leaves, create_graph=create_graph)
+    return leaves, list(grads)
+
+
+@pytest.mark.parametrize("op, backend", [p for p in PAIRS if p not in DIFFERENTIABLE], ids=lambda p: str(p))
+def test_a_second_derivative_is_refused_with_the_ops_name(op, backend):
+    _, plain = _grads(backend, op, create_graph=False)
+    leaves, marked = _grads(backend, op, create_graph=True)
+    for a, b in zip(plain, marked):
+        assert torch.equal(a.view(torch.int32), b.detach().view(torch.int32)), "create_graph changed a bit"
+    assert all(g.requires_grad for g in marked), "each gradient carries the mark"
+    penalty = sum((g * g).sum() for g in marked)
+    with registry.use_backend(backend), pytest.raises(RuntimeError) as refused:
+        torch.autograd.grad(penalty, leaves)
+    message = str(refused.value)
+    assert message.split(":")[0].split(" / ")[0 if op != "gelu_mul" else -1] == op, message
+    assert "a second derivative through lockstep's" in message and "use_backend('eager')" in message, message
+
+
+@pytest.mark.parametrize("op, backend", sorted(DIFFERENTIABLE), ids=lambda p: str(p))
+def test_rope_and_embedding_give_second_derivatives_within_the_contract(op, backend):
+    """Their backward is linear in the incoming gradient and recorded by PyTorch's autograd: the
+    second derivative is the float64 eager one within the contract's fp32 gradient tolerance."""
+    def second(backend: str, dtype: torch.dtype) -> list[torch.Tensor]:
+        fn, inputs = _cases()[op]
+        leaves = [t.to(dtype).requires_grad_() for t in inputs]
+        with registry.use_backend(backend):
+            y = fn(*leaves)
+            grads = torch.autograd.grad((y * y).sum(), leaves, create_graph=True)
+            return list(torch.autograd.grad(sum((g * g).sum() for g in grads), leaves))
+
+    tol = contract.tolerance(op, torch.float32, "gradient")
+    for got, ref in zip(second(backend, torch.float32), second("eager", torch.float64)):
+        assert ref.abs().max() > 0 and tol.excess(got, ref) <= 0, op
