@@ -51,7 +51,15 @@ def _grads(backend: str, op: str, create_graph: bool) -> tuple[list[torch.Tensor
     return leaves, list(grads)
 
 
-@pytest.mark.parametrize("op, backend", [p for p in PAIRS if p not in DIFFERENTIABLE], ids=lambda p: str(p))
+def _assert_refusal(message: str, op: str) -> None:
+    assert message.split(":")[0].split(" / ")[0 if op != "gelu_mul" else -1] == op, message
+    assert "a second derivative through lockstep's" in message and "use_backend('eager')" in message, message
+
+
+REFUSED = [p for p in PAIRS if p not in DIFFERENTIABLE]
+
+
+@pytest.mark.parametrize("op, backend", REFUSED, ids=lambda p: str(p))
 def test_a_second_derivative_is_refused_with_the_ops_name(op, backend):
     _, plain = _grads(backend, op, create_graph=False)
     leaves, marked = _grads(backend, op, create_graph=True)
@@ -59,11 +67,40 @@ def test_a_second_derivative_is_refused_with_the_ops_name(op, backend):
         assert torch.equal(a.view(torch.int32), b.detach().view(torch.int32)), "create_graph changed a bit"
     assert all(g.requires_grad for g in marked), "each gradient carries the mark"
     penalty = sum((g * g).sum() for g in marked)
+    for differentiate in (lambda: torch.autograd.grad(penalty, leaves, retain_graph=True),
+                          lambda: (penalty + sum(t.sum() for t in leaves)).backward()):
+        with registry.use_backend(backend), pytest.raises(RuntimeError) as refused:
+            differentiate()
+        _assert_refusal(str(refused.value), op)
+
+
+@pytest.mark.parametrize("op, backend", REFUSED, ids=lambda p: str(p))
+def test_the_refusal_holds_when_the_ops_output_is_the_loss(op, backend):
+    """d y.sum() / d inputs: the incoming gradient is a constant, so for an op whose saved tensors
+    need no gradient (cross entropy) nothing could carry a mark, and create_graph raises at once."""
+    fn, inputs = _cases()[op]
+    leaves = [t.clone().requires_grad_() for t in inputs]
     with registry.use_backend(backend), pytest.raises(RuntimeError) as refused:
-        torch.autograd.grad(penalty, leaves)
-    message = str(refused.value)
-    assert message.split(":")[0].split(" / ")[0 if op != "gelu_mul" else -1] == op, message
-    assert "a second derivative through lockstep's" in message and "use_backend('eager')" in message, message
+        grads = torch.autograd.grad(fn(*leaves).sum(), leaves, create_graph=True)
+        torch.autograd.grad(sum((g * g).sum() for g in grads), leaves)
+    _assert_refusal(str(refused.value), op)
+
+
+@pytest.mark.parametrize("backend", ["portable", "native"])
+def test_create_graph_under_a_non_reentrant_checkpoint_keeps_the_first_order_bits(backend):
+    """A non-reentrant checkpoint lets a backward unpack its saved tensors once: the mark reuses
+    what the backward unpacked."""
+    from torch.utils.checkpoint import checkpoint
+
+    fn, inputs = _cases()["rms_norm"]
+    got = []
+    for create_graph in (False, True):
+        leaves = [t.clone().requires_grad_() for t in inputs]
+        with registry.use_backend(backend):
+            y = checkpoint(fn, *leaves, use_reentrant=False)
+            grads = torch.autograd.grad((y * y).sum(), leaves, create_graph=create_graph)
+        got.append([g.detach() for g in grads])
+    assert all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(*got))
 
 
 @pytest.mark.parametrize("op, backend", sorted(DIFFERENTIABLE), ids=lambda p: str(p))
