@@ -788,7 +788,8 @@ def unfused():
 
     register_cpu_kernels(KERNELS._replace(name="native-unfused", row_sum=None, log_softmax=None,
                                           log_softmax_backward=None, lse_fold=None, logit_grad=None,
-                                          split_matmul_rows=None, silu=None, silu_backward=None))
+                                          split_matmul_rows=None, silu=None, silu_backward=None,
+                                          weight_grad_node=None))
     return "native-unfused"
 
 
@@ -823,6 +824,49 @@ def test_row_sum_and_log_softmax_in_c_are_the_compositions_bit_for_bit(unfused):
     with fo.cpu_kernels(KERNELS.name):
         assert fo.row_sum(torch.ones(4, 0)).tolist() == [0.0] * 4
         assert torch.equal(fo.row_sum(torch.ones(2, 3, 700)), torch.full((2, 3), 700.0))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_a_unit_trees_weight_gradient_in_one_call_is_the_composition_bit_for_bit(unfused, dtype, isa):
+    """fixed_order.weight_grad_node (a piece of units' canonical tree node of per-unit weight
+    gradients) in one kernel call against tree_node_into over separate GEMMs and tensor adds, on
+    every instruction set and 1 to 3 threads: 2 to 16 units, empty units, units of 2,100 rows (the
+    long-K blocks of a separate GEMM), magnitudes six decades apart, NaN and Inf (compared as NaN).
+    Then a linear and the LM head inside a unit tree, whose pieces take it: the same trees."""
+    from lockstep import fixed_order as fo
+    from lockstep import grad_tree
+    from lockstep.backends.native.cpu import KERNELS
+
+    gen = torch.Generator().manual_seed(12)
+    cases = (([0, 5, 5, 37, 40], 70, 33), (list(range(0, 1025, 64)), 300, 64),
+             ([0, 0, 0, 1, 9, 9, 20, 21, 300], 40, 130), ([0, 2100, 2101], 8, 12))
+    for name, threads, (bounds, n, k) in itertools.product(build.ISAS, (1, 2, 3), cases):
+        isa(name)
+        rows = bounds[-1]
+        g = (torch.randn(rows, n, generator=gen) * 10.0 ** torch.randint(-3, 3, (rows, 1), generator=gen)).to(dtype)
+        x = torch.randn(rows, k, generator=gen).to(dtype)
+        g[rows // 2, 3], x[rows - 1, 2] = float("nan"), float("inf")
+        got = []
+        for kernels in (KERNELS.name, unfused):
+            with num_threads(threads), fo.cpu_kernels(kernels):
+                got.append(fo.weight_grad_node(g, x, bounds, torch.empty(n, k), []))
+        assert torch.equal(_bits(got[0]), _bits(got[1])), (name, threads, bounds[:4])
+    # Inside a unit tree: four units of unequal length in one micro-batch, so each tree gets one
+    # piece of four units, its node made in one call on the native set.
+    offsets = [0, 3, 10, 10, 17]
+    x = torch.randn(17, 24, generator=gen).to(dtype)
+    w, head = (torch.randn(40, 24, generator=gen) / 4).to(dtype), (torch.randn(300, 40, generator=gen) / 4).to(dtype)
+    targets = torch.randint(0, 300, (17,), generator=gen)
+    totals = []
+    for kernels in (KERNELS.name, unfused):
+        params = [("head", torch.nn.Parameter(head.clone())), ("w", torch.nn.Parameter(w.clone()))]
+        trees = grad_tree.UnitTrees(params)
+        with trees.active(), grad_tree.unit_rows(offsets, 0), registry.use_backend("portable"), fo.cpu_kernels(kernels):
+            ops.selected_logprobs(ops.linear(x, params[1][1]), params[0][1], targets, 1.0).sum().backward()
+        totals.append([trees.trees[key].total() for key in trees.keys()])
+    assert len(totals[0]) == 2 and all(torch.equal(_bits(a), _bits(b)) for a, b in zip(*totals))
+    with pytest.raises(ValueError, match="out: expected a contiguous torch.float32 tensor of shape"):
+        gemm.weight_grad_node(g, x, bounds, torch.empty(k, n))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

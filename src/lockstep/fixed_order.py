@@ -121,7 +121,8 @@ class CpuKernels(NamedTuple):
     arithmetic of `log_softmax_rows` and `log_softmax_rows_backward` on their own exp and log;
     `lse_fold` and `logit_grad`, the LM head's per-chunk row arithmetic (same signatures);
     `split_matmul_rows` (a, b, parts), the reduction over K in `parts` slices as `split_sum` of
-    `matmul_rows` computes it; and `silu` and `silu_backward` (same signatures)."""
+    `matmul_rows` computes it; `silu` and `silu_backward` (same signatures); and `weight_grad_node`
+    (grad_out, inp, bounds, out), `weight_grad_node`'s unit tree in one call."""
     name: str
     matmul_rows: Callable[..., Tensor]
     weight_grad: Callable[..., Tensor]
@@ -135,6 +136,7 @@ class CpuKernels(NamedTuple):
     split_matmul_rows: Callable[[Tensor, Tensor, int], Tensor] | None = None
     silu: Callable[[Tensor], Tensor] | None = None
     silu_backward: Callable[[Tensor, Tensor], Tensor] | None = None
+    weight_grad_node: Callable[[Tensor, Tensor, list[int], Tensor], Tensor] | None = None
 
 
 _CPU_KERNELS: dict[str, CpuKernels] = {}
@@ -527,6 +529,21 @@ def tree_node_into(out: Tensor, leaves: int, spare: list[Tensor], leaf: Callable
             base, size = left_base, 2 * size
         stack.append((size, base))
     raise ValueError(f"leaves: expected a power of two, got {leaves}")
+
+
+def weight_grad_node(grad_out: Tensor, inp: Tensor, bounds: list[int], out: Tensor, spare: list[Tensor]) -> Tensor:
+    """`out` = the canonical tree's node over the units whose rows of grad_out [M, N] and inp [M, K]
+    are bounds[u] .. bounds[u + 1] (from 0 to M; a power of two of units), each unit's leaf its own
+    `weight_grad`: what grad_tree's unit tree makes of the units' partials. out: the accumulation
+    dtype, [N, K], contiguous. On the selected CPU kernels' one-call form when they have one, else
+    by `tree_node_into` (whose buffers come from and go back to `spare`)."""
+    kernels = _kernels_for(grad_out)
+    if len(bounds) == 2:
+        return weight_grad(grad_out, inp, out=out)
+    if kernels is not None and kernels.weight_grad_node is not None and grad_out.dim() == 2:
+        return kernels.weight_grad_node(grad_out, inp, bounds, out)
+    return tree_node_into(out, len(bounds) - 1, spare, lambda i, buffer: weight_grad(
+        grad_out[bounds[i]:bounds[i + 1]], inp[bounds[i]:bounds[i + 1]], out=buffer))
 
 
 class TreeSum:

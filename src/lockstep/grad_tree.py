@@ -26,7 +26,7 @@ from typing import Callable, Iterator
 import torch
 from torch import Tensor
 
-from .fixed_order import TreeSum, tree_sum
+from .fixed_order import TreeSum, accumulate_dtype, tree_sum
 
 _TREES: contextvars.ContextVar["UnitTrees | None"] = contextvars.ContextVar("lockstep_unit_trees", default=None)
 _ROWS: contextvars.ContextVar["UnitRows | None"] = contextvars.ContextVar("lockstep_unit_rows", default=None)
@@ -295,13 +295,25 @@ def _plus(left: "Tensor | RowSparse", right: "Tensor | RowSparse") -> "Tensor | 
 
 def linear_param_grads(use_w: Use | None, use_b: Use | None, grad_y: Tensor, x: Tensor, dtype: torch.dtype,
                        need_w: bool, need_b: bool, weight_grad: Callable[[Tensor, Tensor], Tensor],
-                       column_sum: Callable[[Tensor], Tensor]) -> tuple[Tensor | None, Tensor | None]:
+                       column_sum: Callable[[Tensor], Tensor],
+                       weight_grad_node: Callable[..., Tensor] | None = None) -> tuple[Tensor | None, Tensor | None]:
     """A linear's weight and bias gradients (each None when not needed or sent to a unit tree):
     grad_y [M, N], x [M, K] -> dW [N, K] and db [N] in `dtype`, by the backend's own `weight_grad`
-    and `column_sum`, unit by unit inside a window. Every backend's linear shares it."""
+    and `column_sum`, unit by unit inside a window. Every backend's linear shares it. With
+    `weight_grad_node` (fixed_order.weight_grad_node's signature), dW goes to the tree a piece of
+    units at a time, each piece's node in one call: the same bits."""
     rows = x.shape[0]
     dw = db = None
-    if need_w:
+    if need_w and weight_grad_node is not None:
+        def node(bounds: list[int]) -> Tensor:
+            first, stop = bounds[0], bounds[-1]
+            out = torch.empty((grad_y.shape[-1], x.shape[-1]), dtype=accumulate_dtype(grad_y.dtype),
+                              device=grad_y.device)
+            return weight_grad_node(grad_y[first:stop], x[first:stop], [b - first for b in bounds], out, [])
+
+        dw = per_piece(use_w, rows, node)
+        dw = None if dw is None else dw.to(dtype)
+    elif need_w:
         dw = per_unit(use_w, rows, lambda s, e: weight_grad(grad_y[s:e], x[s:e]))
         dw = None if dw is None else dw.to(dtype)
     if need_b:

@@ -34,7 +34,7 @@ SOURCE = Path(__file__).with_name("kernels.c")
 FLAGS = ["-O3", "-std=gnu11", "-shared", "-fPIC", "-pthread", "-ffp-contract=off", "-fno-fast-math", "-frounding-math"]
 ISAS = {"scalar": 0, "avx2": 1, "avx512": 2, "avx512bf16": 3}
 POOLS = ("openmp", "own")
-ABI_VERSION = 10
+ABI_VERSION = 11
 
 
 class NativeUnavailable(RuntimeError):
@@ -140,6 +140,8 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.ls_gemm_nt.argtypes = [i64, i64, i64, i64, ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, ptr, cint, cint, cint, cint,
                                cint]
     lib.ls_gemm_nt.restype = cint
+    lib.ls_gemm_nt_tree.argtypes = [i64, i64, i64, ptr, i64, ptr, i64, ptr, i64, i64, ptr, cint, cint, cint]
+    lib.ls_gemm_nt_tree.restype = cint
     flt = ctypes.c_float
     lib.ls_attention_fwd.argtypes = [i64, i64, i64, i64, ptr, ptr, ptr, i64, i64, ptr, ptr, ptr, ptr, i64, i64, ptr,
                                      i64, flt, cint, i64, ptr, ptr, ptr, cint, cint, cint]

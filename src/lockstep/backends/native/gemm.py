@@ -186,3 +186,34 @@ def weight_grad(grad_out: Tensor, inp: Tensor, out: Tensor | None = None) -> Ten
         raise ValueError(f"out: expected a contiguous torch.float32 tensor of shape {shape}, got {out.dtype} "
                          f"{tuple(out.shape)}")
     return gemm_nt(_rows_contiguous(grad_out.transpose(-1, -2)), _rows_contiguous(inp.transpose(-1, -2)), out=out)
+
+
+def weight_grad_node(grad_out: Tensor, inp: Tensor, bounds: list[int], out: Tensor) -> Tensor:
+    """fixed_order.weight_grad_node in one kernel call: the canonical tree's node over the units
+    whose rows of grad_out [M, N] and inp [M, K] are bounds[u] .. bounds[u + 1] (from 0 to M), each
+    unit's leaf its own weight_grad, into `out` (a contiguous fp32 [N, K]). The units are slices of
+    the rows, which are the GEMM's K, so both operands are transposed into row-contiguous copies
+    once for all of them."""
+    shape = (grad_out.shape[-1], inp.shape[-1])
+    if tuple(out.shape) != shape or out.dtype != torch.float32 or not out.is_contiguous():
+        raise ValueError(f"out: expected a contiguous torch.float32 tensor of shape {shape}, got {out.dtype} "
+                         f"{tuple(out.shape)}")
+    if grad_out.dtype != inp.dtype or grad_out.dtype not in DTYPE_CODES:
+        grad_out, inp = grad_out.float(), inp.float()
+    copies = _Copies()
+    try:
+        a = _rows_contiguous(grad_out.transpose(-1, -2), copies)
+        b = _rows_contiguous(inp.transpose(-1, -2), copies)
+        n, k = shape
+        rows = a.shape[-1]
+        offsets = torch.tensor(bounds, dtype=torch.int64)
+        status = library().ls_gemm_nt_tree(
+            n, k, rows, a.data_ptr(), a.stride(0) if n > 1 else rows, b.data_ptr(), b.stride(0) if k > 1 else rows,
+            out.data_ptr(), k, len(bounds) - 1, offsets.data_ptr(), DTYPE_CODES[a.dtype], isa(),
+            torch.get_num_threads())
+    finally:
+        copies.close()
+    if status != 0:
+        raise RuntimeError(f"ls_gemm_nt_tree refused a [{n}, {rows}] x [{k}, {rows}] {a.dtype} product in units "
+                           f"{bounds[:8]}")
+    return out

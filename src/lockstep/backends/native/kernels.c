@@ -573,6 +573,7 @@ typedef struct {
     int64_t kc;                       /* K in blocks of kc elements (kc >= K: one piece) */
     int n_major; /* consecutive items walk down a column panel of B (else along a row block of A) */
     int parts;   /* > 1: each row's K elements are `parts` slices of K / parts (see gemm_split_tile) */
+    const int64_t *bounds; /* or `parts` slices [bounds[p], bounds[p + 1]) summed as a unit tree (gemm_tree_tile) */
 } gemm_job;
 
 /* Specialise a tile function for constant (dt, mr, nr) so the compiler unrolls it fully. Each
@@ -756,6 +757,37 @@ static void gemm_split_tile(const gemm_job *g, micro_fn micro, const char *A, co
     memcpy(total, part[0], sizeof(part[0]));
 }
 
+/* The outputs of a tile as grad_tree's unit tree sums them (fixed_order.TreeSum, tree_node_into):
+ * each of the `parts` slices [bounds[p], bounds[p + 1]) of K is its own dot (the order of the file's
+ * header, from fresh lanes; an empty slice is +0), as a GEMM of that slice alone gives it, and the
+ * slices are added by the canonical tree over their index: two nodes of one size are merged, left +
+ * right, as soon as both exist, and the blocks left at the end are added left to right. fp32 C. The
+ * composition's bits without its per-slice GEMM calls, their stored leaves and their adds. */
+#define TREE_DEPTH 64
+
+static void gemm_tree_tile(const gemm_job *g, micro_fn micro, const char *A, const char *B, int64_t m, int64_t n,
+                           int mr, int nr, float *total) {
+    float node[TREE_DEPTH][MR * NR], leaf[MR * NR];
+    int64_t size[TREE_DEPTH], es = g->dt == DT_F32 ? 4 : 2;
+    int top = 0;
+    for (int64_t p = 0; p < g->parts; p++) {
+        int64_t k0 = g->bounds[p], s = 1;
+        memset(leaf, 0, sizeof(leaf)); /* outputs past mr x nr stay zeros */
+        micro(g->dt, mr, nr, g->bounds[p + 1] - k0, A + m * g->lda + k0 * es, g->lda, B + n * g->ldb + k0 * es, g->ldb,
+              NULL, leaf);
+        while (top > 0 && size[top - 1] == s) {
+            top--;
+            for (int q = 0; q < MR * NR; q++) leaf[q] = node[top][q] + leaf[q];
+            s *= 2;
+        }
+        memcpy(node[top], leaf, sizeof(leaf));
+        size[top++] = s;
+    }
+    for (int i = 1; i < top; i++)
+        for (int q = 0; q < MR * NR; q++) node[0][q] = node[0][q] + node[i][q];
+    memcpy(total, node[0], sizeof(node[0]));
+}
+
 /* One work item: the outputs of rows [m0, m0 + mb) x columns [n0, n0 + nb) of one batch entry. */
 static void gemm_item(void *ctx, int64_t item) {
     const gemm_job *g = (const gemm_job *)ctx;
@@ -788,7 +820,9 @@ static void gemm_item(void *ctx, int64_t item) {
         int mr = (int)(m1 - m < MR ? m1 - m : MR);
         for (int64_t n = n0; n < n1; n += NR) {
             int nr = (int)(n1 - n < NR ? n1 - n : NR);
-            if (g->parts > 1)
+            if (g->bounds)
+                gemm_tree_tile(g, micro, A, B, m, n, mr, nr, folded);
+            else if (g->parts > 1)
                 gemm_split_tile(g, micro, A, B, m, n, mr, nr, folded);
             else
                 micro(g->dt, mr, nr, g->K, A + m * g->lda, g->lda, B + n * g->ldb, g->ldb, NULL, folded);
@@ -2457,7 +2491,7 @@ ROW_PASSES(z, AVX512_T)
 
 /* ---------------------------------------------------------------- exported */
 
-int ls_abi_version(void) { return 10; }
+int ls_abi_version(void) { return 11; }
 
 /* Run parallel work on the OpenMP runtime whose GOMP_parallel (GCC's ABI: fn, data, team size,
  * flags) is `fn`, or on the library's own threads when `fn` is NULL. */
@@ -2553,7 +2587,7 @@ int ls_gemm_nt(int64_t batch, int64_t M, int64_t N, int64_t K, const void *A, in
         return -1;
     if (batch == 0 || M == 0 || N == 0) return 0;
     gemm_job g = {batch, M, N, K / parts, (const char *)A, (const char *)B, lda * es, ldb * es, sa * es, sb * es,
-                  C, ldc, sc, bias, dt, isa, c_dt == DT_BF16, 0, 0, 0, 0, K / parts, 0, parts};
+                  C, ldc, sc, bias, dt, isa, c_dt == DT_BF16, 0, 0, 0, 0, K / parts, 0, parts, NULL};
     /* Item tiles sized for the caches only (never for the bits): a column panel of about 256 KB of
      * B stays in L2 while 64-row blocks of A stream past it. */
     int64_t nb = (256 * 1024) / (K * es + 1);
@@ -2577,6 +2611,30 @@ int ls_gemm_nt(int64_t batch, int64_t M, int64_t N, int64_t K, const void *A, in
     /* Small problems run on the calling thread: waking workers would cost more than they save. */
     if (batch * M * N * K < (int64_t)1 << 18) threads = 1;
     parallel_for(gemm_item, &g, items, threads);
+    return 0;
+}
+
+/* C[m, n] = the unit tree's sum (gemm_tree_tile) over the `units` slices [bounds[u], bounds[u + 1])
+ * of K of dot(A[m, slice], B[n, slice]), for m < M, n < N: a weight gradient's canonical tree node
+ * over the units whose rows the slices are. A, B: rows of K contiguous elements of dtype dt, row
+ * strides lda, ldb in elements; bounds: [units + 1] non-decreasing offsets from 0 to K; C: fp32, row
+ * stride ldc. Returns 0, or -1 for arguments it cannot take. */
+int ls_gemm_nt_tree(int64_t M, int64_t N, int64_t K, const void *A, int64_t lda, const void *B, int64_t ldb,
+                    float *C, int64_t ldc, int64_t units, const int64_t *bounds, int dt, int isa, int threads) {
+    if (M < 0 || N < 0 || K < 0 || units < 1 || units > ((int64_t)1 << 30) || !bounds ||
+        dt < DT_F32 || dt > DT_F16 || !ls_cpu_supports(isa) || bounds[0] != 0 || bounds[units] != K)
+        return -1;
+    for (int64_t u = 0; u < units; u++)
+        if (bounds[u + 1] < bounds[u]) return -1;
+    if (M == 0 || N == 0) return 0;
+    int64_t es = dt == DT_F32 ? 4 : 2;
+    gemm_job g = {1, M, N, K, (const char *)A, (const char *)B, lda * es, ldb * es, 0, 0,
+                  C, ldc, 0, NULL, dt, isa, 0, 64, 0, 0, 0, K, N > M, (int)units, bounds};
+    int64_t nb = (256 * 1024) / (K * es + 1);
+    g.nb = nb < NR ? NR : (nb > 256 ? 256 : nb - nb % NR);
+    g.m_tiles = (M + g.mb - 1) / g.mb;
+    g.n_tiles = (N + g.nb - 1) / g.nb;
+    parallel_for(gemm_item, &g, g.m_tiles * g.n_tiles, M * N * K < (int64_t)1 << 18 ? 1 : threads);
     return 0;
 }
 

@@ -13,6 +13,7 @@ from ...fixed_order import (
     restores_cpu_kernels,
     split_matmul_rows,
     weight_grad,
+    weight_grad_node,
 )
 from ...registry import register
 from ...second_order import first_order_only
@@ -47,7 +48,8 @@ class _Linear(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             dx = split_matmul_rows(grad_y, weight, ctx.split_n).to(x.dtype)
         dw, db = grad_tree.linear_param_grads(ctx.use_w, ctx.use_b, grad_y, x, weight.dtype, ctx.needs_input_grad[1],
-                                              ctx.has_bias and ctx.needs_input_grad[2], weight_grad, column_sum)
+                                              ctx.has_bias and ctx.needs_input_grad[2], weight_grad, column_sum,
+                                              weight_grad_node)
         return dx, dw, db, None, None
 
 

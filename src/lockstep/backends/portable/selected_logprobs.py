@@ -26,8 +26,8 @@ from ...fixed_order import (
     row_max,
     row_sum,
     scaled_logits,
-    tree_node_into,
     weight_grad,
+    weight_grad_node,
 )
 from ...registry import register
 from ...second_order import first_order_only
@@ -172,8 +172,8 @@ class _SelectedLogprobs(torch.autograd.Function):
                 if need_w and rounded:
                     dw[start:stop_v] = weight_grad(dlogits, hidden_w[first:stop])
                 elif need_w:
-                    tree_node_into(dw[start:stop_v], len(bounds) - 1, spare, lambda i, out: weight_grad(
-                        dlogits[bounds[i] - first:bounds[i + 1] - first], hidden_w[bounds[i]:bounds[i + 1]], out=out))
+                    weight_grad_node(dlogits, hidden_w[first:stop], [b - first for b in bounds], dw[start:stop_v],
+                                     spare)
             return dw
 
         # A piece of units at a time inside a unit tree: its logits and d(hidden) over all its rows,
