@@ -827,19 +827,23 @@ def test_row_sum_and_log_softmax_in_c_are_the_compositions_bit_for_bit(unfused):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_a_unit_trees_weight_gradient_in_one_call_is_the_composition_bit_for_bit(unfused, dtype, isa):
+def test_a_unit_trees_weight_gradient_in_one_call_is_the_composition_bit_for_bit(unfused, dtype, isa, monkeypatch):
     """fixed_order.weight_grad_node (a piece of units' canonical tree node of per-unit weight
     gradients) in one kernel call against tree_node_into over separate GEMMs and tensor adds, on
-    every instruction set and 1 to 3 threads: 2 to 16 units, empty units, units of 2,100 rows (the
-    long-K blocks of a separate GEMM), magnitudes six decades apart, NaN and Inf (compared as NaN).
-    Then a linear and the LM head inside a unit tree, whose pieces take it: the same trees."""
+    every instruction set and 1 to 3 threads: 2 to 16 units, empty units, units of 4,100 rows (the
+    long-K blocks of a separate GEMM; the kernel's limit on a unit's length lifted for them),
+    magnitudes six decades apart, NaN and Inf (compared as NaN). Then a linear and the LM head
+    inside a unit tree, whose pieces take it: the same trees."""
     from lockstep import fixed_order as fo
     from lockstep import grad_tree
     from lockstep.backends.native.cpu import KERNELS
 
     gen = torch.Generator().manual_seed(12)
+    long = torch.ones(4101, 1).to(dtype)
+    assert gemm.weight_grad_node(long, long, [0, 4100, 4101], torch.empty(1, 1)) is None, "long units decline"
+    monkeypatch.setattr(gemm, "_NODE_UNIT_BYTES", 1 << 40)
     cases = (([0, 5, 5, 37, 40], 70, 33), (list(range(0, 1025, 64)), 300, 64),
-             ([0, 0, 0, 1, 9, 9, 20, 21, 300], 40, 130), ([0, 2100, 2101], 8, 12))
+             ([0, 0, 0, 1, 9, 9, 20, 21, 300], 40, 130), ([0, 4100, 4101], 8, 12))
     for name, threads, (bounds, n, k) in itertools.product(build.ISAS, (1, 2, 3), cases):
         isa(name)
         rows = bounds[-1]

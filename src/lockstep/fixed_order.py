@@ -122,7 +122,8 @@ class CpuKernels(NamedTuple):
     `lse_fold` and `logit_grad`, the LM head's per-chunk row arithmetic (same signatures);
     `split_matmul_rows` (a, b, parts), the reduction over K in `parts` slices as `split_sum` of
     `matmul_rows` computes it; `silu` and `silu_backward` (same signatures); and `weight_grad_node`
-    (grad_out, inp, bounds, out), `weight_grad_node`'s unit tree in one call."""
+    (grad_out, inp, bounds, out), `weight_grad_node`'s unit tree in one call, or None where it
+    declines (then the composition runs)."""
     name: str
     matmul_rows: Callable[..., Tensor]
     weight_grad: Callable[..., Tensor]
@@ -136,7 +137,7 @@ class CpuKernels(NamedTuple):
     split_matmul_rows: Callable[[Tensor, Tensor, int], Tensor] | None = None
     silu: Callable[[Tensor], Tensor] | None = None
     silu_backward: Callable[[Tensor, Tensor], Tensor] | None = None
-    weight_grad_node: Callable[[Tensor, Tensor, list[int], Tensor], Tensor] | None = None
+    weight_grad_node: Callable[[Tensor, Tensor, list[int], Tensor], Tensor | None] | None = None
 
 
 _CPU_KERNELS: dict[str, CpuKernels] = {}
@@ -541,7 +542,9 @@ def weight_grad_node(grad_out: Tensor, inp: Tensor, bounds: list[int], out: Tens
     if len(bounds) == 2:
         return weight_grad(grad_out, inp, out=out)
     if kernels is not None and kernels.weight_grad_node is not None and grad_out.dim() == 2:
-        return kernels.weight_grad_node(grad_out, inp, bounds, out)
+        node = kernels.weight_grad_node(grad_out, inp, bounds, out)
+        if node is not None:
+            return node
     return tree_node_into(out, len(bounds) - 1, spare, lambda i, buffer: weight_grad(
         grad_out[bounds[i]:bounds[i + 1]], inp[bounds[i]:bounds[i + 1]], out=buffer))
 

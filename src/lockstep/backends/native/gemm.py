@@ -188,12 +188,24 @@ def weight_grad(grad_out: Tensor, inp: Tensor, out: Tensor | None = None) -> Ten
     return gemm_nt(_rows_contiguous(grad_out.transpose(-1, -2)), _rows_contiguous(inp.transpose(-1, -2)), out=out)
 
 
-def weight_grad_node(grad_out: Tensor, inp: Tensor, bounds: list[int], out: Tensor) -> Tensor:
+# Units of up to this many bytes of a row go in one call. Past it the separate GEMMs win: each works
+# on a tight copy of its own rows that stays in cache, while the one call walks every unit's slice
+# of a tile's rows before the next tile. 8 units on 2 threads, one call over separate: 0.55-0.67 at
+# 128-256 bytes, 0.84-0.92 at 768, 1.09-1.32 at 1024 (docs/adr/0017's later section).
+_NODE_UNIT_BYTES = 768
+
+
+def weight_grad_node(grad_out: Tensor, inp: Tensor, bounds: list[int], out: Tensor) -> Tensor | None:
     """fixed_order.weight_grad_node in one kernel call: the canonical tree's node over the units
     whose rows of grad_out [M, N] and inp [M, K] are bounds[u] .. bounds[u + 1] (from 0 to M), each
     unit's leaf its own weight_grad, into `out` (a contiguous fp32 [N, K]). The units are slices of
     the rows, which are the GEMM's K, so both operands are transposed into row-contiguous copies
-    once for all of them."""
+    once for all of them. None (nothing written) where a unit is longer than _NODE_UNIT_BYTES: the
+    caller's separate GEMMs are faster there. The bits are the separate GEMMs' and adds', a NaN's
+    sign and payload aside (each GEMM stores a bf16 dot's NaN as one pattern; here the node does)."""
+    element = 4 if grad_out.dtype != inp.dtype or grad_out.dtype not in DTYPE_CODES else grad_out.element_size()
+    if max(b - a for a, b in zip(bounds, bounds[1:])) * element > _NODE_UNIT_BYTES:
+        return None
     shape = (grad_out.shape[-1], inp.shape[-1])
     if tuple(out.shape) != shape or out.dtype != torch.float32 or not out.is_contiguous():
         raise ValueError(f"out: expected a contiguous torch.float32 tensor of shape {shape}, got {out.dtype} "
