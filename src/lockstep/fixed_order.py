@@ -538,9 +538,9 @@ def weight_grad_node(grad_out: Tensor, inp: Tensor, bounds: list[int], out: Tens
     `weight_grad`: what grad_tree's unit tree makes of the units' partials. out: the accumulation
     dtype, [N, K], contiguous. On the selected CPU kernels' one-call form when they have one, else
     by `tree_node_into` (whose buffers come from and go back to `spare`)."""
-    kernels = _kernels_for(grad_out)
     if len(bounds) == 2:
         return weight_grad(grad_out, inp, out=out)
+    kernels = _kernels_for(grad_out)
     if kernels is not None and kernels.weight_grad_node is not None and grad_out.dim() == 2:
         node = kernels.weight_grad_node(grad_out, inp, bounds, out)
         if node is not None:

@@ -2565,6 +2565,13 @@ int ls_cpu_supports(int isa) {
     return 0;
 }
 
+/* Columns of an item tile, sized for the caches only (never for the bits): a column panel of about
+ * 256 KB of B stays in L2 while 64-row blocks of A stream past it. */
+static int64_t panel_columns(int64_t K, int64_t es) {
+    int64_t nb = (256 * 1024) / (K * es + 1);
+    return nb < NR ? NR : (nb > 256 ? 256 : nb - nb % NR);
+}
+
 /* C[b, m, n] = dot(A[b, m, :], B[b, n, :]) (+ bias[n]) for b < batch, m < M, n < N, in the order
  * of the file's header. A, B: rows of K contiguous elements of dtype dt (0 fp32, 1 bf16, 2 fp16);
  * row strides lda, ldb and batch strides sa, sb in elements. C: dtype c_dt (0 fp32, 1 bf16: each
@@ -2588,12 +2595,8 @@ int ls_gemm_nt(int64_t batch, int64_t M, int64_t N, int64_t K, const void *A, in
     if (batch == 0 || M == 0 || N == 0) return 0;
     gemm_job g = {batch, M, N, K / parts, (const char *)A, (const char *)B, lda * es, ldb * es, sa * es, sb * es,
                   C, ldc, sc, bias, dt, isa, c_dt == DT_BF16, 0, 0, 0, 0, K / parts, 0, parts, NULL};
-    /* Item tiles sized for the caches only (never for the bits): a column panel of about 256 KB of
-     * B stays in L2 while 64-row blocks of A stream past it. */
-    int64_t nb = (256 * 1024) / (K * es + 1);
-    nb = nb < NR ? NR : (nb > 256 ? 256 : nb - nb % NR);
     g.mb = 64;
-    g.nb = nb;
+    g.nb = panel_columns(K, es);
     /* The larger operand is streamed once: its panels stay in cache while the smaller one (which
      * fits in L3) passes by again for each (the LM head's 311 MB weight against 1024 rows). */
     g.n_major = N > M;
@@ -2630,8 +2633,7 @@ int ls_gemm_nt_tree(int64_t M, int64_t N, int64_t K, const void *A, int64_t lda,
     int64_t es = dt == DT_F32 ? 4 : 2;
     gemm_job g = {1, M, N, K, (const char *)A, (const char *)B, lda * es, ldb * es, 0, 0,
                   C, ldc, 0, NULL, dt, isa, 0, 64, 0, 0, 0, K, N > M, (int)units, bounds};
-    int64_t nb = (256 * 1024) / (K * es + 1);
-    g.nb = nb < NR ? NR : (nb > 256 ? 256 : nb - nb % NR);
+    g.nb = panel_columns(K, es);
     g.m_tiles = (M + g.mb - 1) / g.mb;
     g.n_tiles = (N + g.nb - 1) / g.nb;
     parallel_for(gemm_item, &g, g.m_tiles * g.n_tiles, M * N * K < (int64_t)1 << 18 ? 1 : threads);
