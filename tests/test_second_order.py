@@ -12,13 +12,14 @@ from lockstep import contract, ops, registry
 T, H, V = 6, 16, 8
 
 
-def _cases() -> dict:
-    """op -> (function of the differentiated inputs, the inputs), fp32."""
+def _cases(device: str = "cpu") -> dict:
+    """op -> (function of the differentiated inputs, the inputs), fp32, on `device`."""
     gen = torch.Generator().manual_seed(0)
-    x, w = torch.randn(T, H, generator=gen), torch.randn(V, H, generator=gen)
-    targets, ids = torch.randint(0, V, (T,), generator=gen), torch.randint(0, V, (T,), generator=gen)
-    cu = torch.tensor([0, T])
-    visible = torch.ones(1, T, T, dtype=torch.bool).tril()
+    x, w = torch.randn(T, H, generator=gen).to(device), torch.randn(V, H, generator=gen).to(device)
+    targets = torch.randint(0, V, (T,), generator=gen).to(device)
+    ids = torch.randint(0, V, (T,), generator=gen).to(device)
+    cu = torch.tensor([0, T], device=device)
+    visible = torch.ones(1, T, T, dtype=torch.bool, device=device).tril()
     heads = (x.view(T, 1, H), w[:T].reshape(T, 1, H), x.view(T, 1, H) * 2)
     return {
         "linear": (lambda x, w: ops.linear(x, w), (x, w)),
@@ -31,7 +32,7 @@ def _cases() -> dict:
         "attention": (lambda q, k, v: ops.attention(q, k, v, cu, cu, 0.25, True, None), heads),
         "masked_attention": (lambda q, k, v: ops.masked_attention(q, k, v, visible, 0.25)[0],
                              tuple(t.transpose(0, 1)[None] for t in heads)),
-        "rope": (lambda x: ops.rope(x, torch.arange(T)), (x.view(T, 2, H // 2),)),
+        "rope": (lambda x: ops.rope(x, torch.arange(T, device=device)), (x.view(T, 2, H // 2),)),
         "embedding": (lambda w: ops.embedding(ids, w), (w,)),
     }
 
@@ -41,9 +42,10 @@ PAIRS = [(op, backend) for backend in ("portable", "native", "triton") for op in
          if op in contract.backend_ops(backend)]
 
 
-def _grads(backend: str, op: str, create_graph: bool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def _grads(backend: str, op: str, create_graph: bool,
+           device: str = "cpu") -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """The inputs (leaves) and d sum(y^2) / d inputs."""
-    fn, inputs = _cases()[op]
+    fn, inputs = _cases(device)[op]
     leaves = [t.clone().requires_grad_() for t in inputs]
     with registry.use_backend(backend):
         y = fn(*leaves)
@@ -59,10 +61,9 @@ def _assert_refusal(message: str, op: str) -> None:
 REFUSED = [p for p in PAIRS if p not in DIFFERENTIABLE]
 
 
-@pytest.mark.parametrize("op, backend", REFUSED, ids=lambda p: str(p))
-def test_a_second_derivative_is_refused_with_the_ops_name(op, backend):
-    _, plain = _grads(backend, op, create_graph=False)
-    leaves, marked = _grads(backend, op, create_graph=True)
+def _check_refusal(op: str, backend: str, device: str) -> None:
+    _, plain = _grads(backend, op, create_graph=False, device=device)
+    leaves, marked = _grads(backend, op, create_graph=True, device=device)
     for a, b in zip(plain, marked):
         assert torch.equal(a.view(torch.int32), b.detach().view(torch.int32)), "create_graph changed a bit"
     assert all(g.requires_grad for g in marked), "each gradient carries the mark"
@@ -72,6 +73,18 @@ def test_a_second_derivative_is_refused_with_the_ops_name(op, backend):
         with registry.use_backend(backend), pytest.raises(RuntimeError) as refused:
             differentiate()
         _assert_refusal(str(refused.value), op)
+
+
+@pytest.mark.parametrize("op, backend", REFUSED, ids=lambda p: str(p))
+def test_a_second_derivative_is_refused_with_the_ops_name(op, backend):
+    _check_refusal(op, backend, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", [op for op, backend in REFUSED if backend == "triton"])
+def test_a_second_derivative_through_compiled_triton_kernels_is_refused_on_cuda(op):
+    """The same refusal and first-order bits with the Triton kernels compiled, on CUDA tensors."""
+    _check_refusal(op, "triton", "cuda")
 
 
 @pytest.mark.parametrize("op, backend", REFUSED, ids=lambda p: str(p))
