@@ -8,6 +8,12 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# MKL's thread-dependent blocking on an Intel Xeon, on any machine (tests/_reblocking_blas.py).
+if os.environ.get("LOCKSTEP_TEST_REBLOCKING_BLAS") == "1":
+    import _reblocking_blas
+
+    _reblocking_blas.install()
+
 
 def pytest_collection_modifyitems(config, items):
     """GPU tests run wherever CUDA is present; elsewhere they are deselected and counted aloud."""
