@@ -490,3 +490,14 @@ def test_router_aux_loss_enters_the_objective_per_sequence_and_keeps_layout_inva
                 packed_logprobs(model, [s])
             aux.append(float(load_balancing_loss(logits, 8, 2)))
     assert abs(la[0] - (loff[0] + 0.5 * sum(aux) / len(aux))) <= contract.chain_tolerance(torch.float32)
+
+
+def test_a_gradient_from_outside_the_unit_trees_is_refused_with_the_backends_that_fit():
+    from lockstep import registry
+
+    t = _trainer()
+    with registry.use_backend("eager"), pytest.raises(RuntimeError) as refused:
+        t.step()
+    message = str(refused.value)
+    assert "came from an op outside the unit trees (backend 'eager')" in message, message
+    assert "train on the native, portable or triton backend, or pass layout_invariant=False" in message, message

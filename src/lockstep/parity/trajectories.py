@@ -74,7 +74,7 @@ class PlainTrainer:
 
 
 # The backends whose weight gradients go into lockstep.grad_tree's unit trees.
-UNIT_TREE_BACKENDS = ("portable", "triton")
+UNIT_TREE_BACKENDS = ("portable", "native", "triton")
 
 
 def _param_norm(named) -> float:

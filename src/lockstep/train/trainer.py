@@ -195,8 +195,8 @@ class Trainer:
             from ..registry import current_backend
 
             raise RuntimeError(f"layout-invariant training: the gradient of {stray[0]} came from an op outside the unit "
-                               f"trees (backend {current_backend()!r}); train on the portable or triton backend, or pass "
-                               "layout_invariant=False")
+                               f"trees (backend {current_backend()!r}); train on the native, portable or triton "
+                               "backend, or pass layout_invariant=False")
         totals, loss_sum = self.sync.complete(trees, len(sequences))
         params = dict(self.named)
         self.grads = grad_tree.combine(totals, params, self.sync.gather_rows)
