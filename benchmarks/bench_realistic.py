@@ -5,12 +5,13 @@ against stock PyTorch/transformers on the same weights, in the same run.
   requests of 128 prompt + 16 new tokens, bf16 and fp32;
 - mode: `lockstep.batch_invariant()` around transformers `generate` (1 and 8 requests) and around a
   training forward + backward of 1024 tokens, against the same calls outside it;
-- train: a lockstep training step (forward, backward, AdamW; 8 sequences of 128 tokens) against
-  transformers with torch.optim.AdamW; and the forward + backward alone.
+- train: a lockstep training step (forward, backward, AdamW; 8 sequences of 128 tokens, or
+  --train-seqs sequences of --seq tokens) against transformers with torch.optim.AdamW; and the
+  forward + backward alone.
 
 Each row is one ratio, lockstep time / stock time (for throughput: stock / lockstep, so that above
 1 is slower everywhere). Usage: python benchmarks/bench_realistic.py [--parts engine,mode,train]
-[--dtypes bf16,fp32]
+[--dtypes bf16,fp32] [--seq 128] [--train-seqs 8]
 """
 
 import argparse
@@ -26,7 +27,7 @@ from lockstep.train import PackedDataset, TrainConfig, Trainer
 
 from _realistic import LAYERS, best_of, hf_model, lockstep_model
 
-PROMPT, NEW, SEQ = 128, 16, 128
+PROMPT, NEW, SEQ, TRAIN_SEQS = 128, 16, 128, 8
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 VOCAB = 151936
 
@@ -93,16 +94,16 @@ def train_rows(dtype_name: str) -> None:
     ours = lockstep_model(dtype).train()
     hf = hf_model(ours).train()
     tokens = torch.randint(0, VOCAB, (100_000,), generator=torch.Generator().manual_seed(2)).tolist()
-    ids = torch.tensor(tokens[:8 * (SEQ + 1)]).view(8, SEQ + 1)
+    ids = torch.tensor(tokens[:TRAIN_SEQS * (SEQ + 1)]).view(TRAIN_SEQS, SEQ + 1)
 
     def ours_forward_backward():
         lp, _ = packed_logprobs(ours, list(ids.unbind(0)))
         (-lp.sum() / lp.numel()).backward()
         ours.zero_grad(set_to_none=True)
 
-    _row(f"training forward + backward, {8 * SEQ} tokens", dtype_name,
+    _row(f"training forward + backward, {TRAIN_SEQS} x {SEQ} tokens", dtype_name,
          best_of(ours_forward_backward, 2), best_of(lambda: _hf_forward_backward(hf, ids), 2))
-    cfg = TrainConfig(steps=100, seq_len=SEQ + 1, micro_batch_tokens=8 * (SEQ + 1), lr=1e-5,
+    cfg = TrainConfig(steps=100, seq_len=SEQ + 1, micro_batch_tokens=TRAIN_SEQS * (SEQ + 1), lr=1e-5,
                       master_weights=dtype != torch.float32)
     trainer = Trainer(ours, PackedDataset(tokens, cfg.seq_len, cfg.micro_batch_tokens, 0), cfg)
     opt = torch.optim.AdamW(hf.parameters(), lr=1e-5)
@@ -113,15 +114,19 @@ def train_rows(dtype_name: str) -> None:
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    _row(f"training step (forward, backward, AdamW), {8 * SEQ} tokens", dtype_name,
+    _row(f"training step (forward, backward, AdamW), {TRAIN_SEQS} x {SEQ} tokens", dtype_name,
          best_of(trainer.step, 2), best_of(stock_step, 2))
 
 
 def main():
+    global SEQ, TRAIN_SEQS
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--parts", default="engine,mode,train")
     ap.add_argument("--dtypes", default="bf16,fp32")
+    ap.add_argument("--seq", type=int, default=SEQ, help="tokens per training sequence (train and mode parts)")
+    ap.add_argument("--train-seqs", type=int, default=TRAIN_SEQS, help="training sequences per step (train part)")
     args = ap.parse_args()
+    SEQ, TRAIN_SEQS = args.seq, args.train_seqs
     torch.manual_seed(0)
     print(f"machine: {machine()}; Qwen3-0.6B shape with {LAYERS} layers, {torch.get_num_threads()} threads")
     print("| work | dtype | lockstep ms | stock ms | ratio |\n|---|---|---|---|---|")
