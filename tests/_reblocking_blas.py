@@ -1,84 +1,168 @@
-"""A stand-in for MKL on an Intel Xeon (issue 27), for running the suite on any machine.
+"""A stand-in for MKL on an Intel Xeon (issue 27, docs/adr/0024), for running the suite on any machine.
 
 On an Intel Xeon, MKL sums an fp32 GEMM's K in blocks that follow the thread count (and, under
 MKL_ENABLE_INSTRUCTIONS, the row count), so a product's bits change with both. On the AMD machines
-the suite usually runs on, MKL keeps one order, and a test that leans on the BLAS's order passes
-there and fails on a Xeon. With LOCKSTEP_TEST_REBLOCKING_BLAS=1, conftest installs this module:
-every CPU GEMM that reaches ATen's stock kernels (mm, addmm, bmm, baddbmm, mv, addmv, dot) sums K
-in blocks of 16 x threads rows, 8 more below 16 output rows, each block by the stock kernel on
-operands widened to fp32 (fp64 stays fp64), so the suite shows on any machine what depends on the
-BLAS keeping its order. lockstep's native kernels never reach these ops (tests/test_native.py
-audits that); the portable backend, the float64 reference and stock PyTorch do.
+the suite usually runs on, MKL keeps one order across thread counts, and a test that leans on that
+passes there and fails on a Xeon. With LOCKSTEP_TEST_REBLOCKING_BLAS=1, conftest installs this
+module: every floating-point GEMM that reaches ATen's CPU kernels (mm, addmm, bmm, baddbmm,
+addbmm, mv, addmv, dot, vdot, their out= and in-place forms, and _grouped_mm's expert form) sums
+K in blocks of k_block(rows) terms, each block by the stock kernel on operands widened to fp32
+(fp64 stays fp64), the blocks added in order, a bias added in the same precision and the result
+rounded once. So the suite shows on any machine what depends on the BLAS keeping its order: the
+portable backend, the float64 reference and stock PyTorch reach these ops; lockstep's native
+kernels never do (tests/test_native.py audits that). Arguments the stand-in does not take (other
+dtypes, mismatched shapes) go to the stock kernel, which accepts or refuses them as usual.
 """
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
 _libs: list = []
+_inside = threading.local()
 
 
 def k_block(rows: int) -> int:
-    """How many of K's terms one block sums, as a Xeon's MKL would choose differently per threads."""
+    """How many of K's terms one block sums: 16 per thread, 8 more below 16 output rows."""
     return 16 * torch.get_num_threads() + (8 if rows < 16 else 0)
 
 
-def _reblocked(product, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a [..., M, K] @ b [..., K, N] as fp32 (fp64) partial products over K's blocks, added in order."""
-    k = a.shape[-1]
-    if k == 0 or not a.is_floating_point():
-        return product(a, b)
+def _takes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (a.is_floating_point() and not a.is_complex() and a.dtype == b.dtype
+            and a.dim() == b.dim() and a.shape[-1] == b.shape[-2] and a.shape[:-2] == b.shape[:-2])
+
+
+def _product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a [..., M, K] @ b [..., K, N] in the accumulation dtype: K's blocks by the stock kernel
+    (mm or bmm), added in order."""
     acc = torch.float64 if a.dtype == torch.float64 else torch.float32
     aw, bw, step = a.to(acc), b.to(acc), k_block(a.shape[-2])
-    out = product(aw[..., :step], bw[..., :step, :])
-    for s in range(step, k, step):
-        out = out + product(aw[..., s:s + step], bw[..., s:s + step, :])
-    return out.to(torch.result_type(a, b))
+    out = torch.matmul(aw[..., :step], bw[..., :step, :])
+    for s in range(step, a.shape[-1], step):
+        out += torch.matmul(aw[..., s:s + step], bw[..., s:s + step, :])
+    return out
+
+
+def _scaled_sum(bias: torch.Tensor, product: torch.Tensor, beta, alpha, dtype) -> torch.Tensor | None:
+    """beta * bias + alpha * product in the accumulation dtype, rounded once; beta = 0 ignores the
+    bias (NaN included), as BLAS does. None (the stock kernel's answer) for a bias that does not
+    broadcast to the product."""
+    try:
+        if torch.broadcast_shapes(bias.shape, product.shape) != product.shape:
+            return None
+    except RuntimeError:
+        return None
+    out = product if alpha == 1 else product * alpha
+    if beta != 0:
+        out = out + (bias.to(out.dtype) if beta == 1 else bias.to(out.dtype) * beta)
+    return out.to(dtype)
+
+
+def _mm(a, b):
+    return _product(a, b).to(a.dtype) if _takes(a, b) and a.dim() == 2 else None
+
+
+def _bmm(a, b):
+    return _product(a, b).to(a.dtype) if _takes(a, b) and a.dim() == 3 else None
+
+
+def _addmm(bias, a, b, *, beta=1, alpha=1):
+    if not (_takes(a, b) and a.dim() == 2 and bias.dtype == a.dtype):
+        return None
+    return _scaled_sum(bias, _product(a, b), beta, alpha, a.dtype)
+
+
+def _baddbmm(bias, a, b, *, beta=1, alpha=1):
+    if not (_takes(a, b) and a.dim() == 3 and bias.dtype == a.dtype):
+        return None
+    return _scaled_sum(bias, _product(a, b), beta, alpha, a.dtype)
+
+
+def _addbmm(bias, a, b, *, beta=1, alpha=1):
+    """The batch entries' products summed: one product over the batch and K together."""
+    if not (_takes(a, b) and a.dim() == 3 and bias.dtype == a.dtype):
+        return None
+    rows = a.permute(1, 0, 2).reshape(a.shape[1], -1)
+    return _scaled_sum(bias, _product(rows, b.reshape(-1, b.shape[2])), beta, alpha, a.dtype)
+
+
+def _mv(a, v):
+    return _mm(a, v[:, None])[:, 0] if v.dim() == 1 and _takes(a, v[:, None]) else None
+
+
+def _addmv(bias, a, v, *, beta=1, alpha=1):
+    if not (v.dim() == 1 and _takes(a, v[:, None]) and bias.dtype == a.dtype):
+        return None
+    return _scaled_sum(bias, _product(a, v[:, None])[:, 0], beta, alpha, a.dtype)
+
+
+def _dot(a, b):
+    if not (a.dim() == 1 and b.dim() == 1 and _takes(a[None], b[:, None])):
+        return None
+    return _product(a[None], b[:, None])[0, 0].to(a.dtype)
+
+
+def _grouped_mm(a, b, offs=None, bias=None, out_dtype=None):
+    """The experts' form only: rows [S, K] in groups ending at offs [G], weights [G, K, N]."""
+    if offs is None or bias is not None or a.dim() != 2 or b.dim() != 3 or not _takes(a[None], b[:1]):
+        return None
+    dtype = out_dtype or a.dtype
+    out = a.new_zeros((a.shape[0], b.shape[2]), dtype=dtype)
+    start = 0
+    for g, stop in enumerate(offs.tolist()):
+        if stop > start:
+            out[start:stop] = _product(a[start:stop], b[g]).to(dtype)
+        start = stop
+    return out
+
+
+def _out_form(fn):
+    def out_kernel(*args, out, **kwargs):
+        result = fn(*args, **kwargs)
+        if result is None or result.dtype != out.dtype:
+            return None
+        if out.shape != result.shape:
+            out.resize_(result.shape)
+        return out.copy_(result)
+    return out_kernel
+
+
+def _inplace_form(fn):
+    def inplace_kernel(self, *args, **kwargs):
+        result = fn(self, *args, **kwargs)
+        return None if result is None or result.shape != self.shape else self.copy_(result)
+    return inplace_kernel
+
+
+_GEMMS = {"mm": _mm, "bmm": _bmm, "addmm": _addmm, "baddbmm": _baddbmm, "addbmm": _addbmm, "mv": _mv,
+          "addmv": _addmv, "dot": _dot, "vdot": _dot}
+KERNELS = {**_GEMMS, **{f"{name}.out": _out_form(fn) for name, fn in _GEMMS.items()},
+           **{f"{name}_": _inplace_form(fn) for name, fn in _GEMMS.items() if name.startswith("add") or name == "baddbmm"},
+           "_grouped_mm": _grouped_mm}
+
+
+def _kernel(fn, stock):
+    def kernel(keyset, *args, **kwargs):
+        if getattr(_inside, "active", False):
+            return stock.call_boxed(keyset, *args, **kwargs)
+        _inside.active = True       # the stand-in's own GEMMs (its blocks) run the stock kernels
+        try:
+            out = fn(*args, **kwargs)
+        finally:
+            _inside.active = False
+        return stock.call_boxed(keyset, *args, **kwargs) if out is None else out
+    return kernel
 
 
 def install() -> None:
-    """Register the reblocking kernels on the CPU dispatch key for the rest of the process."""
+    """Register the re-blocking kernels on the CPU dispatch key for the rest of the process."""
     lib = torch.library.Library("aten", "IMPL")
-    stock = {name: torch.library.get_kernel(f"aten::{name}", "CPU")
-             for name in ("mm", "addmm", "bmm", "baddbmm", "mv", "addmv", "dot")}
-
-    def call(name, keyset):
-        return lambda *args: stock[name].call_boxed(keyset, *args)
-
-    def mm(keyset, a, b):
-        return _reblocked(call("mm", keyset), a, b)
-
-    def bmm(keyset, a, b):
-        return _reblocked(call("bmm", keyset), a, b)
-
-    def addmm(keyset, bias, a, b, *, beta=1, alpha=1):
-        if not a.is_floating_point():
-            return call("addmm", keyset)(bias, a, b, beta=beta, alpha=alpha)
-        return _scaled_sum(bias, _reblocked(call("mm", keyset), a, b), beta, alpha)
-
-    def baddbmm(keyset, bias, a, b, *, beta=1, alpha=1):
-        if not a.is_floating_point():
-            return call("baddbmm", keyset)(bias, a, b, beta=beta, alpha=alpha)
-        return _scaled_sum(bias, _reblocked(call("bmm", keyset), a, b), beta, alpha)
-
-    def mv(keyset, a, v):
-        return _reblocked(call("mm", keyset), a, v[:, None])[:, 0]
-
-    def addmv(keyset, bias, a, v, *, beta=1, alpha=1):
-        return _scaled_sum(bias, _reblocked(call("mm", keyset), a, v[:, None])[:, 0], beta, alpha)
-
-    def dot(keyset, a, b):
-        return _reblocked(call("mm", keyset), a[None], b[:, None])[0, 0]
-
-    for name, fn in (("mm", mm), ("bmm", bmm), ("addmm", addmm), ("baddbmm", baddbmm), ("mv", mv),
-                     ("addmv", addmv), ("dot", dot)):
-        lib.impl(name, fn, "CPU", with_keyset=True)
+    for name, fn in KERNELS.items():
+        try:
+            stock = torch.library.get_kernel(f"aten::{name}", "CPU")
+        except (RuntimeError, AttributeError):
+            continue                # not in this torch build, or composite (it decomposes into the others)
+        lib.impl(name, _kernel(fn, stock), "CPU", with_keyset=True)
     _libs.append(lib)
-
-
-def _scaled_sum(bias: torch.Tensor, product: torch.Tensor, beta, alpha) -> torch.Tensor:
-    """beta * bias + alpha * product, with beta = 0 ignoring bias (NaN included) as BLAS does."""
-    out = product if alpha == 1 else product * alpha
-    if beta == 0:
-        return out.clone() if out is product else out
-    return out + (bias if beta == 1 else bias * beta)
