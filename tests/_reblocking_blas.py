@@ -3,8 +3,9 @@
 On an Intel Xeon, MKL sums an fp32 GEMM's K in blocks that follow the thread count (and, under
 MKL_ENABLE_INSTRUCTIONS, the row count), so a product's bits change with both. On the AMD machines
 the suite usually runs on, MKL keeps one order across thread counts, and a test that leans on that
-passes there and fails on a Xeon. With LOCKSTEP_TEST_REBLOCKING_BLAS=1, conftest installs this
-module: every floating-point GEMM that reaches ATen's CPU kernels (mm, addmm, bmm, baddbmm,
+passes there and fails on a Xeon. With LOCKSTEP_TEST_REBLOCKING_BLAS=threads (a Xeon's MKL) or
+=rows (the row count too, MKL_ENABLE_INSTRUCTIONS's case), conftest installs this module: every
+floating-point GEMM that reaches ATen's CPU kernels (mm, addmm, bmm, baddbmm,
 addbmm, mv, addmv, dot, vdot, their out= and in-place forms, and _grouped_mm's expert form) sums
 K in blocks of k_block(rows) terms, each block by the stock kernel on operands widened to fp32
 (fp64 stays fp64), the blocks added in order, a bias added in the same precision and the result
@@ -20,13 +21,16 @@ import threading
 
 import torch
 
+MODES = ("threads", "rows")
 _libs: list = []
 _inside = threading.local()
+_follow_rows = False
 
 
 def k_block(rows: int) -> int:
-    """How many of K's terms one block sums: 16 per thread, 8 more below 16 output rows."""
-    return 16 * torch.get_num_threads() + (8 if rows < 16 else 0)
+    """How many of K's terms one block sums: 16 per thread, and 8 more below 16 output rows in the
+    "rows" mode."""
+    return 16 * torch.get_num_threads() + (8 if _follow_rows and rows < 16 else 0)
 
 
 def _takes(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -156,8 +160,13 @@ def _kernel(fn, stock):
     return kernel
 
 
-def install() -> None:
-    """Register the re-blocking kernels on the CPU dispatch key for the rest of the process."""
+def install(mode: str = "threads") -> None:
+    """Register the re-blocking kernels on the CPU dispatch key for the rest of the process; mode
+    "threads" or "rows" (see the module docstring)."""
+    global _follow_rows
+    if mode not in MODES:
+        raise ValueError(f"LOCKSTEP_TEST_REBLOCKING_BLAS: expected one of {list(MODES)}, got {mode!r}")
+    _follow_rows = mode == "rows"
     lib = torch.library.Library("aten", "IMPL")
     for name, fn in KERNELS.items():
         try:

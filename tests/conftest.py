@@ -9,10 +9,10 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # MKL's thread-dependent blocking on an Intel Xeon, on any machine (tests/_reblocking_blas.py).
-if os.environ.get("LOCKSTEP_TEST_REBLOCKING_BLAS") == "1":
+if os.environ.get("LOCKSTEP_TEST_REBLOCKING_BLAS"):
     import _reblocking_blas
 
-    _reblocking_blas.install()
+    _reblocking_blas.install(os.environ["LOCKSTEP_TEST_REBLOCKING_BLAS"])
 
 
 def pytest_collection_modifyitems(config, items):

@@ -8,16 +8,20 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 CHILD = r"""
-import torch, _reblocking_blas
+import sys, torch, _reblocking_blas
 from lockstep import ops, registry
+mode = sys.argv[1]
 gen = torch.Generator().manual_seed(0)
 x, w, bias = torch.randn(37, 1024, generator=gen), torch.randn(300, 1024, generator=gen), torch.randn(300, generator=gen)
 
 def blocks(a, b, threads):
-    # the documented arithmetic, by the stock kernel (before install): fp32 blocks of k_block(rows)
+    # the documented arithmetic, by the stock kernel (before install): fp32 blocks of 16 x threads
+    # terms, 8 more below 16 rows in the "rows" mode
     torch.set_num_threads(threads)
-    step = _reblocking_blas.k_block(a.shape[0])
+    step = 16 * threads + (8 if mode == "rows" and a.shape[0] < 16 else 0)
     out = a[:, :step].float() @ b[:step].float()
     for s in range(step, a.shape[1], step):
         out = out + a[:, s:s + step].float() @ b[s:s + step].float()
@@ -25,15 +29,18 @@ def blocks(a, b, threads):
 
 expected = {(rows, t): blocks(x[:rows], w.t(), t) for rows in (3, 37) for t in (1, 2)}
 expected_bf16 = (blocks(x[:5].bfloat16(), w.t().bfloat16(), 2) + bias.bfloat16().float()).bfloat16()
-_reblocking_blas.install()
-checks = {}
+try:
+    _reblocking_blas.install("tbb")
+    checks = {"bad_mode_refused": False}
+except ValueError as e:
+    checks = {"bad_mode_refused": "LOCKSTEP_TEST_REBLOCKING_BLAS: expected one of ['threads', 'rows'], got 'tbb'" in str(e)}
+_reblocking_blas.install(mode)
 for (rows, t), want in expected.items():
     torch.set_num_threads(t)
     checks[f"mm_rows{rows}_threads{t}"] = torch.equal(x[:rows] @ w.t(), want)
     out = torch.empty(0)
     checks[f"mm_out_rows{rows}_threads{t}"] = torch.equal(torch.mm(x[:rows], w.t(), out=out), want)
 checks["blocks_follow_threads"] = not torch.equal(expected[(37, 1)], expected[(37, 2)])
-checks["blocks_follow_rows"] = _reblocking_blas.k_block(3) != _reblocking_blas.k_block(37)
 checks["bf16_bias_rounded_once"] = torch.equal(torch.nn.functional.linear(x[:5].bfloat16(), w.bfloat16(), bias.bfloat16()),
                                                expected_bf16)
 moved = {}
@@ -62,10 +69,12 @@ for name, ok in checks.items():
 """
 
 
-def test_the_xeon_stand_in_reblocks_stock_gemms_and_not_the_native_ones():
+@pytest.mark.parametrize("mode", ["threads", "rows"])
+def test_the_xeon_stand_in_reblocks_stock_gemms_and_not_the_native_ones(mode):
     here = os.path.dirname(__file__)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([here, os.environ.get("PYTHONPATH", "")])}
-    out = subprocess.run([sys.executable, "-c", CHILD], capture_output=True, text=True, env=env, timeout=300)
+    env.pop("LOCKSTEP_TEST_REBLOCKING_BLAS", None)
+    out = subprocess.run([sys.executable, "-c", CHILD, mode], capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     results = dict(line.split() for line in out.stdout.splitlines())
     failed = [name for name, ok in results.items() if ok != "True"]

@@ -23,11 +23,13 @@ MAX_BATCH = 256
 
 @dataclass
 class RunConfig:
-    """backend, layout and dtype of one side. layout: "alone", "batch<N>" (the sequence at
-    position 1 of N sequences, or 0 if N is 1), "chunk<C>" (prefill through the KV cache in chunks of
-    C, forward only) or "decode" (token by token from the KV cache, forward only)."""
+    """backend, layout and dtype of one side. backend: "auto" (the default: what lockstep runs on
+    the model's device, native on a CPU where it builds) or a backend's name. layout: "alone",
+    "batch<N>" (the sequence at position 1 of N sequences, or 0 if N is 1), "chunk<C>" (prefill
+    through the KV cache in chunks of C, forward only) or "decode" (token by token from the KV
+    cache, forward only)."""
 
-    backend: str = "portable"
+    backend: str = "auto"
     layout: str = "alone"
     dtype: str = "fp32"
 
