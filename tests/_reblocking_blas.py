@@ -7,7 +7,7 @@ passes there and fails on a Xeon. With LOCKSTEP_TEST_REBLOCKING_BLAS=threads (a 
 =rows (the row count too, MKL_ENABLE_INSTRUCTIONS's case), conftest installs this module: every
 floating-point GEMM that reaches ATen's CPU kernels (mm, addmm, bmm, baddbmm,
 addbmm, mv, addmv, dot, vdot, their out= and in-place forms, and _grouped_mm's expert form) sums
-K in blocks of k_block(rows) terms, each block by the stock kernel on operands widened to fp32
+K in k_block's blocks (one per thread), each block by the stock kernel on operands widened to fp32
 (fp64 stays fp64), the blocks added in order, a bias added in the same precision and the result
 rounded once. So the suite shows on any machine what depends on the BLAS keeping its order: the
 portable backend, the float64 reference and stock PyTorch reach these ops; lockstep's native
@@ -27,10 +27,13 @@ _inside = threading.local()
 _follow_rows = False
 
 
-def k_block(rows: int) -> int:
-    """How many of K's terms one block sums: 16 per thread, and 8 more below 16 output rows in the
-    "rows" mode."""
-    return 16 * torch.get_num_threads() + (8 if _follow_rows and rows < 16 else 0)
+def k_block(k: int, rows: int) -> int:
+    """How many of K's terms one block sums: K split into one block per thread, and one block more
+    below 16 output rows in the "rows" mode. At one thread (and 16 rows or more) that is one block,
+    the stock kernel's own order, so the stock kernel's other dependences (on the row count, on
+    this machine's MKL) stay, and the thread count adds its own."""
+    parts = torch.get_num_threads() + (1 if _follow_rows and rows < 16 else 0)
+    return max(1, -(-k // parts))
 
 
 def _takes(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -42,7 +45,7 @@ def _product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a [..., M, K] @ b [..., K, N] in the accumulation dtype: K's blocks by the stock kernel
     (mm or bmm), added in order."""
     acc = torch.float64 if a.dtype == torch.float64 else torch.float32
-    aw, bw, step = a.to(acc), b.to(acc), k_block(a.shape[-2])
+    aw, bw, step = a.to(acc), b.to(acc), k_block(a.shape[-1], a.shape[-2])
     out = torch.matmul(aw[..., :step], bw[..., :step, :])
     for s in range(step, a.shape[-1], step):
         out += torch.matmul(aw[..., s:s + step], bw[..., s:s + step, :])

@@ -18,10 +18,11 @@ gen = torch.Generator().manual_seed(0)
 x, w, bias = torch.randn(37, 1024, generator=gen), torch.randn(300, 1024, generator=gen), torch.randn(300, generator=gen)
 
 def blocks(a, b, threads):
-    # the documented arithmetic, by the stock kernel (before install): fp32 blocks of 16 x threads
-    # terms, 8 more below 16 rows in the "rows" mode
+    # the documented arithmetic, by the stock kernel (before install): K in fp32 blocks, one per
+    # thread, one more below 16 rows in the "rows" mode
     torch.set_num_threads(threads)
-    step = 16 * threads + (8 if mode == "rows" and a.shape[0] < 16 else 0)
+    parts = threads + (1 if mode == "rows" and a.shape[0] < 16 else 0)
+    step = -(-a.shape[1] // parts)
     out = a[:, :step].float() @ b[:step].float()
     for s in range(step, a.shape[1], step):
         out = out + a[:, s:s + step].float() @ b[s:s + step].float()
