@@ -125,6 +125,8 @@ def _grouped_mm(a, b, offs=None, bias=None, out_dtype=None):
     return out
 
 
+# The out= and in-place forms as lockstep.mode.kernels builds its own, except that an `out` of
+# another dtype or an in-place result of another shape goes to the stock kernel, which refuses it.
 def _out_form(fn):
     def out_kernel(*args, out, **kwargs):
         result = fn(*args, **kwargs)
