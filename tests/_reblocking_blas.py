@@ -148,7 +148,8 @@ def _inplace_form(fn):
 _GEMMS = {"mm": _mm, "bmm": _bmm, "addmm": _addmm, "baddbmm": _baddbmm, "addbmm": _addbmm, "mv": _mv,
           "addmv": _addmv, "dot": _dot, "vdot": _dot}
 KERNELS = {**_GEMMS, **{f"{name}.out": _out_form(fn) for name, fn in _GEMMS.items()},
-           **{f"{name}_": _inplace_form(fn) for name, fn in _GEMMS.items() if name.startswith("add") or name == "baddbmm"},
+           **{f"{name}_": _inplace_form(fn) for name, fn in _GEMMS.items()
+              if name.startswith("add") or name == "baddbmm"},
            "_grouped_mm": _grouped_mm}
 
 

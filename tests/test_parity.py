@@ -124,11 +124,12 @@ def test_trajectory_against_the_plain_pytorch_trainer(model):
 
     AdamW's first steps turn a gradient element within rounding of zero into a parameter change of
     up to about lr * 0.05, whoever computes it, so the largest parameter difference is a draw. In
-    five BLAS orders (this AMD machine's MKL, and K re-blocked into 16, 32, 64 and 128 terms by
-    an early form of tests/_reblocking_blas.py, a stand-in for MKL on a Xeon) and seeds 0-4, native against plain stayed within the contract in 25
-    of 25 runs (at most 2.8e-5). The portable backend's seed-0 draw (4.1e-5 from the float64 trainer
-    in one gate_proj element after one step, against plain's 0.2-1.7e-5) stayed within it in only 2
-    of the 5 orders, the AMD MKL's one of them."""
+    five BLAS orders (this AMD machine's MKL, and K re-blocked into 16, 32, 64 and 128 terms by an
+    early form of tests/_reblocking_blas.py, a stand-in for MKL on a Xeon) and seeds 0-4, native
+    against plain stayed within the contract in 25 of 25 runs (at most 2.8e-5). The portable
+    backend's seed-0 draw (4.1e-5 from the float64 trainer in one gate_proj element after one step,
+    against plain's 0.2-1.7e-5) stayed within it in only 2 of the 5 orders, the AMD MKL's one of
+    them."""
     from lockstep.train import PackedDataset, TrainConfig, Trainer
 
     tokens = torch.randint(0, 512, (6000,), generator=torch.Generator().manual_seed(0)).tolist()

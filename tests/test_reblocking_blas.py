@@ -15,7 +15,8 @@ import sys, torch, _reblocking_blas
 from lockstep import ops, registry
 mode = sys.argv[1]
 gen = torch.Generator().manual_seed(0)
-x, w, bias = torch.randn(37, 1024, generator=gen), torch.randn(300, 1024, generator=gen), torch.randn(300, generator=gen)
+x, w = torch.randn(37, 1024, generator=gen), torch.randn(300, 1024, generator=gen)
+bias = torch.randn(300, generator=gen)
 
 def blocks(a, b, threads):
     # the documented arithmetic, by the stock kernel (before install): K in fp32 blocks, one per
@@ -34,7 +35,8 @@ try:
     _reblocking_blas.install("tbb")
     checks = {"bad_mode_refused": False}
 except ValueError as e:
-    checks = {"bad_mode_refused": "LOCKSTEP_TEST_REBLOCKING_BLAS: expected one of ['threads', 'rows'], got 'tbb'" in str(e)}
+    expected_error = "LOCKSTEP_TEST_REBLOCKING_BLAS: expected one of ['threads', 'rows'], got 'tbb'"
+    checks = {"bad_mode_refused": expected_error in str(e)}
 _reblocking_blas.install(mode)
 for (rows, t), want in expected.items():
     torch.set_num_threads(t)
@@ -42,8 +44,8 @@ for (rows, t), want in expected.items():
     out = torch.empty(0)
     checks[f"mm_out_rows{rows}_threads{t}"] = torch.equal(torch.mm(x[:rows], w.t(), out=out), want)
 checks["blocks_follow_threads"] = not torch.equal(expected[(37, 1)], expected[(37, 2)])
-checks["bf16_bias_rounded_once"] = torch.equal(torch.nn.functional.linear(x[:5].bfloat16(), w.bfloat16(), bias.bfloat16()),
-                                               expected_bf16)
+bf16_linear = torch.nn.functional.linear(x[:5].bfloat16(), w.bfloat16(), bias.bfloat16())
+checks["bf16_bias_rounded_once"] = torch.equal(bf16_linear, expected_bf16)
 moved = {}
 for backend in ("portable", "native"):
     with registry.use_backend(backend):
@@ -62,8 +64,8 @@ try:
     checks["bad_shapes_refused"] = False
 except RuntimeError:
     checks["bad_shapes_refused"] = True
-checks["integers_stock"] = torch.equal(torch.addmm(torch.ones(2, 2, dtype=torch.long), torch.ones(2, 3, dtype=torch.long),
-                                                   torch.ones(3, 2, dtype=torch.long), beta=2),
+ones = lambda *shape: torch.ones(*shape, dtype=torch.long)
+checks["integers_stock"] = torch.equal(torch.addmm(ones(2, 2), ones(2, 3), ones(3, 2), beta=2),
                                        torch.full((2, 2), 5, dtype=torch.long))
 for name, ok in checks.items():
     print(name, ok)

@@ -470,9 +470,10 @@ def _add_parity(sub, formatter) -> None:
                                        "(exit status 1 when they diverge)",
                         formatter_class=formatter,
                         description="Config: comma-separated backend=... (default auto: native on a CPU where "
-                                    "it builds), layout=alone|batchN|chunkN|decode, dtype=fp32|bf16|fp16. Example: --a backend=eager --b backend=portable, or "
-                                    "--a layout=alone --b layout=batch8. --trajectory A B compares two trainers "
-                                    "(backend names, or 'plain' for the plain PyTorch trainer).")
+                                    "it builds), layout=alone|batchN|chunkN|decode, dtype=fp32|bf16|fp16. "
+                                    "Example: --a backend=eager --b backend=portable, or --a layout=alone --b "
+                                    "layout=batch8. --trajectory A B compares two trainers (backend names, or 'plain' "
+                                    "for the plain PyTorch trainer).")
     p_.add_argument("--a", default="backend=auto", help="config of run A")
     p_.add_argument("--b", default="backend=eager", help="config of run B")
     p_.add_argument("--trajectory", nargs=2, metavar=("A", "B"), help="compare two trainers instead")
