@@ -8,7 +8,8 @@ MoE router (probabilities, top k and renormalised weights, with their gradient).
 thread count (1, 2, 3) of one process; the instruction set and the BLAS selections come from the
 environment, which the kernel libraries read once, so the test starts a fresh process for each.
 
-    python tests/_native_digest.py   ->   {"isa": "avx512", "pool": "openmp", "digests": {"1": "...", ...}}
+    python tests/_native_digest.py   ->   {"isa": "avx512", "pool": "openmp",
+                                          "compiler": "gcc (Debian 12.2.0-14) 12.2.0", "digests": {"1": "...", ...}}
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import sys
 
 import torch
 
-from lockstep.backends.native.build import isa_name, pool_name
+from lockstep.backends.native.build import compiler, compiler_version, isa_name, pool_name
 from lockstep.backends.native.gemm import gemm_nt
 from lockstep.harness.attention_check import AttnCase, AttnSizes, _paged_decode
 from lockstep.harness.masked_attention_check import MaskedCase, MaskedSizes
@@ -131,7 +132,8 @@ def main() -> int:
     for threads in (1, 2, 3):
         torch.set_num_threads(threads)
         out[str(threads)] = digest()
-    print(json.dumps({"isa": isa_name(), "pool": pool_name(), "digests": out}))
+    print(json.dumps({"isa": isa_name(), "pool": pool_name(), "compiler": compiler_version(compiler()).split("\n")[0],
+                      "digests": out}))
     return 0
 
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -22,7 +24,7 @@ from lockstep import ops, registry
 from lockstep.backends.native import build, gemm, masked_attention, unary
 from lockstep.harness.check import num_threads
 
-from test_cpu_kernels import ATEN_CAPABILITIES, MKL_ISAS, ONEDNN_ISAS, require
+from test_cpu_kernels import ATEN_CAPABILITIES, MKL_ISAS, ONEDNN_ISAS, cpu_flags, require
 
 ROOT = Path(__file__).resolve().parent.parent
 DIGEST = Path(__file__).with_name("_native_digest.py")
@@ -74,6 +76,41 @@ def test_threads_come_from_torchs_openmp_runtime_or_the_librarys_own_with_the_sa
     own = digest({"LOCKSTEP_NATIVE_POOL": "own"})
     assert own["pool"] == "own"
     assert own["digests"] == widest["digests"]
+
+
+def test_a_second_compiler_gives_the_same_bits_on_every_instruction_set(tmp_path, widest):
+    """kernels.c built by clang (LLVM, from the ziglang package, a test dependency) instead of the
+    machine's cc: every op of the digest, forward and backward, in fp32, bf16 and fp16, on 1, 2 and
+    3 threads and every instruction set this CPU runs, gives the first build's bits. Unforced, the
+    clang build picks the same widest instruction set: its CPU detection does not lean on the
+    compiler's runtime library (zig's leaves __builtin_cpu_supports' table empty)."""
+    env = {"CC": f"{shlex.quote(sys.executable)} -m ziglang cc", "LOCKSTEP_CACHE_DIR": str(tmp_path)}
+    got = digest(env)
+    assert "clang" in got["compiler"] and got["compiler"] != widest["compiler"], (got["compiler"], widest["compiler"])
+    assert got["isa"] == widest["isa"]
+    assert got["digests"] == widest["digests"]
+    for name in build.supported_isas()[:-1]:
+        forced = digest({**env, "LOCKSTEP_CPU_ISA": name})
+        assert forced["isa"] == name
+        assert forced["digests"] == widest["digests"], name
+    assert len(list(tmp_path.glob("native-*.so"))) == 1  # one build, by clang, ran every digest
+
+
+def test_the_instruction_sets_found_are_the_ones_the_cpu_reports():
+    """kernels.c reads CPUID and XGETBV itself; it finds what the OS's /proc/cpuinfo flags report
+    (AVX512_BF16 also needs VDPBF16PS to pass the self-test against the bf16 order)."""
+    require(set())
+    want = [name for name, flags in ISA_FLAGS.items() if flags <= cpu_flags()]
+    got = build.supported_isas()
+    assert got == want or (want[-1] == "avx512bf16" and got == want[:-1]), (got, want)
+
+
+def test_cc_is_a_command_and_a_missing_one_is_named(monkeypatch):
+    monkeypatch.setenv("CC", f"{shlex.quote(sys.executable)} -m ziglang cc")
+    assert build.compiler() == [shutil.which(sys.executable), "-m", "ziglang", "cc"]
+    monkeypatch.setenv("CC", "no-such-cc --flag")
+    with pytest.raises(build.NativeUnavailable, match=r"CC='no-such-cc --flag': 'no-such-cc' was not found on PATH"):
+        build.compiler()
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="os.fork is POSIX-only; CI runs Linux")
@@ -750,33 +787,41 @@ def test_rope_and_silu_mul_in_c_are_the_compositions_bit_for_bit(dtype, isa):
     assert all(torch.equal(a, b) for a, b in zip(*second))
 
 
-def test_the_build_for_other_architectures_gives_the_same_bits(tmp_path, monkeypatch):
-    """kernels.c built without its x86 paths (-DLS_NO_X86), as it builds on ARM: every op of the
-    digest, forward and backward, in fp32, bf16 and fp16, gives the bits of the x86 build's scalar
-    path, which the tests above tie to AVX2 and AVX-512. (Run on x86: an ARM machine itself has not
-    been tried.)"""
+@pytest.mark.parametrize("define", ["LS_NO_X86", "LS_NO_DPBF16"])
+def test_a_build_with_fewer_paths_gives_the_same_bits(define, tmp_path, monkeypatch):
+    """kernels.c built without its x86 paths (-DLS_NO_X86), as it builds on ARM, or without the
+    VDPBF16PS path (-DLS_NO_DPBF16), as a compiler older than AVX512_BF16 builds it: every op of
+    the digest, forward and backward, in fp32, bf16 and fp16, on the widest path that build has,
+    gives the bits of the full build's scalar path, which the tests above tie to the others. (Run
+    on x86: an ARM machine itself has not been tried.)"""
     import ctypes
 
     import _native_digest
-    from lockstep.backends.native import attention as native_attention
-    from lockstep.backends.native import rms_norm as native_rms_norm
-    from lockstep.backends.native import rows as native_rows
 
-    so = tmp_path / "kernels_no_x86.so"
-    done = subprocess.run([build.compiler(), *build.FLAGS, "-DLS_NO_X86", "-o", str(so), str(build.SOURCE), "-lm"],
+    so = tmp_path / f"kernels_{define}.so"
+    done = subprocess.run([*build.compiler(), *build.FLAGS, f"-D{define}", "-o", str(so), str(build.SOURCE), "-lm"],
                           capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     monkeypatch.setenv("LOCKSTEP_CPU_ISA", "scalar")
     want = _native_digest.digest()
     other = build.declare(ctypes.CDLL(str(so)))
-    assert [other.ls_cpu_supports(code) for code in build.ISAS.values()] == [1, 0, 0, 0]
-    for module in (gemm, unary, native_attention, native_rms_norm, native_rows):
+    full = [name in build.supported_isas() for name in build.ISAS]
+    expected = [True, False, False, False] if define == "LS_NO_X86" else full[:3] + [False]
+    assert [bool(other.ls_cpu_supports(code)) for code in build.ISAS.values()] == expected
+    widest = [name for name, ok in zip(build.ISAS, expected) if ok][-1]
+    modules = [m for name, m in sys.modules.items()
+               if name.startswith("lockstep.backends.native.") and getattr(m, "library", None) is build.library]
+    assert {m.__name__.rsplit(".", 1)[1] for m in modules} >= {"attention", "gemm", "rms_norm", "rope", "rows",
+                                                               "silu", "unary"}
+    for module in modules:
         monkeypatch.setattr(module, "library", lambda: other)
+    monkeypatch.setenv("LOCKSTEP_CPU_ISA", widest)
     assert _native_digest.digest() == want
-    if "avx2" in build.supported_isas():  # the ops did run on `other`: it refuses an x86 path
-        monkeypatch.setenv("LOCKSTEP_CPU_ISA", "avx2")
+    missing = [name for name, ok in zip(build.ISAS, expected) if not ok and name in build.supported_isas()]
+    if missing:  # the ops did run on `other`: it refuses a path it was built without
+        monkeypatch.setenv("LOCKSTEP_CPU_ISA", missing[0])
         with pytest.raises(RuntimeError, match="ls_gemm_nt refused"):
-            gemm.gemm_nt(torch.ones(2, 3), torch.ones(2, 3))
+            gemm.gemm_nt(torch.ones(2, 3, dtype=torch.bfloat16), torch.ones(2, 3, dtype=torch.bfloat16))
 
 
 @pytest.fixture(scope="module")

@@ -2,6 +2,8 @@
 
 The library is compiled on first use into a cache folder and reused while the source, the compiler
 and the flags stay the same: a fresh Linux machine needs only `cc`, no CUDA and no second torch.
+CC picks another compiler, as a command as make takes it ("clang", "ccache gcc", "zig cc"); the bits
+do not depend on which one builds it (tests build with GCC and with clang).
 Anything that stops the build or the load raises `NativeUnavailable` with the reason, which the
 registry prints in one line before it falls back to the portable backend.
 
@@ -22,6 +24,7 @@ import ctypes
 import functools
 import hashlib
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -48,16 +51,30 @@ def cache_dir() -> Path:
     return Path(base) / "lockstep"
 
 
-def compiler() -> str:
-    for name in filter(None, (os.environ.get("CC"), "cc", "gcc", "clang")):
+def compiler() -> list[str]:
+    """The command that compiles kernels.c: $CC when set (split as a shell would, so "ccache gcc" and
+    "zig cc" work), else the first of cc, gcc and clang on PATH."""
+    asked = os.environ.get("CC", "").strip()
+    if asked:
+        argv = shlex.split(asked)
+        path = shutil.which(argv[0])
+        if path is None:
+            raise NativeUnavailable(f"CC={asked!r}: {argv[0]!r} was not found on PATH")
+        return [path, *argv[1:]]
+    for name in ("cc", "gcc", "clang"):
         path = shutil.which(name)
         if path:
-            return path
+            return [path]
     raise NativeUnavailable("no C compiler found (looked for $CC, cc, gcc and clang)")
 
 
-def _compile(cc: str) -> Path:
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
+def compiler_version(cc: list[str]) -> str:
+    """What `cc --version` prints: part of the cache key, so another compiler builds its own file."""
+    return subprocess.run([*cc, "--version"], capture_output=True, text=True).stdout
+
+
+def _compile(cc: list[str]) -> Path:
+    version = compiler_version(cc)
     key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + version.encode()).hexdigest()[:16]
     target = cache_dir() / f"native-{key}.so"
     if target.exists():
@@ -67,10 +84,10 @@ def _compile(cc: str) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        done = subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True)
+        done = subprocess.run([*cc, *FLAGS, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True)
         if done.returncode != 0:
             first = (done.stderr.strip().splitlines() or ["(no message)"])[0]
-            raise NativeUnavailable(f"{Path(cc).name} could not compile {SOURCE.name}: {first}")
+            raise NativeUnavailable(f"{' '.join([Path(cc[0]).name, *cc[1:]])} could not compile {SOURCE.name}: {first}")
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):

@@ -38,6 +38,15 @@
 #define LS_X86 0
 #endif
 
+/* LS_DPBF16: the compiler knows the AVX512_BF16 instructions (its immintrin.h brings their header:
+ * GCC from 10, clang from 9). An older one builds every other path, with the same bits, instead of
+ * failing the whole build; LS_NO_DPBF16 builds that way on any compiler (a test compares it). */
+#if LS_X86 && !defined(LS_NO_DPBF16) && (defined(_AVX512BF16INTRIN_H_INCLUDED) || defined(__AVX512BF16INTRIN_H))
+#define LS_DPBF16 1
+#else
+#define LS_DPBF16 0
+#endif
+
 #define LANES 16
 #define MR 4 /* rows of a micro-tile */
 #define NR 4 /* columns of a micro-tile */
@@ -409,6 +418,7 @@ AVX512_T INLINE void load_pairs_z(const char *p, int64_t k, int count, __m512 *e
 /* AVX-512 without AVX512_BF16: all 16 lanes in one register. */
 BF16_DEFINED_TILE(z, AVX512_T, __m512, "+v", 16, _mm512_setzero_ps, _mm512_loadu_ps, _mm512_fmadd_ps, FOLD_Z)
 
+#if LS_DPBF16
 #define AVX512BF16_T __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma,f16c")))
 
 /* The bf16 order by the instruction itself: one VDPBF16PS per chunk does both of a lane's steps.
@@ -436,6 +446,7 @@ AVX512BF16_T INLINE void tile_avx512bf16_bf16(int mr, int nr, int64_t K, const c
     dpbf16_lanes(mr, nr, K, A, lda, B, ldb, init, acc);
     finish_tile_z(&acc[0][0], init, out);
 }
+#endif
 
 AVX512_T INLINE void tile_avx512(int dt, int mr, int nr, int64_t K, const char *A, int64_t lda, const char *B,
                                  int64_t ldb, float *init, float *out) {
@@ -618,6 +629,7 @@ DEFINE_TILE_DISPATCH(micro_scalar, tile_scalar_folded, )
 DEFINE_TILE_DISPATCH(micro_avx2, tile_avx2_folded, AVX2_T)
 DEFINE_TILE_DISPATCH(micro_avx512, tile_avx512, AVX512_T)
 
+#if LS_DPBF16
 #define tile_avx512bf16_bf16_dt(DT, ...) tile_avx512bf16_bf16(__VA_ARGS__)
 
 /* The AVX-512 path with the instruction for bf16; fp32 and fp16 as micro_avx512. */
@@ -630,12 +642,15 @@ AVX512BF16_T static void micro_avx512bf16(int dt, int mr, int nr, int64_t K, con
     }
 }
 #endif
+#endif
 
 typedef void (*micro_fn)(int, int, int, int64_t, const char *, int64_t, const char *, int64_t, float *, float *);
 
 static micro_fn micro_of(int isa) {
 #if LS_X86
+#if LS_DPBF16
     if (isa == ISA_AVX512_BF16) return micro_avx512bf16;
+#endif
     if (isa == ISA_AVX512) return micro_avx512;
     if (isa == ISA_AVX2) return micro_avx2;
 #endif
@@ -2500,7 +2515,7 @@ void ls_use_openmp(void *fn) {
     gomp_parallel = (gomp_parallel_fn)fn;
 }
 
-#if LS_X86
+#if LS_DPBF16
 /* The bf16 tiles on inputs that reach every case of the definition (denormal inputs, sums that
  * round to and just below 2^-126, Inf, NaN, cancellation): the instruction's lanes must equal the
  * definition's, NaN for NaN. A CPU whose VDPBF16PS differed would run the definition instead. */
@@ -2541,28 +2556,67 @@ AVX512BF16_T static int dpbf16_matches_definition(void) {
 
 /* Whether this CPU (and its OS) runs an instruction set: 0 scalar, 1 AVX2 + FMA + F16C, 2 AVX-512,
  * 3 AVX-512 with AVX512_BF16 (when its VDPBF16PS passes the self-test). */
-#if LS_X86
+#if LS_DPBF16
 static int dpbf16_ok = -1;
 static pthread_once_t dpbf16_once = PTHREAD_ONCE_INIT;
 static void dpbf16_check(void) { dpbf16_ok = dpbf16_matches_definition(); }
 #endif
 
+#if LS_X86
+/* CPUID and XGETBV read directly, not through __builtin_cpu_supports: that builtin reads a table
+ * that the compiler's runtime library fills (libgcc, compiler-rt), and a runtime that leaves it
+ * empty (zig's, for one) would quietly run everything on the scalar path. */
+static void cpuid(uint32_t leaf, uint32_t sub, uint32_t r[4]) {
+    __asm__ volatile("cpuid" : "=a"(r[0]), "=b"(r[1]), "=c"(r[2]), "=d"(r[3]) : "a"(leaf), "c"(sub));
+}
+
+/* Bit masks of the features an instruction set needs: CPUID.1:ECX, CPUID.(7,0):EBX, CPUID.(7,1):EAX,
+ * and the register state the OS saves on a context switch (XCR0). */
+enum {
+    C1_FMA = 1u << 12, C1_OSXSAVE = 1u << 27, C1_AVX = 1u << 28, C1_F16C = 1u << 29,
+    B7_AVX2 = 1u << 5, B7_AVX512F = 1u << 16, B7_AVX512BW = 1u << 30, B7_AVX512VL = 1u << 31,
+    A71_AVX512BF16 = 1u << 5,
+    XCR0_YMM = 0x6, XCR0_ZMM = 0xe6, /* SSE and AVX state; with opmask, ZMM_Hi256 and Hi16_ZMM */
+};
+
+static int x86_supports(int isa) {
+    uint32_t r[4];
+    cpuid(0, 0, r);
+    uint32_t max_leaf = r[0];
+    if (max_leaf < 7) return 0;
+    cpuid(1, 0, r);
+    uint32_t c1 = r[2];
+    uint32_t need1 = C1_FMA | C1_OSXSAVE | C1_AVX | C1_F16C;
+    if ((c1 & need1) != need1) return 0;
+    uint32_t lo, hi;
+    __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+    cpuid(7, 0, r);
+    uint32_t b7 = r[1], max_sub7 = r[0];
+    if (!(b7 & B7_AVX2) || (lo & XCR0_YMM) != XCR0_YMM) return 0;
+    if (isa == ISA_AVX2) return 1;
+    uint32_t need7 = B7_AVX512F | B7_AVX512BW | B7_AVX512VL;
+    if ((b7 & need7) != need7 || (lo & XCR0_ZMM) != XCR0_ZMM) return 0;
+    if (isa == ISA_AVX512) return 1;
+    if (max_sub7 < 1) return 0;
+    cpuid(7, 1, r);
+    return (r[0] & A71_AVX512BF16) != 0;
+}
+#endif
+
 int ls_cpu_supports(int isa) {
     if (isa == ISA_SCALAR) return 1;
 #if LS_X86
-    __builtin_cpu_init();
-    int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-    if (isa == ISA_AVX2) return avx2;
-    int avx512 = avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                 __builtin_cpu_supports("avx512vl");
-    if (isa == ISA_AVX512) return avx512;
-    if (isa == ISA_AVX512_BF16) {
-        if (!avx512 || !__builtin_cpu_supports("avx512bf16")) return 0;
-        pthread_once(&dpbf16_once, dpbf16_check);
-        return dpbf16_ok;
-    }
-#endif
+    if (isa < ISA_AVX2 || isa > ISA_AVX512_BF16 || !x86_supports(isa)) return 0;
+    if (isa != ISA_AVX512_BF16) return 1;
+#if LS_DPBF16
+    pthread_once(&dpbf16_once, dpbf16_check);
+    return dpbf16_ok;
+#else
     return 0;
+#endif
+#else
+    return 0;
+#endif
 }
 
 /* Columns of an item tile, sized for the caches only (never for the bits): a column panel of about
