@@ -111,6 +111,19 @@ def test_cc_is_a_command_and_a_missing_one_is_named(monkeypatch):
     monkeypatch.setenv("CC", "no-such-cc --flag")
     with pytest.raises(build.NativeUnavailable, match=r"CC='no-such-cc --flag': 'no-such-cc' was not found on PATH"):
         build.compiler()
+    monkeypatch.setenv("CC", '"gcc')
+    with pytest.raises(build.NativeUnavailable, match=r"""CC='"gcc' cannot be split into a command: No closing"""):
+        build.compiler()
+
+
+def test_arguments_in_cc_build_their_own_file(tmp_path, monkeypatch):
+    """The cache key holds CC's whole command: `cc -DLS_NO_X86` must not load the file `cc` built."""
+    monkeypatch.setenv("LOCKSTEP_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("CC", raising=False)
+    plain = build._compile(build.compiler())
+    monkeypatch.setenv("CC", f"{shlex.quote(build.compiler()[0])} -DLS_NO_X86")
+    other = build._compile(build.compiler())
+    assert plain != other and sorted(tmp_path.glob("native-*.so")) == sorted([plain, other])
 
 
 @pytest.mark.parametrize("target", ["aarch64-linux-gnu", "x86_64-macos", "aarch64-macos", "x86_64-linux-musl"])
@@ -407,6 +420,26 @@ def test_without_a_working_compiler_the_portable_backend_runs_and_one_line_says_
     lines = [line for line in proc.stderr.splitlines() if "native CPU backend" in line]
     assert lines == ["lockstep: the native CPU backend is not in use (false could not compile kernels.c: (no message)); "
                      "running the portable backend, whose bits follow this machine's BLAS"], proc.stderr
+
+
+def test_a_cache_folder_that_cannot_be_written_still_gives_the_native_backend(tmp_path):
+    """A cache folder that cannot be created (here a file stands in its way; a read-only home is the
+    usual case) must not send the process to the portable backend, whose bits differ: the kernels
+    are compiled into a temporary folder, one line says so, and the folder goes at exit."""
+    (tmp_path / "file").write_text("")
+    cache = tmp_path / "file" / "cache"
+    code = ("from lockstep import registry\nfrom lockstep.backends.native import build\n"
+            "print(registry.cpu_backend())\nprint(build.library()._name)\n")
+    env = {**os.environ, "LOCKSTEP_CACHE_DIR": str(cache)}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    backend, loaded = proc.stdout.split()
+    assert backend == "native"
+    scratch = Path(loaded).parent
+    assert proc.stderr.splitlines() == [
+        f"lockstep: the native kernels' cache folder {cache} cannot be written (Not a directory); they are compiled "
+        f"for this process alone, in {scratch} (LOCKSTEP_CACHE_DIR names another folder)"], proc.stderr
+    assert not scratch.exists()
 
 
 def _fma32(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:

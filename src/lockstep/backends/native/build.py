@@ -20,9 +20,11 @@ LOCKSTEP_CACHE_DIR overrides the cache folder (default: $XDG_CACHE_HOME/lockstep
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import functools
 import hashlib
+import logging
 import os
 import shlex
 import shutil
@@ -56,7 +58,10 @@ def compiler() -> list[str]:
     "zig cc" work), else the first of cc, gcc and clang on PATH."""
     asked = os.environ.get("CC", "").strip()
     if asked:
-        argv = shlex.split(asked)
+        try:
+            argv = shlex.split(asked)
+        except ValueError as e:
+            raise NativeUnavailable(f"CC={asked!r} cannot be split into a command: {e}") from e
         path = shutil.which(argv[0])
         if path is None:
             raise NativeUnavailable(f"CC={asked!r}: {argv[0]!r} was not found on PATH")
@@ -69,17 +74,37 @@ def compiler() -> list[str]:
 
 
 def compiler_version(cc: list[str]) -> str:
-    """What `cc --version` prints: part of the cache key, so another compiler builds its own file."""
+    """What `cc --version` prints: part of the cache key (with the command itself), so another
+    compiler, or the same one with other arguments in CC, builds its own file."""
     return subprocess.run([*cc, "--version"], capture_output=True, text=True).stdout
+
+
+def _writable(folder: Path) -> Path:
+    """`folder`, created if need be; where it cannot be written (a read-only home, a file in the
+    way), a temporary folder removed at exit, after one line that says so. The build must not fail
+    over where it is kept: the fallback would change the bits."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=folder)
+        os.close(fd)
+        os.unlink(probe)
+        return folder
+    except OSError as e:
+        scratch = Path(tempfile.mkdtemp(prefix="lockstep-native-"))
+        atexit.register(shutil.rmtree, scratch, ignore_errors=True)
+        logging.getLogger("lockstep").warning(
+            "lockstep: the native kernels' cache folder %s cannot be written (%s); they are compiled for this "
+            "process alone, in %s (LOCKSTEP_CACHE_DIR names another folder)", folder, e.strerror or e, scratch)
+        return scratch
 
 
 def _compile(cc: list[str]) -> Path:
     version = compiler_version(cc)
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + version.encode()).hexdigest()[:16]
+    key = hashlib.sha256(SOURCE.read_bytes() + "\0".join([*cc, *FLAGS, version]).encode()).hexdigest()[:16]
     target = cache_dir() / f"native-{key}.so"
     if target.exists():
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
+    target = _writable(target.parent) / target.name
     # Compile beside the target and rename: processes building at once never load a partial file.
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)

@@ -2554,14 +2554,6 @@ AVX512BF16_T static int dpbf16_matches_definition(void) {
 }
 #endif
 
-/* Whether this CPU (and its OS) runs an instruction set: 0 scalar, 1 AVX2 + FMA + F16C, 2 AVX-512,
- * 3 AVX-512 with AVX512_BF16 (when its VDPBF16PS passes the self-test). */
-#if LS_DPBF16
-static int dpbf16_ok = -1;
-static pthread_once_t dpbf16_once = PTHREAD_ONCE_INIT;
-static void dpbf16_check(void) { dpbf16_ok = dpbf16_matches_definition(); }
-#endif
-
 #if LS_X86
 /* CPUID and XGETBV read directly, not through __builtin_cpu_supports: that builtin reads a table
  * that the compiler's runtime library fills (libgcc, compiler-rt), and a runtime that leaves it
@@ -2570,53 +2562,66 @@ static void cpuid(uint32_t leaf, uint32_t sub, uint32_t r[4]) {
     __asm__ volatile("cpuid" : "=a"(r[0]), "=b"(r[1]), "=c"(r[2]), "=d"(r[3]) : "a"(leaf), "c"(sub));
 }
 
-/* Bit masks of the features an instruction set needs: CPUID.1:ECX, CPUID.(7,0):EBX, CPUID.(7,1):EAX,
- * and the register state the OS saves on a context switch (XCR0). */
-enum {
-    C1_FMA = 1u << 12, C1_OSXSAVE = 1u << 27, C1_AVX = 1u << 28, C1_F16C = 1u << 29,
-    B7_AVX2 = 1u << 5, B7_AVX512F = 1u << 16, B7_AVX512BW = 1u << 30, B7_AVX512VL = 1u << 31,
-    A71_AVX512BF16 = 1u << 5,
-    XCR0_YMM = 0x6, XCR0_ZMM = 0xe6, /* SSE and AVX state; with opmask, ZMM_Hi256 and Hi16_ZMM */
-};
+/* The features an instruction set needs: CPUID.1:ECX, CPUID.(7,0):EBX, CPUID.(7,1):EAX, and the
+ * register state the OS saves on a context switch (XCR0: SSE and AVX state; with opmask, ZMM_Hi256
+ * and Hi16_ZMM). */
+#define C1_FMA (1u << 12)
+#define C1_OSXSAVE (1u << 27)
+#define C1_AVX (1u << 28)
+#define C1_F16C (1u << 29)
+#define B7_AVX2 (1u << 5)
+#define B7_AVX512F (1u << 16)
+#define B7_AVX512BW (1u << 30)
+#define B7_AVX512VL (1u << 31)
+#define A71_AVX512BF16 (1u << 5)
+#define XCR0_YMM 0x6u
+#define XCR0_ZMM 0xe6u
 
-static int x86_supports(int isa) {
+/* Bit i set: instruction set i runs on this CPU and OS (AVX512_BF16 before its self-test). */
+static int x86_isas(void) {
     uint32_t r[4];
     cpuid(0, 0, r);
-    uint32_t max_leaf = r[0];
-    if (max_leaf < 7) return 0;
+    if (r[0] < 7) return 0;
     cpuid(1, 0, r);
-    uint32_t c1 = r[2];
     uint32_t need1 = C1_FMA | C1_OSXSAVE | C1_AVX | C1_F16C;
-    if ((c1 & need1) != need1) return 0;
-    uint32_t lo, hi;
-    __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+    if ((r[2] & need1) != need1) return 0; /* OSXSAVE set: XGETBV will not fault */
+    uint32_t xcr0, xcr0_hi;
+    __asm__ volatile("xgetbv" : "=a"(xcr0), "=d"(xcr0_hi) : "c"(0));
     cpuid(7, 0, r);
     uint32_t b7 = r[1], max_sub7 = r[0];
-    if (!(b7 & B7_AVX2) || (lo & XCR0_YMM) != XCR0_YMM) return 0;
-    if (isa == ISA_AVX2) return 1;
+    if (!(b7 & B7_AVX2) || (xcr0 & XCR0_YMM) != XCR0_YMM) return 0;
+    int isas = 1 << ISA_AVX2;
     uint32_t need7 = B7_AVX512F | B7_AVX512BW | B7_AVX512VL;
-    if ((b7 & need7) != need7 || (lo & XCR0_ZMM) != XCR0_ZMM) return 0;
-    if (isa == ISA_AVX512) return 1;
-    if (max_sub7 < 1) return 0;
+    if ((b7 & need7) != need7 || (xcr0 & XCR0_ZMM) != XCR0_ZMM) return isas;
+    isas |= 1 << ISA_AVX512;
+    if (max_sub7 < 1) return isas;
     cpuid(7, 1, r);
-    return (r[0] & A71_AVX512BF16) != 0;
+    return r[0] & A71_AVX512BF16 ? isas | 1 << ISA_AVX512_BF16 : isas;
 }
 #endif
 
-int ls_cpu_supports(int isa) {
-    if (isa == ISA_SCALAR) return 1;
+/* Looked up once: every exported call checks its instruction set, and under a hypervisor each
+ * CPUID traps (about 13 us a call). */
+static int isa_mask;
+static pthread_once_t isa_once = PTHREAD_ONCE_INIT;
+
+static void detect_isas(void) {
+    int mask = 1 << ISA_SCALAR;
 #if LS_X86
-    if (isa < ISA_AVX2 || isa > ISA_AVX512_BF16 || !x86_supports(isa)) return 0;
-    if (isa != ISA_AVX512_BF16) return 1;
+    mask |= x86_isas() & (1 << ISA_AVX2 | 1 << ISA_AVX512);
 #if LS_DPBF16
-    pthread_once(&dpbf16_once, dpbf16_check);
-    return dpbf16_ok;
-#else
-    return 0;
+    if (x86_isas() & 1 << ISA_AVX512_BF16 && dpbf16_matches_definition()) mask |= 1 << ISA_AVX512_BF16;
 #endif
-#else
-    return 0;
 #endif
+    isa_mask = mask;
+}
+
+/* Whether this CPU (and its OS) runs an instruction set: 0 scalar, 1 AVX2 + FMA + F16C, 2 AVX-512,
+ * 3 AVX-512 with AVX512_BF16 (when its VDPBF16PS passes the self-test). */
+int ls_cpu_supports(int isa) {
+    if (isa < ISA_SCALAR || isa > ISA_AVX512_BF16) return 0;
+    pthread_once(&isa_once, detect_isas);
+    return isa_mask >> isa & 1;
 }
 
 /* Columns of an item tile, sized for the caches only (never for the bits): a column panel of about
