@@ -422,6 +422,25 @@ def test_without_a_working_compiler_the_portable_backend_runs_and_one_line_says_
                      "running the portable backend, whose bits follow this machine's BLAS"], proc.stderr
 
 
+def test_lockstep_check_names_the_instruction_set_and_says_why_native_cannot_run(tmp_path):
+    """`lockstep check` prints the native instruction set in its first line; asked for the native
+    backend where it cannot be built, it exits 2 with one line that says why, not a traceback, and
+    the portable backend still runs."""
+    argv = [sys.executable, "-m", "lockstep", "check", "linear", "--dtype", "fp32", "--no-large"]
+    ok = subprocess.run([*argv, "--backend", "native"], env={**os.environ, "LOCKSTEP_CPU_ISA": "scalar"},
+                        capture_output=True, text=True, timeout=300)
+    assert ok.returncode == 0, ok.stderr
+    assert ok.stdout.splitlines()[0].startswith("lockstep check: backend=native isa=scalar threads="), ok.stdout
+    env = {**os.environ, "CC": "/bin/false", "LOCKSTEP_CACHE_DIR": str(tmp_path / "cache")}
+    bad = subprocess.run([*argv, "--backend", "native"], env=env, capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2, bad.stderr
+    assert bad.stderr.splitlines() == ["lockstep check: backend: 'native' cannot be loaded: false could not compile "
+                                       "kernels.c: (no message)"], bad.stderr
+    portable = subprocess.run([*argv, "--backend", "portable"], env=env, capture_output=True, text=True, timeout=300)
+    assert portable.returncode == 0, portable.stderr
+    assert portable.stdout.splitlines()[0].startswith("lockstep check: backend=portable threads="), portable.stdout
+
+
 def test_a_cache_folder_that_cannot_be_written_still_gives_the_native_backend(tmp_path):
     """A cache folder that cannot be created (here a file stands in its way; a read-only home is the
     usual case) must not send the process to the portable backend, whose bits differ: the kernels

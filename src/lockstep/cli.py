@@ -124,6 +124,12 @@ def _write_outputs(args: argparse.Namespace, data: dict, title: str) -> None:
 
 
 # --- commands ----------------------------------------------------------------------------------
+def _native_isa_name() -> str:
+    from .backends.native.build import isa_name
+
+    return isa_name()
+
+
 def cmd_check(args: argparse.Namespace) -> int:
     if args.mode:
         return cmd_check_mode()
@@ -143,7 +149,10 @@ def cmd_check(args: argparse.Namespace) -> int:
     header = ["op", "dtype", "fwd max abs", "fwd max rel", "grad max abs", "err/eager", "accuracy", "sweeps",
               "invariance"]
     widths = [17, 8, 11, 11, 12, 9, 8, 6, 10]
-    print(f"lockstep check: backend={args.backend} threads={torch.get_num_threads()} torch={torch.__version__}")
+    registry.load(args.backend)
+    # The instruction set changes no native bit, but it is the first thing to compare between machines.
+    isa = f" isa={_native_isa_name()}" if args.backend == "native" else ""
+    print(f"lockstep check: backend={args.backend}{isa} threads={torch.get_num_threads()} torch={torch.__version__}")
     print("  ".join(h.ljust(w) for h, w in zip(header, widths)))
     print("  ".join("-" * w for w in widths))
     reports, failed, started = [], 0, time.time()
@@ -619,8 +628,9 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as e:
         print(f"lockstep {command}: {e}".replace("lockstep : ", "lockstep: "), file=sys.stderr)
         return 2
-    except (OSError, ValueError) as e:
-        # Bad input found by the library (a missing folder, a malformed checkpoint, a bad config).
+    except (OSError, ValueError, registry.BackendUnavailable) as e:
+        # Bad input found by the library (a missing folder, a malformed checkpoint, a bad config), or a
+        # backend asked for that cannot run here.
         print(f"lockstep {args.command}: {e}", file=sys.stderr)
         return 2
     except Exception as e:

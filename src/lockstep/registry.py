@@ -76,6 +76,10 @@ def register_backend(name: str, module: str | None = None, fallback: str | None 
         _FALLBACK[name] = fallback
 
 
+class BackendUnavailable(ImportError):
+    """A backend cannot run on this machine; the message names it and says why."""
+
+
 def load(backend: str) -> None:
     """Import `backend`'s package (once), which registers its ops."""
     if backend in _loaded or backend not in BACKENDS:
@@ -84,7 +88,7 @@ def load(backend: str) -> None:
         importlib.import_module(BACKENDS[backend])
     except ImportError as e:
         hint = " (pip install 'lockstep[triton]')" if backend == "triton" else ""
-        raise ImportError(f"backend: {backend!r} cannot be loaded: {e}{hint}") from e
+        raise BackendUnavailable(f"backend: {backend!r} cannot be loaded: {e}{hint}") from e
     _loaded.add(backend)
 
 
