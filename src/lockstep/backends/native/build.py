@@ -99,24 +99,35 @@ def _writable(folder: Path) -> Path:
 
 
 def _compile(cc: list[str]) -> Path:
+    import fcntl  # POSIX; library() refuses Windows before it gets here
+
     version = compiler_version(cc)
     key = hashlib.sha256(SOURCE.read_bytes() + "\0".join([*cc, *FLAGS, version]).encode()).hexdigest()[:16]
     target = cache_dir() / f"native-{key}.so"
     if target.exists():
         return target
     target = _writable(target.parent) / target.name
-    # Compile beside the target and rename: processes building at once never load a partial file.
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    os.close(fd)
-    try:
-        done = subprocess.run([*cc, *FLAGS, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True)
-        if done.returncode != 0:
-            first = (done.stderr.strip().splitlines() or ["(no message)"])[0]
-            raise NativeUnavailable(f"{' '.join([Path(cc[0]).name, *cc[1:]])} could not compile {SOURCE.name}: {first}")
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    # One process compiles while the others wait for its file (torchrun's ranks, test workers):
+    # the compile takes about 20 s of a core.
+    with open(target.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if target.exists():
+            return target
+        logging.getLogger("lockstep").warning("lockstep: compiling the native CPU kernels into %s (once for this "
+                                              "kernel source and compiler)", target.parent)
+        # Compile beside the target and rename: a process never loads a partial file.
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+        os.close(fd)
+        try:
+            done = subprocess.run([*cc, *FLAGS, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True)
+            if done.returncode != 0:
+                first = (done.stderr.strip().splitlines() or ["(no message)"])[0]
+                raise NativeUnavailable(f"{' '.join([Path(cc[0]).name, *cc[1:]])} could not compile {SOURCE.name}: "
+                                        f"{first}")
+            os.replace(tmp, target)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
     return target
 
 
