@@ -79,6 +79,14 @@ def compiler_version(cc: list[str]) -> str:
     return subprocess.run([*cc, "--version"], capture_output=True, text=True).stdout
 
 
+def cached_library(cc: list[str]) -> Path:
+    """Where the library that `cc` builds is cached: named by the source, the flags, the command
+    and what it says its version is."""
+    version = compiler_version(cc)
+    key = hashlib.sha256(SOURCE.read_bytes() + "\0".join([*cc, *FLAGS, version]).encode()).hexdigest()[:16]
+    return cache_dir() / f"native-{key}.so"
+
+
 def _writable(folder: Path) -> Path:
     """`folder`, created if need be; where it cannot be written (a read-only home, a file in the
     way), a temporary folder removed at exit, after one line that says so. The build must not fail
@@ -101,9 +109,7 @@ def _writable(folder: Path) -> Path:
 def _compile(cc: list[str]) -> Path:
     import fcntl  # POSIX; library() refuses Windows before it gets here
 
-    version = compiler_version(cc)
-    key = hashlib.sha256(SOURCE.read_bytes() + "\0".join([*cc, *FLAGS, version]).encode()).hexdigest()[:16]
-    target = cache_dir() / f"native-{key}.so"
+    target = cached_library(cc)
     if target.exists():
         return target
     target = _writable(target.parent) / target.name
