@@ -13,7 +13,7 @@ import torch
 
 from lockstep import cli, contract
 from lockstep.model import gguf, load_model, pack, smollm2_path
-from lockstep.server.chat import ChatTemplate
+from lockstep.model.chat_template import ChatTemplate
 
 Q = gguf_ref.GGMLQuantizationType
 CHAT = [{"role": "user", "content": "Tom has 3 apples and buys 4 more. How many apples does he have?"}]

@@ -1,5 +1,6 @@
 """The installed package, as a user gets it from a wheel: every file it reads at run time is inside,
-and the native backend builds from it."""
+the native backend builds from it, the core jobs need no extra, and a command that needs one says
+which."""
 
 from __future__ import annotations
 
@@ -10,42 +11,104 @@ import sys
 import zipfile
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "src" / "lockstep"
 
 
-def test_a_wheel_holds_every_file_of_the_package_and_runs_the_native_backend(tmp_path):
-    """`pip wheel .` packs every file under src/lockstep that is not Python (the contract, the
-    native kernels' source); installed from that wheel alone, lockstep compiles the kernels and
-    runs the native backend, not the portable fallback."""
+# What the extras bring (pyproject.toml), and what the test extra adds; none is a core dependency.
+OPTIONAL = ("transformers", "fastapi", "uvicorn", "httpx", "triton", "trl", "openai", "gguf", "ziglang")
+
+
+@pytest.fixture(scope="module")
+def wheel_install(tmp_path_factory) -> tuple[Path, Path]:
+    """(the wheel `pip wheel .` builds, the folder it is installed into alone)."""
+    root = tmp_path_factory.mktemp("wheel")
     # Built from a copy: a build writes build/ and *.egg-info beside its source.
-    tree = tmp_path / "tree"
+    tree = root / "tree"
     shutil.copytree(PACKAGE.parent, tree / "src", ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(ROOT / name, tree / name)
     done = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w",
-                           str(tmp_path / "dist"), str(tree)], capture_output=True, text=True, timeout=600)
+                           str(root / "dist"), str(tree)], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    (wheel,) = (tmp_path / "dist").glob("lockstep-*.whl")
+    (wheel,) = (root / "dist").glob("lockstep-*.whl")
+    site = root / "site"
+    done = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site),
+                           str(wheel)], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return wheel, site
+
+
+def run_installed(site: Path, code: str, tmp_path: Path, blocked: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    """`code` in a fresh interpreter that imports lockstep from `site`, with the `blocked` modules
+    unimportable (a None in sys.modules is how Python marks one)."""
+    prelude = "".join(f"import sys; sys.modules[{name!r}] = None\n" for name in blocked)
+    env = {**os.environ, "PYTHONPATH": str(site), "LOCKSTEP_CACHE_DIR": str(tmp_path / "cache")}
+    return subprocess.run([sys.executable, "-c", prelude + code], env=env, capture_output=True, text=True,
+                          timeout=600, cwd=tmp_path)
+
+
+def test_a_wheel_holds_every_file_of_the_package_and_runs_the_native_backend(wheel_install, tmp_path):
+    """`pip wheel .` packs every file under src/lockstep that is not Python (the contract, the
+    native kernels' source); installed from that wheel alone, lockstep compiles the kernels and
+    runs the native backend, not the portable fallback."""
+    wheel, site = wheel_install
     names = set(zipfile.ZipFile(wheel).namelist())
     data = {p.relative_to(PACKAGE.parent).as_posix() for p in PACKAGE.rglob("*")
             if p.is_file() and p.suffix not in (".py", ".pyc") and "__pycache__" not in p.parts}
     assert {"lockstep/contract.toml", "lockstep/backends/native/kernels.c"} <= data
     assert data <= names, sorted(data - names)
 
-    site = tmp_path / "site"
-    done = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site),
-                           str(wheel)], capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    code = ("import torch, lockstep\nfrom lockstep import ops, registry\n"
-            "print(lockstep.__file__)\nprint(registry.cpu_backend())\n"
-            "print(ops.linear(torch.ones(2, 3), torch.ones(4, 3)).sum().item())\n")
-    env = {**os.environ, "PYTHONPATH": str(site), "LOCKSTEP_CACHE_DIR": str(tmp_path / "cache")}
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
-                          cwd=tmp_path)
+    proc = run_installed(site, "import torch, lockstep\nfrom lockstep import ops, registry\n"
+                               "print(lockstep.__file__)\nprint(registry.cpu_backend())\n"
+                               "print(ops.linear(torch.ones(2, 3), torch.ones(4, 3)).sum().item())\n", tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     where, backend, total = proc.stdout.split()
     assert Path(where).is_relative_to(site), where
     assert backend == "native", proc.stderr
     assert float(total) == 24.0
     assert "native CPU backend is not in use" not in proc.stderr
+
+
+def test_the_core_jobs_run_without_any_extra(wheel_install, tmp_path):
+    """Installed with its core dependencies alone (every extra's module unimportable), lockstep
+    loads the real model with its tokenizer and chat template, runs the train-inference gate on it
+    (`lockstep verify`, cut to one setting, which leaves out the batch experiment and says why) and
+    trains the tiny model: nothing on these paths imports an extra."""
+    _, site = wheel_install
+    code = ("from lockstep import cli, verify\n"
+            "verify.SETTINGS = verify.SETTINGS[:1]\n"
+            "assert cli.main(['verify', '--max-new-tokens', '2', '--no-eager']) == 0\n"
+            "open('corpus.txt', 'w').write('The quick brown fox jumps over the lazy dog. ' * 50)\n"
+            "argv = ['train', '--model', 'tiny', '--data', 'corpus.txt', '--steps', '2', '--out', 'run']\n"
+            "assert cli.main(argv) == 0\n"
+            "print('imported:', sorted(m for m in sys.modules if m.split('.')[0] in " + repr(OPTIONAL) +
+            " and sys.modules[m] is not None))\n")
+    proc = run_installed(site, code, tmp_path, blocked=OPTIONAL)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "lockstep: 0 / 0 / 0 and identical tokens in every setting" in proc.stdout
+    assert "(no batch experiment: it runs stock transformers beside lockstep" in proc.stdout
+    assert "lockstep train: 2 steps" in proc.stdout
+    assert proc.stdout.splitlines()[-1] == "imported: []"
+
+
+@pytest.mark.parametrize("argv, missing, extra", [
+    (["rl", "--model", "tiny", "--steps", "1", "--out", "runs/rl"], "httpx", "rl"),
+    (["rl", "--model", "tiny", "--steps", "1", "--out", "runs/rl"], "uvicorn", "rl"),
+    (["serve", "tiny"], "fastapi", "serve"),
+    (["parity", "--trajectory", "native", "plain", "--steps", "1"], "transformers", "hf"),
+    (["gpu-audit"], "triton", "triton"),
+], ids=lambda v: v if isinstance(v, str) else v[0])
+def test_a_command_without_its_extra_names_the_extra(argv, missing, extra, monkeypatch, capsys, tmp_path):
+    """Installed without an optional extra, a command that needs it exits 2 with one line that names
+    the extra and the missing module, not a traceback. (A None in sys.modules is how Python marks a
+    module that cannot be imported.)"""
+    from lockstep import cli
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setitem(sys.modules, missing, None)
+    assert cli.main(argv) == 2
+    assert capsys.readouterr().err == (f"lockstep {argv[0]}: needs the {extra} extra (pip install "
+                                       f"'lockstep[{extra}]'): no module named {missing!r}\n")

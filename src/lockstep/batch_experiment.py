@@ -82,14 +82,14 @@ class ExperimentReport:
 
 
 def has_chat_template(model: Transformer) -> bool:
-    from .server.chat import ChatTemplate
+    from .model.chat_template import ChatTemplate
 
     return model.tokenizer is not None and ChatTemplate.for_tokenizer(model.tokenizer) is not None
 
 
 def chat_prompts(model: Transformer) -> list[list[int]]:
     """QUESTIONS as token ids through the model's own chat template."""
-    from .server.chat import ChatTemplate
+    from .model.chat_template import ChatTemplate
 
     template = ChatTemplate.for_tokenizer(model.tokenizer) if model.tokenizer is not None else None
     if template is None:

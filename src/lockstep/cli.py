@@ -22,6 +22,7 @@ names the argument.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import os
@@ -94,6 +95,14 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
     out = [line, "  ".join("-" * w for w in widths)]
     out += ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
     return "\n".join(out)
+
+
+def _require_extra(extra: str, *modules: str) -> None:
+    """A UsageError that names the extra to install when one of `modules` is missing: the optional
+    integrations are extras (pyproject.toml), and a command that needs one says so in one line."""
+    for name in modules:
+        if importlib.util.find_spec(name) is None:
+            raise UsageError(f"needs the {extra} extra (pip install 'lockstep[{extra}]'): no module named {name!r}")
 
 
 def _prepare_outputs(args: argparse.Namespace) -> None:
@@ -241,7 +250,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
     out = {"model": args.model, "config": first.config.to_hf(), "verify": dataclasses.asdict(report)}
     if not real and args.model != "tiny":
         print("(no batch experiment: the model has no chat template)")
-    if real and not args.no_experiment:
+    if real and not args.no_experiment and importlib.util.find_spec("transformers") is None:
+        print("\n(no batch experiment: it runs stock transformers beside lockstep, and transformers is not "
+              "installed: pip install 'lockstep[hf]')")
+    elif real and not args.no_experiment:
         print(f"\nThe batch experiment: one chat prompt, greedy (T = 0), {args.experiment_tokens} tokens, alone and "
               "inside batches of other chat prompts")
         experiment = batch_experiment.run(lambda dtype: model_from_source(args.model, dtype), torch.bfloat16,
@@ -259,6 +271,8 @@ def cmd_parity(args: argparse.Namespace) -> int:
     def make_model():
         return model_from_source(args.model, torch.float32, args.family, args.seed)
 
+    if args.trajectory and "plain" in args.trajectory:
+        _require_extra("hf", "transformers")
     _prepare_outputs(args)
     if args.trajectory:
         result = parity.trajectory_on_random_tokens(make_model, *args.trajectory, args.steps, args.seed)
@@ -311,10 +325,9 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    try:
-        from . import server
-    except ImportError as e:
-        raise UsageError(f"serve: needs the serve extra (pip install 'lockstep[serve]'): {e}") from None
+    _require_extra("serve", "fastapi", "uvicorn")
+    from . import server
+
     srv = server.build_server(args.model, args.dtype, args.family, args.seed, name=args.served_model_name,
                               backend=args.backend,
                               api_key=args.api_key or os.environ.get("LOCKSTEP_API_KEY"),
@@ -336,6 +349,8 @@ def rl_defaults():
 
 
 def cmd_rl(args: argparse.Namespace) -> int:
+    # The loop samples from `lockstep serve` over HTTP: its own server unless --server names one.
+    _require_extra("rl", "httpx", *(() if args.server else ("fastapi", "uvicorn")))
     from . import rl
     from .report import from_run_dir
 
@@ -372,6 +387,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 
 def cmd_gpu_audit(args: argparse.Namespace) -> int:
+    _require_extra("triton", "triton")
     from . import gpu_audit          # before anything imports Triton: it needs TRITON_INTERPRET=0
 
     return gpu_audit.run(args.arch, args.out, args.json, args.jobs, args.quiet)

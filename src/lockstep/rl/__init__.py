@@ -108,7 +108,7 @@ def group_advantages(rewards: list[float], group: int) -> list[float]:
 
 def prompt_ids(tokenizer, problem: Problem) -> list[int]:
     """A problem as the model's chat prompt (its chat template), or as plain text for a model without one."""
-    from ..server.chat import ChatTemplate
+    from ..model.chat_template import ChatTemplate
 
     template = ChatTemplate.for_tokenizer(tokenizer)
     if template is None:

@@ -8,7 +8,6 @@ updates (FastAPI, uvicorn).
     worker.py           the engine's own thread, and weight updates that never mix two versions
     protocol.py         OpenAI's request bodies (unknown fields refused) and answers
     sglang_protocol.py  SGLang's request bodies and answers
-    chat.py             chat messages through the model folder's chat template
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ from ..engine import Engine, RequestOutput
 from ..engine.requests import InvalidRequest, encode_prompt, validate_request
 from ..model import Transformer
 from ..sampling import SamplingParams
-from .chat import ChatTemplate
+from ..model.chat_template import ChatTemplate
 from .protocol import error_body
 from .worker import EngineWorker, Job, WeightUpdateError
 
