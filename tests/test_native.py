@@ -456,7 +456,7 @@ def test_a_cache_folder_that_cannot_be_written_still_gives_the_native_backend(tm
     assert proc.stderr.splitlines() == [
         f"lockstep: the native kernels' cache folder {cache} cannot be written (Not a directory); they are compiled "
         f"for this process alone, in {scratch} (LOCKSTEP_CACHE_DIR names another folder)",
-        f"lockstep: compiling the native CPU kernels into {scratch} (once for this kernel source and compiler)"
+        f"lockstep: compiling the native CPU kernels into {scratch} (for this process alone)"
     ], proc.stderr
     assert not scratch.exists()
 
@@ -471,10 +471,49 @@ def test_processes_starting_together_compile_the_kernels_once(tmp_path):
     outs = [p.communicate(timeout=300) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs
     assert [out.strip() for out, _ in outs] == ["native", "native"], outs
-    compiled = [line for _, err in outs for line in err.splitlines()]
-    assert compiled == [f"lockstep: compiling the native CPU kernels into {tmp_path} (once for this kernel source "
+    compiled = [line for _, err in outs for line in err.splitlines() if "compiling" in line]
+    assert compiled == [f"lockstep: compiling the native CPU kernels into {tmp_path} (kept for this kernel source "
                         "and compiler)"], outs
     assert len(list(tmp_path.glob("native-*.so"))) == 1
+
+
+def test_a_cached_library_that_does_not_load_is_compiled_again(tmp_path):
+    """A cached file cut short (a crash mid-write, a full disk) must not send every later process to
+    the portable backend: the one that finds it says so, compiles over it, and runs native; the
+    next process loads the repaired file without a word."""
+    code = "from lockstep import registry\nprint(registry.cpu_backend())\n"
+    env = {**os.environ, "LOCKSTEP_CACHE_DIR": str(tmp_path)}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("LOCKSTEP_CACHE_DIR", str(tmp_path))
+        cached = build.cached_library(build.compiler())
+    cached.write_bytes(b"cut short")
+    first = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0 and first.stdout.strip() == "native", first.stderr
+    lines = first.stderr.splitlines()
+    assert len(lines) == 2 and lines[0].startswith(f"lockstep: the cached native kernels {cached} could not be "
+                                                   "loaded ("), first.stderr
+    assert lines[0].endswith("); compiling them again") and "compiling the native CPU kernels into" in lines[1]
+    again = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert (again.returncode, again.stdout.strip(), again.stderr) == (0, "native", "")
+
+
+def test_without_file_locks_the_kernels_still_compile_readable_to_every_user(tmp_path, monkeypatch):
+    """A file system that refuses locks (some network ones) only costs the lock: the kernels still
+    compile, and the file is readable and executable by every user of a shared cache (mkstemp
+    alone would leave it to its owner)."""
+    import ctypes
+    import errno
+    import fcntl
+    import stat
+
+    def refuse(fd, op):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", refuse)
+    monkeypatch.setenv("LOCKSTEP_CACHE_DIR", str(tmp_path))
+    path = build._compile(build.compiler())
+    assert path.parent == tmp_path and stat.S_IMODE(path.stat().st_mode) == 0o755
+    assert build.declare(ctypes.CDLL(str(path))).ls_abi_version() == build.ABI_VERSION
 
 
 def _fma32(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:

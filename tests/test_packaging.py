@@ -18,7 +18,9 @@ PACKAGE = ROOT / "src" / "lockstep"
 
 
 # What the extras bring (pyproject.toml), and what the test extra adds; none is a core dependency.
-OPTIONAL = ("transformers", "fastapi", "uvicorn", "httpx", "triton", "trl", "openai", "gguf", "ziglang")
+# (pydantic and starlette come with fastapi.)
+OPTIONAL = ("transformers", "fastapi", "uvicorn", "httpx", "triton", "trl", "openai", "gguf", "ziglang", "pydantic",
+            "starlette")
 
 
 @pytest.fixture(scope="module")
@@ -74,31 +76,36 @@ def test_a_wheel_holds_every_file_of_the_package_and_runs_the_native_backend(whe
 
 def test_the_core_jobs_run_without_any_extra(wheel_install, tmp_path):
     """Installed with its core dependencies alone (every extra's module unimportable), lockstep
-    loads the real model with its tokenizer and chat template, runs the train-inference gate on it
-    (`lockstep verify`, cut to one setting, which leaves out the batch experiment and says why) and
-    trains the tiny model: nothing on these paths imports an extra."""
+    checks an op, loads the real model with its tokenizer and chat template, runs the
+    train-inference gate on it (`lockstep verify`, cut to one setting; it leaves out the batch
+    experiment and says why), compares two layouts, checks the tiny model, trains it and reports
+    the run, and imports none of its integrations on the way."""
     _, site = wheel_install
     code = ("from lockstep import cli, verify\n"
             "verify.SETTINGS = verify.SETTINGS[:1]\n"
-            "assert cli.main(['verify', '--max-new-tokens', '2', '--no-eager']) == 0\n"
             "open('corpus.txt', 'w').write('The quick brown fox jumps over the lazy dog. ' * 50)\n"
-            "argv = ['train', '--model', 'tiny', '--data', 'corpus.txt', '--steps', '2', '--out', 'run']\n"
-            "assert cli.main(argv) == 0\n"
-            "print('imported:', sorted(m for m in sys.modules if m.split('.')[0] in " + repr(OPTIONAL) +
-            " and sys.modules[m] is not None))\n")
+            "for argv in (['check', 'linear', '--dtype', 'fp32', '--no-large'],\n"
+            "             ['verify', '--max-new-tokens', '2', '--no-eager'],\n"
+            "             ['parity', '--a', 'layout=alone', '--b', 'layout=batch8'],\n"
+            "             ['check-model', 'tiny'],\n"
+            "             ['train', '--model', 'tiny', '--data', 'corpus.txt', '--steps', '2', '--out', 'run'],\n"
+            "             ['report', 'run']):\n"
+            "    assert cli.main(argv) == 0, argv\n"
+            "print('integrations:', sorted(m for m in sys.modules if m.startswith(('lockstep.server', 'lockstep.hf', "
+            "'lockstep.integrations'))))\n")
     proc = run_installed(site, code, tmp_path, blocked=OPTIONAL)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "lockstep: 0 / 0 / 0 and identical tokens in every setting" in proc.stdout
     assert "(no batch experiment: it runs stock transformers beside lockstep" in proc.stdout
-    assert "lockstep train: 2 steps" in proc.stdout
-    assert proc.stdout.splitlines()[-1] == "imported: []"
+    assert "lockstep train: 2 steps" in proc.stdout and (tmp_path / "run" / "report.html").exists()
+    assert proc.stdout.splitlines()[-1] == "integrations: []"
 
 
 @pytest.mark.parametrize("argv, missing, extra", [
     (["rl", "--model", "tiny", "--steps", "1", "--out", "runs/rl"], "httpx", "rl"),
     (["rl", "--model", "tiny", "--steps", "1", "--out", "runs/rl"], "uvicorn", "rl"),
     (["serve", "tiny"], "fastapi", "serve"),
-    (["parity", "--trajectory", "native", "plain", "--steps", "1"], "transformers", "hf"),
+    (["parity", "--trajectory", "native", "plain", "--steps", "1", "--json", "out/p.json"], "transformers", "hf"),
     (["gpu-audit"], "triton", "triton"),
 ], ids=lambda v: v if isinstance(v, str) else v[0])
 def test_a_command_without_its_extra_names_the_extra(argv, missing, extra, monkeypatch, capsys, tmp_path):
@@ -112,3 +119,4 @@ def test_a_command_without_its_extra_names_the_extra(argv, missing, extra, monke
     assert cli.main(argv) == 2
     assert capsys.readouterr().err == (f"lockstep {argv[0]}: needs the {extra} extra (pip install "
                                        f"'lockstep[{extra}]'): no module named {missing!r}\n")
+    assert list(tmp_path.iterdir()) == []  # refused before it wrote anything

@@ -87,10 +87,17 @@ def cached_library(cc: list[str]) -> Path:
     return cache_dir() / f"native-{key}.so"
 
 
+def _scratch_folder() -> Path:
+    """A temporary folder for this process's own build, removed at exit."""
+    scratch = Path(tempfile.mkdtemp(prefix="lockstep-native-"))
+    atexit.register(shutil.rmtree, scratch, ignore_errors=True)
+    return scratch
+
+
 def _writable(folder: Path) -> Path:
     """`folder`, created if need be; where it cannot be written (a read-only home, a file in the
-    way), a temporary folder removed at exit, after one line that says so. The build must not fail
-    over where it is kept: the fallback would change the bits."""
+    way), a temporary folder, after one line that says so. The build must not fail over where it
+    is kept: the fallback would change the bits."""
     try:
         folder.mkdir(parents=True, exist_ok=True)
         fd, probe = tempfile.mkstemp(dir=folder)
@@ -98,32 +105,52 @@ def _writable(folder: Path) -> Path:
         os.unlink(probe)
         return folder
     except OSError as e:
-        scratch = Path(tempfile.mkdtemp(prefix="lockstep-native-"))
-        atexit.register(shutil.rmtree, scratch, ignore_errors=True)
+        scratch = _scratch_folder()
         logging.getLogger("lockstep").warning(
             "lockstep: the native kernels' cache folder %s cannot be written (%s); they are compiled for this "
             "process alone, in %s (LOCKSTEP_CACHE_DIR names another folder)", folder, e.strerror or e, scratch)
         return scratch
 
 
-def _compile(cc: list[str]) -> Path:
+def _lock(target: Path) -> int | None:
+    """An exclusive lock on a file beside `target` (its descriptor), so that one of the processes
+    that start together (torchrun's ranks, test workers) compiles while the others wait for its
+    file; None where the folder or the file system gives no lock, and each process compiles."""
     import fcntl  # POSIX; library() refuses Windows before it gets here
 
-    target = cached_library(cc)
-    if target.exists():
-        return target
-    target = _writable(target.parent) / target.name
-    # One process compiles while the others wait for its file (torchrun's ranks, test workers):
-    # the compile takes about 20 s of a core.
-    with open(target.with_suffix(".lock"), "w") as lock:
+    try:
+        # Read-only: a lock file another user created still locks.
+        fd = os.open(target.with_suffix(".lock"), os.O_RDONLY | os.O_CREAT, 0o666)
+    except OSError:
+        return None
+    try:
         try:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-        except OSError:  # a file system without locks: each process compiles, as before the lock
-            pass
-        if target.exists():
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            logging.getLogger("lockstep").warning("lockstep: waiting for another process to compile the native CPU "
+                                                  "kernels into %s", target.parent)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def _compile(cc: list[str], folder: Path | None = None, rebuild: bool = False) -> Path:
+    """The library `cc` builds: from the cache folder, compiled into it on first use (about 20 s of
+    a core), or compiled into `folder` when one is given. `rebuild`: compile even over a file
+    already there (one that would not load)."""
+    cached = cached_library(cc)
+    if folder is None and cached.exists() and not rebuild:
+        return cached
+    target = (folder or _writable(cached.parent)) / cached.name
+    lock = _lock(target)
+    try:
+        if target.exists() and not rebuild:  # another process compiled it while this one waited
             return target
-        logging.getLogger("lockstep").warning("lockstep: compiling the native CPU kernels into %s (once for this "
-                                              "kernel source and compiler)", target.parent)
+        kept = "kept for this kernel source and compiler" if target == cached else "for this process alone"
+        logging.getLogger("lockstep").warning("lockstep: compiling the native CPU kernels into %s (%s)",
+                                              target.parent, kept)
         # Compile beside the target and rename: a process never loads a partial file.
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
         os.close(fd)
@@ -133,10 +160,16 @@ def _compile(cc: list[str]) -> Path:
                 first = (done.stderr.strip().splitlines() or ["(no message)"])[0]
                 raise NativeUnavailable(f"{' '.join([Path(cc[0]).name, *cc[1:]])} could not compile {SOURCE.name}: "
                                         f"{first}")
+            os.chmod(tmp, 0o755)  # mkstemp's 0600 would keep other users of a shared cache out
+            with open(tmp, "rb") as f:
+                os.fsync(f.fileno())  # a crash must not leave a short file under the final name
             os.replace(tmp, target)
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
+    finally:
+        if lock is not None:
+            os.close(lock)
     return target
 
 
@@ -145,10 +178,26 @@ def library() -> ctypes.CDLL:
     """The loaded kernel library (built on first use); raises NativeUnavailable."""
     if sys.platform == "win32":
         raise NativeUnavailable("the native kernels are built for Linux and macOS only")
+    cc = compiler()
     try:
-        lib = ctypes.CDLL(str(_compile(compiler())))
+        path = _compile(cc)
     except OSError as e:
-        raise NativeUnavailable(f"the compiled kernels could not be loaded: {e}") from e
+        raise NativeUnavailable(f"the kernels could not be compiled: {e}") from e
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError as e:
+        # A cached file that does not load (cut short, or unreadable to this user) must not send the
+        # process to the portable backend: compile it again, over the broken one where it can.
+        logging.getLogger("lockstep").warning("lockstep: the cached native kernels %s could not be loaded (%s); "
+                                              "compiling them again", path, e)
+        try:
+            try:
+                path = _compile(cc, rebuild=True)
+            except OSError:  # the broken file cannot be replaced here
+                path = _compile(cc, _scratch_folder())
+            lib = ctypes.CDLL(str(path))
+        except OSError as e2:
+            raise NativeUnavailable(f"the compiled kernels could not be loaded: {e2}") from e2
     if lib.ls_abi_version() != ABI_VERSION:
         raise NativeUnavailable(f"kernel library ABI {lib.ls_abi_version()}, expected {ABI_VERSION}")
     lib = declare(lib)
