@@ -133,12 +133,6 @@ def _write_outputs(args: argparse.Namespace, data: dict, title: str) -> None:
 
 
 # --- commands ----------------------------------------------------------------------------------
-def _native_isa_name() -> str:
-    from .backends.native.build import isa_name
-
-    return isa_name()
-
-
 def cmd_check(args: argparse.Namespace) -> int:
     if args.mode:
         return cmd_check_mode()
@@ -160,7 +154,11 @@ def cmd_check(args: argparse.Namespace) -> int:
     widths = [17, 8, 11, 11, 12, 9, 8, 6, 10]
     registry.load(args.backend)
     # The instruction set changes no native bit, but it is the first thing to compare between machines.
-    isa = f" isa={_native_isa_name()}" if args.backend == "native" else ""
+    isa = ""
+    if args.backend == "native":
+        from .backends.native.build import isa_name
+
+        isa = f" isa={isa_name()}"
     print(f"lockstep check: backend={args.backend}{isa} threads={torch.get_num_threads()} torch={torch.__version__}")
     print("  ".join(h.ljust(w) for h, w in zip(header, widths)))
     print("  ".join("-" * w for w in widths))

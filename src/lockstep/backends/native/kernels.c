@@ -2608,9 +2608,10 @@ static pthread_once_t isa_once = PTHREAD_ONCE_INIT;
 static void detect_isas(void) {
     int mask = 1 << ISA_SCALAR;
 #if LS_X86
-    mask |= x86_isas() & (1 << ISA_AVX2 | 1 << ISA_AVX512);
+    int found = x86_isas();
+    mask |= found & (1 << ISA_AVX2 | 1 << ISA_AVX512);
 #if LS_DPBF16
-    if (x86_isas() & 1 << ISA_AVX512_BF16 && dpbf16_matches_definition()) mask |= 1 << ISA_AVX512_BF16;
+    if (found & 1 << ISA_AVX512_BF16 && dpbf16_matches_definition()) mask |= 1 << ISA_AVX512_BF16;
 #endif
 #endif
     isa_mask = mask;
