@@ -103,6 +103,7 @@ def test_the_instruction_sets_found_are_the_ones_the_cpu_reports():
     want = [name for name, flags in ISA_FLAGS.items() if flags <= cpu_flags()]
     got = build.supported_isas()
     assert got == want or (want[-1] == "avx512bf16" and got == want[:-1]), (got, want)
+    assert build.unbuilt_isas() == []  # the machine's compiler built the whole file (BUILDS' first)
 
 
 def test_cc_is_a_command_and_a_missing_one_is_named(monkeypatch):
@@ -417,6 +418,91 @@ def test_without_a_working_compiler_the_portable_backend_runs_and_one_line_says_
     lines = [line for line in proc.stderr.splitlines() if "native CPU backend" in line]
     assert lines == ["lockstep: the native CPU backend is not in use (false could not compile kernels.c: (no message)); "
                      "running the portable backend, whose bits follow this machine's BLAS"], proc.stderr
+
+
+def _old_compiler(tmp_path: Path, builds: str, fails_with: str = "kernels.c:212:5: error: unknown type name "
+                  "'__m512'") -> str:
+    """A CC that stands in for a compiler too old for some of kernels.c's intrinsics: it builds the
+    file only with the define `builds` (as the machine's cc), and otherwise fails as GCC 4.8 fails
+    on AVX-512 code, its error after the line that names the function."""
+    script = tmp_path / "old-cc"
+    real = build.compiler()
+    script.write_text(f"""#!/bin/sh
+case " $* " in
+  *" --version "*|*" {builds} "*) exec {shlex.join(real)} "$@" ;;
+esac
+echo "kernels.c: In function 'tile_z':" >&2
+echo {shlex.quote(fails_with)} >&2
+exit 1
+""")
+    script.chmod(0o755)
+    return str(script)
+
+
+@pytest.mark.parametrize("define", ["-DLS_NO_DPBF16", "-DLS_NO_X86"])
+def test_a_compiler_that_cannot_build_every_path_still_gives_the_native_bits(define, tmp_path):
+    """A compiler that fails on part of kernels.c (too old for AVX-512's or AVX512_BF16's
+    intrinsics) must not send the machine to the portable backend, whose bits differ: the kernels
+    are built without the paths it cannot compile, one line says which and why, and ops give the
+    whole build's bits (here and in test_a_build_with_fewer_paths_gives_the_same_bits). The next
+    process loads that build without a word, `lockstep check` names what was left out, and forcing
+    a left-out instruction set says that the build lacks it."""
+    code = ("import json, torch\nfrom lockstep import ops, registry\nfrom lockstep.backends.native import build\n"
+            "torch.manual_seed(0)\nx, w = torch.randn(5, 300), torch.randn(7, 300)\n"
+            "y = [ops.linear(x.to(d), w.to(d)).float().flatten().tolist() for d in (torch.float32, torch.bfloat16)]\n"
+            "print(json.dumps([registry.cpu_backend(), build.supported_isas(), build.unbuilt_isas(), y]))\n")
+    env = {**os.environ, "CC": _old_compiler(tmp_path, define), "LOCKSTEP_CACHE_DIR": str(tmp_path / "cache")}
+    env.pop("LOCKSTEP_CPU_ISA", None)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(os, "environ", env)
+        cached = build.cached_library(build.compiler())
+    first = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0, first.stderr
+    backend, supported, unbuilt, got = json.loads(first.stdout)
+    left_out = {"-DLS_NO_DPBF16": ("the VDPBF16PS path", ["avx512bf16"]),
+                "-DLS_NO_X86": ("the x86 vector paths", ["avx2", "avx512", "avx512bf16"])}[define]
+    cpu = [name for name, flags in ISA_FLAGS.items() if flags <= cpu_flags()]
+    assert backend == "native"
+    assert unbuilt == [name for name in cpu if name in left_out[1]]
+    assert supported == [name for name in build.supported_isas() if name not in left_out[1]]
+    assert first.stderr.splitlines() == [
+        f"lockstep: compiling the native CPU kernels into {tmp_path / 'cache'} (kept for this kernel source and "
+        "compiler)",
+        f"lockstep: old-cc could not compile all of kernels.c (kernels.c:212:5: error: unknown type name '__m512'); "
+        f"built it without {left_out[0]}, with the same bits, but a CPU that runs those instructions leaves them "
+        f"unused (CC picks another compiler; delete {cached} to compile again)"], first.stderr
+    torch.manual_seed(0)
+    x, w = torch.randn(5, 300), torch.randn(7, 300)
+    assert got == [ops.linear(x.to(d), w.to(d)).float().flatten().tolist() for d in (torch.float32, torch.bfloat16)]
+    again = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert (again.returncode, again.stderr, json.loads(again.stdout)[:3]) == (0, "", [backend, supported, unbuilt])
+    if unbuilt:
+        check = subprocess.run([sys.executable, "-m", "lockstep", "check", "linear", "--dtype", "fp32", "--no-large"],
+                               env=env, capture_output=True, text=True, timeout=300)
+        assert check.returncode == 0, check.stderr
+        assert check.stdout.splitlines()[0].startswith(
+            f"lockstep check: backend=native isa={supported[-1]} (the compiler left out {', '.join(unbuilt)}) "
+            "threads="), check.stdout
+        forced = subprocess.run([sys.executable, "-c", code], env={**env, "LOCKSTEP_CPU_ISA": unbuilt[0]},
+                                capture_output=True, text=True, timeout=300)
+        assert forced.returncode != 0
+        assert (f"LOCKSTEP_CPU_ISA: this CPU runs {unbuilt[0]!r}, but the compiler built the kernels without its "
+                f"path; they run {supported}") in forced.stderr, forced.stderr
+
+
+@pytest.mark.parametrize("fails_with", ["gcc: fatal error: Killed signal terminated program cc1",
+                                        "kernels.c:2500:1: internal compiler error: Segmentation fault",
+                                        "kernels.c:1:1: fatal error: error writing to /tmp/cc.s: No space left on device"])
+def test_a_compile_that_fails_for_the_machines_sake_is_not_cached_with_fewer_paths(fails_with, tmp_path, monkeypatch):
+    """A compile killed for memory, out of disk or crashed inside the compiler says nothing about
+    which paths the compiler can build: nothing is cached (a build without paths would stay), and
+    the error names what happened."""
+    monkeypatch.setenv("CC", _old_compiler(tmp_path, "-DLS_NO_X86", fails_with))
+    monkeypatch.setenv("LOCKSTEP_CACHE_DIR", str(tmp_path / "cache"))
+    with pytest.raises(build.NativeUnavailable) as e:
+        build._compile(build.compiler())
+    assert str(e.value) == f"old-cc could not compile kernels.c: {fails_with}"
+    assert list((tmp_path / "cache").glob("native-*.so")) == []
 
 
 def test_lockstep_check_names_the_instruction_set_and_says_why_native_cannot_run(tmp_path):

@@ -156,9 +156,10 @@ def cmd_check(args: argparse.Namespace) -> int:
     # The instruction set changes no native bit, but it is the first thing to compare between machines.
     isa = ""
     if args.backend == "native":
-        from .backends.native.build import isa_name
+        from .backends.native.build import isa_name, unbuilt_isas
 
-        isa = f" isa={isa_name()}"
+        unbuilt = unbuilt_isas()
+        isa = f" isa={isa_name()}" + (f" (the compiler left out {', '.join(unbuilt)})" if unbuilt else "")
     print(f"lockstep check: backend={args.backend}{isa} threads={torch.get_num_threads()} torch={torch.__version__}")
     print("  ".join(h.ljust(w) for h, w in zip(header, widths)))
     print("  ".join("-" * w for w in widths))

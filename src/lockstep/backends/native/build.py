@@ -8,7 +8,8 @@ Anything that stops the build or the load raises `NativeUnavailable` with the re
 registry prints in one line before it falls back to the portable backend.
 
 LOCKSTEP_CPU_ISA=scalar|avx2|avx512|avx512bf16 forces an instruction set (all give the same bits;
-tests run each on one machine); unset, the widest one the CPU runs is used. avx512bf16 is the
+tests run each on one machine); unset, the widest one that the CPU runs and the build has is used
+(a compiler too old for some paths builds the file without them: BUILDS). avx512bf16 is the
 AVX-512 path with the VDPBF16PS instruction for bf16 products, offered only where the instruction
 passes a self-test against the bf16 order's definition (kernels.c).
 Parallel work runs on torch's own OpenMP threads when torch runs on an OpenMP runtime that offers
@@ -37,9 +38,13 @@ SOURCE = Path(__file__).with_name("kernels.c")
 # -ffp-contract=off: the compiler must not fuse a multiply and an add that the source keeps apart.
 # -frounding-math: nor move arithmetic across the MXCSR changes around the bf16 tiles.
 FLAGS = ["-O3", "-std=gnu11", "-shared", "-fPIC", "-pthread", "-ffp-contract=off", "-fno-fast-math", "-frounding-math"]
+# What each build leaves out, widest first. A compiler that cannot build the whole file (AVX-512
+# intrinsics it does not know, say) builds the next one, on the paths it can: the same bits, fewer
+# instruction sets. Only when none builds does the portable backend run, whose bits differ.
+BUILDS = (([], ""), (["-DLS_NO_DPBF16"], "the VDPBF16PS path"), (["-DLS_NO_X86"], "the x86 vector paths"))
 ISAS = {"scalar": 0, "avx2": 1, "avx512": 2, "avx512bf16": 3}
 POOLS = ("openmp", "own")
-ABI_VERSION = 11
+ABI_VERSION = 12
 
 
 class NativeUnavailable(RuntimeError):
@@ -79,11 +84,24 @@ def compiler_version(cc: list[str]) -> str:
     return subprocess.run([*cc, "--version"], capture_output=True, text=True).stdout
 
 
+def assembler_version(cc: list[str]) -> str:
+    """What the assembler `cc` runs says its version is ("" where `cc` does not name one): it decides
+    whether the VDPBF16PS path builds (binutils before 2.33 does not know the instruction), and an
+    upgrade of it alone must not leave a build without that path in the cache."""
+    try:
+        name = subprocess.run([*cc, "-print-prog-name=as"], capture_output=True, text=True, timeout=60).stdout.strip()
+        path = shutil.which(name) if name else None
+        return subprocess.run([path, "--version"], capture_output=True, text=True, timeout=60).stdout if path else ""
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
 def cached_library(cc: list[str]) -> Path:
-    """Where the library that `cc` builds is cached: named by the source, the flags, the command
-    and what it says its version is."""
-    version = compiler_version(cc)
-    key = hashlib.sha256(SOURCE.read_bytes() + "\0".join([*cc, *FLAGS, version]).encode()).hexdigest()[:16]
+    """Where the library that `cc` builds is cached: named by the source, the flags, the builds
+    tried, the command and what it and its assembler say their versions are."""
+    versions = [compiler_version(cc), assembler_version(cc)]
+    named = "\0".join([*cc, *FLAGS, repr(BUILDS), *versions])
+    key = hashlib.sha256(SOURCE.read_bytes() + named.encode()).hexdigest()[:16]
     return cache_dir() / f"native-{key}.so"
 
 
@@ -136,6 +154,34 @@ def _lock(target: Path) -> int | None:
     return fd
 
 
+def _name(cc: list[str]) -> str:
+    return " ".join([Path(cc[0]).name, *cc[1:]])
+
+
+# A compile that failed for the machine's sake, not the source's: another attempt, with fewer paths,
+# must not be cached in place of the whole file.
+_PASSING_FAILURES = ("Killed signal", "internal compiler error", "No space left on device", "Cannot allocate memory")
+
+
+def _compile_widest(cc: list[str], out: str) -> tuple[str, str]:
+    """Compile kernels.c into `out` as the first of BUILDS that `cc` can build: (what it left out,
+    the whole file's first error), ("", "") for the whole file. NativeUnavailable, with the whole
+    file's first error, when none builds or the compile failed for a passing reason (killed, out
+    of memory or disk, an internal compiler error)."""
+    first_error = ""
+    for defines, left_out in BUILDS:
+        done = subprocess.run([*cc, *FLAGS, *defines, "-o", out, str(SOURCE), "-lm"], capture_output=True, text=True)
+        if done.returncode == 0:
+            return left_out, first_error
+        lines = done.stderr.strip().splitlines()
+        # Not "kernels.c: In function ...", nor "Assembler messages:": the line that says what failed.
+        error = next((line for line in lines if "error" in line.lower()), lines[0] if lines else "(no message)")
+        first_error = first_error or error
+        if done.returncode < 0 or any(reason in done.stderr for reason in _PASSING_FAILURES):
+            raise NativeUnavailable(f"{_name(cc)} could not compile {SOURCE.name}: {error}")
+    raise NativeUnavailable(f"{_name(cc)} could not compile {SOURCE.name}: {first_error}")
+
+
 def _compile(cc: list[str], folder: Path | None = None, rebuild: bool = False) -> Path:
     """The library `cc` builds: from the cache folder, compiled into it on first use (about 20 s of
     a core), or compiled into `folder` when one is given. `rebuild`: compile even over a file
@@ -155,11 +201,12 @@ def _compile(cc: list[str], folder: Path | None = None, rebuild: bool = False) -
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
         os.close(fd)
         try:
-            done = subprocess.run([*cc, *FLAGS, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True)
-            if done.returncode != 0:
-                first = (done.stderr.strip().splitlines() or ["(no message)"])[0]
-                raise NativeUnavailable(f"{' '.join([Path(cc[0]).name, *cc[1:]])} could not compile {SOURCE.name}: "
-                                        f"{first}")
+            left_out, error = _compile_widest(cc, tmp)
+            if left_out:
+                logging.getLogger("lockstep").warning(
+                    "lockstep: %s could not compile all of %s (%s); built it without %s, with the same bits, but a "
+                    "CPU that runs those instructions leaves them unused (CC picks another compiler; delete %s to "
+                    "compile again)", _name(cc), SOURCE.name, error, left_out, target)
             os.chmod(tmp, 0o755)  # mkstemp's 0600 would keep other users of a shared cache out
             with open(tmp, "rb") as f:
                 os.fsync(f.fileno())  # a crash must not leave a short file under the final name
@@ -278,6 +325,10 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.ls_logit_rows.restype = cint
     lib.ls_cpu_supports.argtypes = [cint]
     lib.ls_cpu_supports.restype = cint
+    lib.ls_cpu_isas.argtypes = []
+    lib.ls_cpu_isas.restype = cint
+    lib.ls_built_isas.argtypes = []
+    lib.ls_built_isas.restype = cint
     lib.ls_transpose.argtypes = [i64, i64, i64, ptr, i64, i64, ptr, i64, i64, cint, cint]
     lib.ls_transpose.restype = cint
     lib.ls_use_openmp.argtypes = [ptr]
@@ -286,9 +337,19 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
 
 
 def supported_isas() -> list[str]:
-    """The instruction sets this CPU runs, narrowest first."""
+    """The instruction sets the kernels run here (this CPU runs them and this build has their
+    paths), narrowest first."""
     lib = library()
     return [name for name, code in ISAS.items() if lib.ls_cpu_supports(code)]
+
+
+def unbuilt_isas() -> list[str]:
+    """The instruction sets this CPU runs (AVX512_BF16 by CPUID alone, before the self-test) that
+    this build has no path for, because its compiler could not build them (BUILDS; a compiler
+    without AVX512_BF16's header, GCC before 10, leaves out that one); empty for a whole build."""
+    lib = library()
+    unbuilt = lib.ls_cpu_isas() & ~lib.ls_built_isas()
+    return [name for name, code in ISAS.items() if unbuilt >> code & 1]
 
 
 @functools.cache
@@ -298,6 +359,9 @@ def _isa_for(forced: str | None) -> int:
         return ISAS[supported[-1]]
     if forced not in ISAS:
         raise ValueError(f"LOCKSTEP_CPU_ISA: expected one of {list(ISAS)}, got {forced!r}")
+    if forced in unbuilt_isas():
+        raise ValueError(f"LOCKSTEP_CPU_ISA: this CPU runs {forced!r}, but the compiler built the kernels without "
+                         f"its path; they run {supported}")
     if forced not in supported:
         raise ValueError(f"LOCKSTEP_CPU_ISA: this CPU does not run {forced!r}; it runs {supported}")
     return ISAS[forced]

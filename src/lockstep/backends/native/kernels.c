@@ -2506,7 +2506,7 @@ ROW_PASSES(z, AVX512_T)
 
 /* ---------------------------------------------------------------- exported */
 
-int ls_abi_version(void) { return 11; }
+int ls_abi_version(void) { return 12; }
 
 /* Run parallel work on the OpenMP runtime whose GOMP_parallel (GCC's ABI: fn, data, team size,
  * flags) is `fn`, or on the library's own threads when `fn` is NULL. */
@@ -2554,7 +2554,10 @@ AVX512BF16_T static int dpbf16_matches_definition(void) {
 }
 #endif
 
-#if LS_X86
+/* Detection runs in every x86-64 build, LS_NO_X86's too, so that a build without a path can say
+ * which ones the CPU would run (ls_cpu_isas). */
+#if defined(__x86_64__)
+#define LS_X86_CPUID 1
 /* CPUID and XGETBV read directly, not through __builtin_cpu_supports: that builtin reads a table
  * that the compiler's runtime library fills (libgcc, compiler-rt), and a runtime that leaves it
  * empty (zig's, for one) would quietly run everything on the scalar path. */
@@ -2598,6 +2601,8 @@ static int x86_isas(void) {
     cpuid(7, 1, r);
     return r[0] & A71_AVX512BF16 ? isas | 1 << ISA_AVX512_BF16 : isas;
 }
+#else
+#define LS_X86_CPUID 0
 #endif
 
 /* Looked up once: every exported call checks its instruction set, and under a hypervisor each
@@ -2605,24 +2610,43 @@ static int x86_isas(void) {
 static int isa_mask;
 static pthread_once_t isa_once = PTHREAD_ONCE_INIT;
 
+static int cpu_mask;
+
 static void detect_isas(void) {
     int mask = 1 << ISA_SCALAR;
+#if LS_X86_CPUID
+    cpu_mask = mask | x86_isas();
+#else
+    cpu_mask = mask;
+#endif
 #if LS_X86
-    int found = x86_isas();
-    mask |= found & (1 << ISA_AVX2 | 1 << ISA_AVX512);
+    mask |= cpu_mask & (1 << ISA_AVX2 | 1 << ISA_AVX512);
 #if LS_DPBF16
-    if (found & 1 << ISA_AVX512_BF16 && dpbf16_matches_definition()) mask |= 1 << ISA_AVX512_BF16;
+    if (cpu_mask & 1 << ISA_AVX512_BF16 && dpbf16_matches_definition()) mask |= 1 << ISA_AVX512_BF16;
 #endif
 #endif
     isa_mask = mask;
 }
 
-/* Whether this CPU (and its OS) runs an instruction set: 0 scalar, 1 AVX2 + FMA + F16C, 2 AVX-512,
- * 3 AVX-512 with AVX512_BF16 (when its VDPBF16PS passes the self-test). */
+/* Whether an instruction set runs here, on this CPU and OS and in this build: 0 scalar, 1 AVX2 +
+ * FMA + F16C, 2 AVX-512, 3 AVX-512 with AVX512_BF16 (when its VDPBF16PS passes the self-test). */
 int ls_cpu_supports(int isa) {
     if (isa < ISA_SCALAR || isa > ISA_AVX512_BF16) return 0;
     pthread_once(&isa_once, detect_isas);
     return isa_mask >> isa & 1;
+}
+
+/* Bit i set: the CPU and OS run instruction set i, whatever this build has paths for (AVX512_BF16
+ * from CPUID alone, before any self-test). */
+int ls_cpu_isas(void) {
+    pthread_once(&isa_once, detect_isas);
+    return cpu_mask;
+}
+
+/* Bit i set: this build has a path for instruction set i. A compiler that could not build the x86
+ * paths (build.py then defines LS_NO_X86) or the VDPBF16PS path leaves bits clear. */
+int ls_built_isas(void) {
+    return 1 << ISA_SCALAR | (LS_X86 ? 1 << ISA_AVX2 | 1 << ISA_AVX512 : 0) | (LS_DPBF16 ? 1 << ISA_AVX512_BF16 : 0);
 }
 
 /* Columns of an item tile, sized for the caches only (never for the bits): a column panel of about
