@@ -137,6 +137,70 @@ def test_the_kernels_compile_for_other_platforms(target, tmp_path):
     assert obj.stat().st_size > 0
 
 
+def test_the_torch_free_digest_is_one_on_every_instruction_set_and_thread_count():
+    """tests/_native_bits.py calls the kernels through ctypes on numpy buffers, so that it can run
+    where torch cannot (under QEMU for aarch64, below). Here it gives one digest per op on every
+    instruction set and thread count, and its GEMM call is the one torch's wrapper makes."""
+    import numpy as np
+
+    import _native_bits
+
+    lib, digests = build.library(), {}
+    for name in build.supported_isas():
+        for threads in (1, 2, 3):
+            digests[name, threads] = _native_bits.digests(lib, build.ISAS[name], threads)
+    assert len({json.dumps(d, sort_keys=True) for d in digests.values()}) == 1, digests
+    run = _native_bits.Run(lib, build.isa(), 2)
+    a, b = (_native_bits.values(run.rng, rows * 129, _native_bits.BF16) for rows in (5, 40))
+    out = np.zeros(5 * 40, dtype=np.float32)
+    run.check(lib.ls_gemm_nt(1, 5, 40, 129, a.ctypes.data, 129, 0, b.ctypes.data, 129, 0, out.ctypes.data, 40, 0, None,
+                             _native_bits.BF16, _native_bits.F32, 1, run.isa, 2), "ls_gemm_nt")
+    ta, tb = (torch.from_numpy(x).view(torch.bfloat16).view(-1, 129) for x in (a, b))
+    assert torch.equal(torch.from_numpy(out).view(5, 40), gemm.gemm_nt(ta[:5], tb[:40]))
+
+
+def _arm_user_space() -> Path:
+    """The aarch64 user space that .ci/arm-sysroot makes (LOCKSTEP_ARM_SYSROOT), with qemu-aarch64
+    and the cross compilers on PATH; CI makes it and requires the tests that use it
+    (LOCKSTEP_REQUIRE_ARM), elsewhere they skip with the command that makes it."""
+    folder = os.environ.get("LOCKSTEP_ARM_SYSROOT")
+    missing = [what for what, ok in [("LOCKSTEP_ARM_SYSROOT", folder and Path(folder, "usr/bin/python3").exists()),
+                                     ("qemu-aarch64", shutil.which("qemu-aarch64")),
+                                     ("aarch64-linux-gnu-gcc", shutil.which("aarch64-linux-gnu-gcc"))] if not ok]
+    if missing:
+        if os.environ.get("LOCKSTEP_REQUIRE_ARM"):
+            pytest.fail(f"LOCKSTEP_REQUIRE_ARM is set but {', '.join(missing)} is missing (.ci/arm-sysroot FOLDER)")
+        pytest.skip(f"no aarch64 user space ({', '.join(missing)}): .ci/arm-sysroot FOLDER makes one (root, apt), and "
+                    "LOCKSTEP_ARM_SYSROOT=FOLDER runs this; .ci/run does both and requires it")
+    return Path(folder)
+
+
+@pytest.mark.parametrize("cross", ["clang", "gcc"])
+def test_an_aarch64_build_under_qemu_gives_the_x86_bits(cross, tmp_path):
+    """kernels.c built for aarch64 Linux (the scalar path, as on every ARM CPU) by clang (zig's) or
+    GCC's cross compiler, with the build's flags, and run under QEMU's user-mode emulation of an
+    aarch64 CPU: every op of tests/_native_bits.py, on 1, 2 and 3 threads, gives the digest of the
+    x86 paths here. QEMU computes AArch64's floating point in software, to the architecture's
+    rules; no ARM hardware has run it, and torch's own ops on ARM are not covered."""
+    import _native_bits
+
+    root = _arm_user_space()
+    so = tmp_path / "kernels-aarch64.so"
+    cc = ([sys.executable, "-m", "ziglang", "cc", "-target", "aarch64-linux-gnu.2.36"] if cross == "clang"
+          else ["aarch64-linux-gnu-gcc"])
+    done = subprocess.run([*cc, *build.FLAGS, "-o", str(so), str(build.SOURCE), "-lm"], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    proc = subprocess.run(["qemu-aarch64", "-L", str(root), "-E", f"PYTHONPATH={root / 'site'}",
+                           str(root / "usr/bin/python3"), str(Path(_native_bits.__file__)), str(so)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout)
+    assert got["isa"] == "scalar"
+    want = _native_bits.digests(build.library(), build.isa(), 2)
+    assert got["digests"] == {str(t): want for t in (1, 2, 3)}
+
+
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="os.fork is POSIX-only; CI runs Linux")
 def test_a_forked_child_runs_the_kernels_on_several_threads():
     """libgomp's threads do not exist in a forked child, and a parallel region there never ends
