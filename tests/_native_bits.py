@@ -2,15 +2,20 @@
 
 The torch-based digest (_native_digest.py) needs torch on the machine that runs it. This one needs
 only Python, numpy and a build of kernels.c, so it runs where torch does not: under an emulator
-for another architecture (.ci/arm runs an aarch64 build under QEMU), and it ties the bits there to
-the x86 paths' (tests/test_native.py runs it on every instruction set and thread count here).
+for another architecture (tests/test_native.py runs an aarch64 build under QEMU, in the user space
+that .ci/arm-sysroot makes), and it ties the bits there to the x86 paths' (the same test file runs
+it on every instruction set and thread count here).
 
-Its inputs are integers from numpy's PCG64 scaled by powers of two, exact in every dtype, so no
-platform's floating-point library touches them; special values (zeros of both signs, infinities,
-NaN, denormals) are written as bits. It covers the GEMM (fp32, bf16 and fp16 operands, fp32 and
-bf16 results, a bias, a batch, tails of every size), exp and log, SiLU's four passes, rms_norm's
-forward, rope, the row sums and log_softmax forward and backward, and attention's forward over
-packed causal sequences.
+Its inputs come from splitmix64 in numpy's uint64 arithmetic, as integers times powers of two
+(exact in every dtype), bf16 bit patterns that reach every case of the bf16 order (denormals,
+products near 2^-126, Inf and NaN, as kernels.c's self-test draws them), and special values
+written as bits; no platform's floating-point library touches them. Before hashing, every NaN
+becomes one quiet NaN: the contract counts any NaN equal to any other, and x86 and ARM produce
+NaNs of other signs. It covers the GEMM (fp32, bf16 and fp16 operands, fp32 and bf16 results, a
+bias, a batch, tails of every size, long K in blocks, K in parts), exp and log, SiLU's four
+passes, rms_norm's forward, rope, the row sums and log_softmax forward and backward, and
+attention's forward over packed causal sequences, with and without a window; each at sizes that
+run on several threads.
 
     python tests/_native_bits.py LIBRARY [ISA]   ->   {"isa": "avx2", "digests": {"1": {"gemm": "...", ...}, ...}}
 """
@@ -32,26 +37,67 @@ build = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(build)  # build.py's top level is the standard library alone
 
 F32, BF16, F16 = 0, 1, 2
+# Zeros of both signs, infinities, NaN, denormals, the largest finite, exp's overflow and underflow
+# edges, 1 and the next float.
 SPECIALS = np.array([0x00000000, 0x80000000, 0x7F800000, 0xFF800000, 0x7FC00000, 0x00000001, 0x807FFFFF,
                      0x00800000, 0x7F7FFFFF, 0x42B17218, 0xC2CFF1B5, 0x3F800000, 0x3F800001], dtype=np.uint32)
 
 
-def values(rng: np.random.Generator, n: int, dtype: int, scale: float = 1.0) -> np.ndarray:
+class Stream:
+    """splitmix64 over a counter, in numpy's wrapping uint64 arithmetic: the same integers on every
+    platform and numpy version (numpy's own generators promise no stream across releases)."""
+
+    def __init__(self, seed: int):
+        self.counter = np.uint64(seed)
+
+    def bits(self, n: int) -> np.ndarray:
+        with np.errstate(over="ignore"):
+            z = (self.counter + np.arange(1, n + 1, dtype=np.uint64)) * np.uint64(0x9E3779B97F4A7C15)
+            self.counter += np.uint64(n)
+            z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+            z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return z ^ (z >> np.uint64(31))
+
+    def integers(self, low: int, high: int, n: int) -> np.ndarray:
+        """n integers in [low, high)."""
+        return (self.bits(n) % np.uint64(high - low)).astype(np.int64) + low
+
+
+def values(rng: Stream, n: int, dtype: int, scale: float = 1.0, specials: bool = False) -> np.ndarray:
     """n values of `dtype` (fp32 as float32, bf16 as its uint16 bits, fp16 as float16), each an
-    integer times a power of two, so exact in that dtype on every platform."""
+    integer times a power of two (`scale` is one), so exact in that dtype on every platform; with
+    `specials`, the first ones are SPECIALS (fp32 and bf16)."""
     if dtype == F32:
-        return (rng.integers(-2**20, 2**20, n) * (scale * 2.0**-20)).astype(np.float32)
-    if dtype == F16:
-        return (rng.integers(-2047, 2048, n) * (scale * 2.0**-10)).astype(np.float16)
-    f = (rng.integers(-255, 256, n) * (scale * 2.0**-7)).astype(np.float32)
-    return (f.view(np.uint32) >> 16).astype(np.uint16)
+        x = (rng.integers(-2**20, 2**20, n) * (scale * 2.0**-20)).astype(np.float32)
+    elif dtype == F16:
+        x = (rng.integers(-2047, 2048, n) * (scale * 2.0**-10)).astype(np.float16)
+    else:
+        f = (rng.integers(-255, 256, n) * (scale * 2.0**-7)).astype(np.float32)
+        x = (f.view(np.uint32) >> 16).astype(np.uint16)
+    if specials:
+        edge = SPECIALS[:n]
+        x.view(np.uint32 if dtype == F32 else np.uint16)[:edge.size] = edge if dtype == F32 else edge >> 16
+    return x
 
 
-def as_f32(x: np.ndarray) -> np.ndarray:
-    """bf16 bits or float16 or float32, widened exactly to float32."""
-    if x.dtype == np.uint16:
-        return (x.astype(np.uint32) << 16).view(np.float32)
-    return x.astype(np.float32)
+def bf16_edges(rng: Stream, n: int) -> np.ndarray:
+    """n bf16 bit patterns as kernels.c's VDPBF16PS self-test draws them: zeros and denormals, Inf
+    and NaN, values whose products land near 2^-126, and ordinary ones."""
+    kind, man, sign = rng.integers(0, 16, n), rng.integers(0, 128, n), rng.integers(0, 2, n) << 15
+    e = np.where(kind == 0, 0, np.where(kind == 1, 255, np.where(kind < 6, 60 + rng.integers(0, 8, n),
+                                                                  110 + rng.integers(0, 30, n))))
+    return (sign | e << 7 | man).astype(np.uint16)
+
+
+def canonical(out: np.ndarray) -> bytes:
+    """out's bytes with every NaN as the one quiet NaN of its width (fp32 or bf16 bits)."""
+    if out.dtype == np.float32:
+        bits = out.view(np.uint32).copy()
+        bits[np.isnan(out)] = 0x7FC00000
+    else:
+        bits = out.copy()
+        bits[(bits & 0x7FFF) > 0x7F80] = 0x7FC0
+    return bits.tobytes()
 
 
 def ptr(a: np.ndarray | None) -> int | None:
@@ -59,76 +105,90 @@ def ptr(a: np.ndarray | None) -> int | None:
 
 
 class Run:
+    """One pass over every op at one instruction set and thread count; each method hashes what its
+    kernel wrote."""
+
     def __init__(self, lib: ctypes.CDLL, isa: int, threads: int):
-        self.lib, self.isa, self.threads, self.rng = lib, isa, threads, np.random.Generator(np.random.PCG64(0))
+        self.lib, self.isa, self.threads, self.rng = lib, isa, threads, Stream(0)
 
     def check(self, status: int, what: str) -> None:
         if status != 0:
             raise RuntimeError(f"{what} returned {status}")
 
+    def _gemm(self, h, a, b, batch, m, n, k, dt, out_dt=F32, bias=None, parts=1) -> None:
+        out = np.zeros(batch * m * n, dtype=np.float32 if out_dt == F32 else np.uint16)
+        self.check(self.lib.ls_gemm_nt(batch, m, n, k, ptr(a), k, m * k, ptr(b), k, n * k, ptr(out), n, m * n,
+                                       ptr(bias), dt, out_dt, parts, self.isa, self.threads), "ls_gemm_nt")
+        h.update(canonical(out))
+
     def gemm(self, h) -> None:
         for dt in (F32, BF16, F16):
             for (batch, m, n, k), bias, out_dt in [((1, 1, 7, 5), False, F32), ((1, 3, 20, 33), True, F32),
                                                    ((1, 17, 35, 100), False, F32), ((2, 9, 16, 64), False, F32),
-                                                   ((1, 64, 70, 300), True, F32), ((1, 5, 40, 129), False, BF16)]:
+                                                   ((1, 130, 300, 96), True, F32), ((1, 9, 40, 4200), False, F32),
+                                                   ((1, 5, 40, 129), False, BF16)]:
                 if out_dt == BF16 and dt != BF16:
                     continue
-                a, b = values(self.rng, batch * m * k, dt), values(self.rng, batch * n * k, dt)
-                out = np.zeros(batch * m * n, dtype=np.float32 if out_dt == F32 else np.uint16)
-                bias_v = values(self.rng, n, F32) if bias else None
-                self.check(self.lib.ls_gemm_nt(batch, m, n, k, ptr(a), k, m * k, ptr(b), k, n * k, ptr(out), n,
-                                               m * n, ptr(bias_v), dt, out_dt, 1, self.isa, self.threads), "ls_gemm_nt")
-                h.update(out.tobytes())
+                a = values(self.rng, batch * m * k, dt, specials=m == 17 and dt != F16)
+                b = values(self.rng, batch * n * k, dt)
+                self._gemm(h, a, b, batch, m, n, k, dt, out_dt, values(self.rng, n, F32) if bias else None)
+        for dt, parts in ((F32, 4), (BF16, 2)):  # K in parts, combined by the canonical tree
+            self._gemm(h, values(self.rng, 6 * 512, dt), values(self.rng, 50 * 512, dt), 1, 6, 50, 512, dt, dt,
+                       parts=parts)
+        for m, n, k in ((9, 35, 103), (64, 70, 300), (5, 8, 4200)):  # every case of the bf16 order
+            a, b = bf16_edges(self.rng, m * k), bf16_edges(self.rng, n * k)
+            for out_dt in (F32, BF16):
+                self._gemm(h, a, b, 1, m, n, k, BF16, out_dt)
 
     def unary(self, h) -> None:
-        x = np.concatenate([SPECIALS.view(np.float32), values(self.rng, 3000, F32, 200.0),
-                            np.abs(values(self.rng, 3000, F32, 2.0**60))])
+        x = np.concatenate([SPECIALS.view(np.float32), values(self.rng, 40000, F32, 256.0),
+                            np.abs(values(self.rng, 40000, F32, 2.0**60))])
         for fn in (0, 1):
             y = np.zeros_like(x)
             self.check(self.lib.ls_unary(ptr(x), ptr(y), x.size, fn, self.isa, self.threads), "ls_unary")
-            h.update(y.tobytes())
+            h.update(canonical(y))
 
     def silu(self, h) -> None:
         for dt in (F32, BF16):
-            n = 5000
-            gate, up, dy = (values(self.rng, n, dt, 8.0) for _ in range(3))
+            n = 40000
+            gate, up, dy = (values(self.rng, n, dt, 8.0, specials=True) for _ in range(3))
             for mode in range(4):
                 out, out_up = np.zeros_like(gate), np.zeros_like(gate)
                 self.check(self.lib.ls_silu(n, ptr(gate), ptr(up), ptr(dy), ptr(out), ptr(out_up), dt, mode, self.isa,
                                             self.threads), "ls_silu")
-                h.update(out.tobytes() + (out_up.tobytes() if mode == 1 else b""))
+                h.update(canonical(out) + (canonical(out_up) if mode == 1 else b""))
 
     def rms_norm(self, h) -> None:
         for dt in (F32, BF16):
-            rows, hidden = 13, 264
-            x, w = values(self.rng, rows * hidden, dt, 4.0), values(self.rng, hidden, F32)
+            rows, hidden = 70, 1000
+            x, w = values(self.rng, rows * hidden, dt, 4.0, specials=True), values(self.rng, hidden, F32)
             y = np.zeros(rows * hidden, dtype=np.float32 if dt == F32 else np.uint16)
             rstd = np.zeros(rows, dtype=np.float32)
             self.check(self.lib.ls_rms_norm_fwd(rows, hidden, ptr(x), ptr(w), 1e-6, 0.0, ptr(y), ptr(rstd), dt, F32, dt,
                                                 self.isa, self.threads), "ls_rms_norm_fwd")
-            h.update(y.tobytes() + rstd.tobytes())
+            h.update(canonical(y) + canonical(rstd))
 
     def rope(self, h) -> None:
         for dt in (F32, BF16):
-            t, heads, d = 11, 3, 40
-            x = values(self.rng, t * heads * d, dt, 4.0)
+            t, heads, d = 70, 4, 128
+            x = values(self.rng, t * heads * d, dt, 4.0, specials=True)
             cos, sin = values(self.rng, t * d // 2, F32), values(self.rng, t * d // 2, F32)
             for interleaved in (0, 1):
                 y = np.zeros_like(x)
                 self.check(self.lib.ls_rope(t, heads, d, ptr(x), ptr(cos), ptr(sin), ptr(y), dt, interleaved, self.isa,
                                             self.threads), "ls_rope")
-                h.update(y.tobytes())
+                h.update(canonical(y))
 
     def rows(self, h) -> None:
-        rows, length = 7, 4200
-        x = values(self.rng, rows * length, F32, 30.0)
+        rows, length = 19, 4200
+        x = values(self.rng, rows * length, F32, 32.0, specials=True)
         total = np.zeros(rows, dtype=np.float32)
         self.check(self.lib.ls_rows(rows, length, ptr(x), None, ptr(total), 0, self.isa, self.threads), "ls_rows")
         y = np.zeros_like(x)
         self.check(self.lib.ls_rows(rows, length, ptr(x), None, ptr(y), 1, self.isa, self.threads), "ls_rows")
         g, dx = values(self.rng, rows * length, F32), np.zeros_like(x)
         self.check(self.lib.ls_rows(rows, length, ptr(g), ptr(y), ptr(dx), 2, self.isa, self.threads), "ls_rows")
-        h.update(total.tobytes() + y.tobytes() + dx.tobytes())
+        h.update(canonical(total) + canonical(y) + canonical(dx))
 
     def attention(self, h) -> None:
         lens, hq, hkv, d = [20, 1, 90], 4, 2, 40
@@ -137,15 +197,16 @@ class Run:
         len_k = np.array(lens, dtype=np.int64)
         t = int(cu[-1])
         for dt in (F32, BF16, F16):
-            q = values(self.rng, t * hq * d, dt, 2.0)
+            q = values(self.rng, t * hq * d, dt, 2.0, specials=dt != F16)
             k, v = (values(self.rng, t * hkv * d, dt, 2.0) for _ in range(2))
-            out, row_max, row_sum = (np.zeros(n, dtype=np.float32) for n in (t * hq * d, t * hq, t * hq))
-            # A scale of 2^-3, exact, not d^-0.5: pow is not correctly rounded in every C library.
-            self.check(self.lib.ls_attention_fwd(len(lens), hq, hkv, d, ptr(q), ptr(k), ptr(v), hkv * d, d, ptr(cu),
-                                                 ptr(len_k), ptr(starts), None, 0, 0, None, 0, 0.125, 1, 0, ptr(out),
-                                                 ptr(row_max), ptr(row_sum), dt, self.isa, self.threads),
-                       "ls_attention_fwd")
-            h.update(out.tobytes() + row_max.tobytes() + row_sum.tobytes())
+            for window in (0, 16):
+                out, row_max, row_sum = (np.zeros(n, dtype=np.float32) for n in (t * hq * d, t * hq, t * hq))
+                # A scale of 2^-3, exact, not d^-0.5: pow is not correctly rounded in every C library.
+                self.check(self.lib.ls_attention_fwd(len(lens), hq, hkv, d, ptr(q), ptr(k), ptr(v), hkv * d, d,
+                                                     ptr(cu), ptr(len_k), ptr(starts), None, 0, 0, None, 0, 0.125, 1,
+                                                     window, ptr(out), ptr(row_max), ptr(row_sum), dt, self.isa,
+                                                     self.threads), "ls_attention_fwd")
+                h.update(canonical(out) + canonical(row_max) + canonical(row_sum))
 
 
 OPS = ("gemm", "unary", "silu", "rms_norm", "rope", "rows", "attention")

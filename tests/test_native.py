@@ -140,7 +140,12 @@ def test_the_kernels_compile_for_other_platforms(target, tmp_path):
 def test_the_torch_free_digest_is_one_on_every_instruction_set_and_thread_count():
     """tests/_native_bits.py calls the kernels through ctypes on numpy buffers, so that it can run
     where torch cannot (under QEMU for aarch64, below). Here it gives one digest per op on every
-    instruction set and thread count, and its GEMM call is the one torch's wrapper makes."""
+    instruction set and thread count; every op of it runs on several threads (counted through a
+    stand-in for OpenMP's entry point, which runs a region's team on one thread, with the same
+    bits); and its GEMM call is the one torch's wrapper makes."""
+    import ctypes
+    import hashlib
+
     import numpy as np
 
     import _native_bits
@@ -150,6 +155,24 @@ def test_the_torch_free_digest_is_one_on_every_instruction_set_and_thread_count(
         for threads in (1, 2, 3):
             digests[name, threads] = _native_bits.digests(lib, build.ISAS[name], threads)
     assert len({json.dumps(d, sort_keys=True) for d in digests.values()}) == 1, digests
+    teams, body = [], ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+
+    @ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint, ctypes.c_uint)
+    def parallel(fn, data, team, flags):  # GOMP_parallel's signature
+        teams.append(team)
+        body(fn)(data)
+
+    lib.ls_use_openmp(ctypes.cast(parallel, ctypes.c_void_p))
+    try:
+        run = _native_bits.Run(lib, build.isa(), 3)
+        for name in _native_bits.OPS:
+            teams.clear()
+            h = hashlib.sha256()
+            getattr(run, name)(h)
+            assert any(team > 1 for team in teams), (name, teams)
+            assert h.hexdigest() == digests[build.isa_name(), 3][name], name
+    finally:
+        lib.ls_use_openmp(build._gomp_parallel(build._pool_asked()))
     run = _native_bits.Run(lib, build.isa(), 2)
     a, b = (_native_bits.values(run.rng, rows * 129, _native_bits.BF16) for rows in (5, 40))
     out = np.zeros(5 * 40, dtype=np.float32)
