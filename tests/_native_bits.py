@@ -13,9 +13,10 @@ written as bits; no platform's floating-point library touches them. Before hashi
 becomes one quiet NaN: the contract counts any NaN equal to any other, and x86 and ARM produce
 NaNs of other signs. It covers the GEMM (fp32, bf16 and fp16 operands, fp32 and bf16 results, a
 bias, a batch, tails of every size, long K in blocks, K in parts), exp and log, SiLU's four
-passes, rms_norm's forward, rope, the row sums and log_softmax forward and backward, and
-attention's forward over packed causal sequences, with and without a window; each at sizes that
-run on several threads.
+passes, rms_norm forward and backward (a unit tree's weight-gradient partials), rope, the row sums
+and log_softmax forward and backward, and attention forward and backward over packed causal
+sequences, with and without a window, and its paged decode; each at sizes that run on several
+threads.
 
     python tests/_native_bits.py LIBRARY [ISA]   ->   {"isa": "avx2", "digests": {"1": {"gemm": "...", ...}, ...}}
 """
@@ -167,6 +168,15 @@ class Run:
             self.check(self.lib.ls_rms_norm_fwd(rows, hidden, ptr(x), ptr(w), 1e-6, 0.0, ptr(y), ptr(rstd), dt, F32, dt,
                                                 self.isa, self.threads), "ls_rms_norm_fwd")
             h.update(canonical(y) + canonical(rstd))
+            # The backward: d x, and the weight's gradient as three units' partials (a unit tree's).
+            g = values(self.rng, rows * hidden, dt)
+            dx = np.zeros_like(y)
+            units = np.array([0, 20, 20, rows], dtype=np.int64)
+            dw = np.zeros(3 * hidden, dtype=np.float32)
+            self.check(self.lib.ls_rms_norm_bwd(rows, hidden, ptr(x), ptr(w), ptr(g), ptr(rstd), 0.0, ptr(dx), ptr(dw),
+                                                ptr(units), 3, 1, dt, F32, dt, dt, self.isa, self.threads),
+                       "ls_rms_norm_bwd")
+            h.update(canonical(dx) + canonical(dw))
 
     def rope(self, h) -> None:
         for dt in (F32, BF16):
@@ -207,6 +217,30 @@ class Run:
                                                      window, ptr(out), ptr(row_max), ptr(row_sum), dt, self.isa,
                                                      self.threads), "ls_attention_fwd")
                 h.update(canonical(out) + canonical(row_max) + canonical(row_sum))
+                dout, delta = values(self.rng, t * hq * d, dt), np.zeros(t * hq, dtype=np.float32)
+                dq, dk, dv = (np.zeros(n, dtype=np.float32) for n in (t * hq * d, t * hkv * d, t * hkv * d))
+                self.check(self.lib.ls_attention_bwd(len(lens), hq, hkv, d, ptr(q), ptr(k), ptr(v), ptr(dout), hkv * d,
+                                                     d, ptr(cu), ptr(len_k), ptr(starts), None, 0, 0.125, 1, window,
+                                                     ptr(row_max), ptr(row_sum), ptr(delta), ptr(dq), ptr(dk), ptr(dv),
+                                                     dt, self.isa, self.threads), "ls_attention_bwd")
+                h.update(canonical(dq) + canonical(dk) + canonical(dv))
+            # Paged decode: one query per sequence, its keys in 16-row blocks of a cache, the blocks
+            # listed in reverse order in the table.
+            block, blocks = 16, [(n + 15) // 16 for n in lens]
+            table = np.zeros((len(lens), max(blocks)), dtype=np.int64)
+            free = list(range(sum(blocks)))[::-1]
+            for b, used in enumerate(blocks):
+                table[b, :used] = [free.pop() for _ in range(used)][::-1]
+            cache_k, cache_v = (values(self.rng, sum(blocks) * block * hkv * d, dt, 2.0) for _ in range(2))
+            q1 = values(self.rng, len(lens) * hq * d, dt, 2.0)
+            cu1 = np.arange(len(lens) + 1, dtype=np.int64)
+            out, row_max, row_sum = (np.zeros(n, dtype=np.float32) for n in (len(lens) * hq * d, len(lens) * hq,
+                                                                              len(lens) * hq))
+            self.check(self.lib.ls_attention_fwd(len(lens), hq, hkv, d, ptr(q1), ptr(cache_k), ptr(cache_v), hkv * d, d,
+                                                 ptr(cu1), ptr(len_k), None, ptr(table), table.shape[1], block, None,
+                                                 0, 0.125, 1, 0, ptr(out), ptr(row_max), ptr(row_sum), dt, self.isa,
+                                                 self.threads), "ls_attention_fwd (paged)")
+            h.update(canonical(out) + canonical(row_max) + canonical(row_sum))
 
 
 OPS = ("gemm", "unary", "silu", "rms_norm", "rope", "rows", "attention")
