@@ -6,17 +6,17 @@ for another architecture (tests/test_native.py runs an aarch64 build under QEMU,
 that .ci/arm-sysroot makes), and it ties the bits there to the x86 paths' (the same test file runs
 it on every instruction set and thread count here).
 
-Its inputs come from splitmix64 in numpy's uint64 arithmetic, as integers times powers of two
-(exact in every dtype), bf16 bit patterns that reach every case of the bf16 order (denormals,
-products near 2^-126, Inf and NaN, as kernels.c's self-test draws them), and special values
-written as bits; no platform's floating-point library touches them. Before hashing, every NaN
-becomes one quiet NaN: the contract counts any NaN equal to any other, and x86 and ARM produce
-NaNs of other signs. It covers the GEMM (fp32, bf16 and fp16 operands, fp32 and bf16 results, a
-bias, a batch, tails of every size, long K in blocks, K in parts), exp and log, SiLU's four
-passes, rms_norm forward and backward (a unit tree's weight-gradient partials), rope, the row sums
-and log_softmax forward and backward, and attention forward and backward over packed causal
-sequences, with and without a window, and its paged decode; each at sizes that run on several
-threads.
+Its inputs come from splitmix64 in numpy's uint64 arithmetic, as integers times powers of two (exact
+in every dtype), bf16 bit patterns that reach every case of the bf16 order (denormals, products near
+2^-126, Inf and NaN, as kernels.c's self-test draws them), and special values written as bits; no
+platform's floating-point library touches them. Before hashing, every NaN becomes one quiet NaN: the
+contract counts any NaN equal to any other, and x86 and ARM produce NaNs of other signs. It covers
+every kernel but the blocked transpose (a move): the GEMM (fp32, bf16 and fp16 operands, fp32 and
+bf16 results, a bias, a batch, tails of every size, long K in blocks, K in parts) and a unit tree's
+weight-gradient node in one call, exp and log, SiLU's four passes, rms_norm forward and backward (a
+unit tree's partials), rope, the row sums, log_softmax forward and backward, the LM head's chunk
+fold and logit gradient, and attention forward and backward over packed causal sequences (with and
+without a window), under a mask, and its paged decode; each at sizes that run on several threads.
 
     python tests/_native_bits.py LIBRARY [ISA]   ->   {"isa": "avx2", "digests": {"1": {"gemm": "...", ...}, ...}}
 """
@@ -141,6 +141,17 @@ class Run:
             for out_dt in (F32, BF16):
                 self._gemm(h, a, b, 1, m, n, k, BF16, out_dt)
 
+    def gemm_tree(self, h) -> None:
+        """A weight gradient's tree node over four units (rows of K) in one call."""
+        bounds = np.array([0, 128, 256, 320, 448], dtype=np.int64)
+        for dt in (F32, BF16, F16):
+            m, n, k = 130, 96, int(bounds[-1])
+            a, b = values(self.rng, m * k, dt, specials=dt != F16), values(self.rng, n * k, dt)
+            out = np.zeros(m * n, dtype=np.float32)
+            self.check(self.lib.ls_gemm_nt_tree(m, n, k, ptr(a), k, ptr(b), k, ptr(out), n, bounds.size - 1,
+                                                ptr(bounds), dt, self.isa, self.threads), "ls_gemm_nt_tree")
+            h.update(canonical(out))
+
     def unary(self, h) -> None:
         x = np.concatenate([SPECIALS.view(np.float32), values(self.rng, 40000, F32, 256.0),
                             np.abs(values(self.rng, 40000, F32, 2.0**60))])
@@ -200,6 +211,57 @@ class Run:
         self.check(self.lib.ls_rows(rows, length, ptr(g), ptr(y), ptr(dx), 2, self.isa, self.threads), "ls_rows")
         h.update(canonical(total) + canonical(y) + canonical(dx))
 
+    def logit_rows(self, h) -> None:
+        """The LM head's chunk kernels: two chunks folded into a running max and sum, then the
+        logits' gradient of a chunk."""
+        rows, length = 19, 4200
+        for dt, out_dt in ((F32, F32), (BF16, BF16), (F16, F32)):
+            run_max, run_sum = np.zeros(rows, dtype=np.float32), np.zeros(rows, dtype=np.float32)
+            for first in (1, 0):
+                x = values(self.rng, rows * length, dt, 16.0, specials=first == 1 and dt != F16)
+                self.check(self.lib.ls_logit_rows(rows, length, ptr(x), length, dt, 0.75, 0, first, ptr(run_max),
+                                                  ptr(run_sum), None, None, None, None, None, 0, self.isa,
+                                                  self.threads), "ls_logit_rows (fold)")
+            h.update(canonical(run_max) + canonical(run_sum))
+            lse, gs = values(self.rng, rows, F32, 16.0), values(self.rng, rows, F32)
+            local = self.rng.integers(0, length, rows)
+            inside = (self.rng.integers(0, 2, rows)).astype(np.float32)
+            out = np.zeros(rows * length, dtype=np.float32 if out_dt == F32 else np.uint16)
+            self.check(self.lib.ls_logit_rows(rows, length, ptr(x), length, dt, 0.75, 1, 0, None, None, ptr(lse),
+                                              ptr(local), ptr(inside), ptr(gs), ptr(out), out_dt, self.isa,
+                                              self.threads), "ls_logit_rows (gradient)")
+            h.update(canonical(out))
+
+    def masked_attention(self, h) -> None:
+        """Attention under an explicit mask (the batch-invariant mode's), keys [B, Hkv, Lk, D] read in
+        place: left padding and causality, forward and backward."""
+        batch, lq, lk, hq, hkv, d = 2, 48, 48, 4, 2, 40
+        pad = [5, 0]
+        mask = np.zeros((batch * lq, lk), dtype=np.uint8)
+        for b in range(batch):
+            for i in range(lq):
+                mask[b * lq + i, pad[b]:i + 1] = 1
+        cu = np.arange(0, batch * lq + 1, lq, dtype=np.int64)
+        len_k = np.full(batch, lk, dtype=np.int64)
+        starts = np.arange(batch, dtype=np.int64) * hkv * lk * d
+        for dt in (F32, BF16, F16):
+            q = values(self.rng, batch * lq * hq * d, dt, 2.0)
+            k, v = (values(self.rng, batch * hkv * lk * d, dt, 2.0) for _ in range(2))
+            out, row_max, row_sum = (np.zeros(n, dtype=np.float32) for n in (batch * lq * hq * d, batch * lq * hq,
+                                                                              batch * lq * hq))
+            self.check(self.lib.ls_attention_fwd(batch, hq, hkv, d, ptr(q), ptr(k), ptr(v), d, lk * d, ptr(cu),
+                                                 ptr(len_k), ptr(starts), None, 0, 0, ptr(mask), lk, 0.125, 0, 0,
+                                                 ptr(out), ptr(row_max), ptr(row_sum), dt, self.isa, self.threads),
+                       "ls_attention_fwd (masked)")
+            h.update(canonical(out) + canonical(row_max) + canonical(row_sum))
+            dout, delta = values(self.rng, batch * lq * hq * d, dt), np.zeros(batch * lq * hq, dtype=np.float32)
+            dq, dk, dv = (np.zeros(n, dtype=np.float32) for n in (q.size, k.size, v.size))
+            self.check(self.lib.ls_attention_bwd(batch, hq, hkv, d, ptr(q), ptr(k), ptr(v), ptr(dout), d, lk * d,
+                                                 ptr(cu), ptr(len_k), ptr(starts), ptr(mask), lk, 0.125, 0, 0,
+                                                 ptr(row_max), ptr(row_sum), ptr(delta), ptr(dq), ptr(dk), ptr(dv),
+                                                 dt, self.isa, self.threads), "ls_attention_bwd (masked)")
+            h.update(canonical(dq) + canonical(dk) + canonical(dv))
+
     def attention(self, h) -> None:
         lens, hq, hkv, d = [20, 1, 90], 4, 2, 40
         cu = np.array([0, *np.cumsum(lens)], dtype=np.int64)
@@ -243,7 +305,7 @@ class Run:
             h.update(canonical(out) + canonical(row_max) + canonical(row_sum))
 
 
-OPS = ("gemm", "unary", "silu", "rms_norm", "rope", "rows", "attention")
+OPS = ("gemm", "gemm_tree", "unary", "silu", "rms_norm", "rope", "rows", "logit_rows", "attention", "masked_attention")
 
 
 def digests(lib: ctypes.CDLL, isa: int, threads: int) -> dict[str, str]:
