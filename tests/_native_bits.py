@@ -66,8 +66,8 @@ class Stream:
 
 def values(rng: Stream, n: int, dtype: int, scale: float = 1.0, specials: bool = False) -> np.ndarray:
     """n values of `dtype` (fp32 as float32, bf16 as its uint16 bits, fp16 as float16), each an
-    integer times a power of two (`scale` is one), so exact in that dtype on every platform; with
-    `specials`, the first ones are SPECIALS (fp32 and bf16)."""
+    integer times a power of two (every `scale` passed is one), so exact in that dtype on every
+    platform; with `specials`, the first ones are SPECIALS (fp32 and bf16)."""
     if dtype == F32:
         x = (rng.integers(-2**20, 2**20, n) * (scale * 2.0**-20)).astype(np.float32)
     elif dtype == F16:
@@ -225,7 +225,7 @@ class Run:
             h.update(canonical(run_max) + canonical(run_sum))
             lse, gs = values(self.rng, rows, F32, 16.0), values(self.rng, rows, F32)
             local = self.rng.integers(0, length, rows)
-            inside = (self.rng.integers(0, 2, rows)).astype(np.float32)
+            inside = self.rng.integers(0, 2, rows).astype(np.float32)
             out = np.zeros(rows * length, dtype=np.float32 if out_dt == F32 else np.uint16)
             self.check(self.lib.ls_logit_rows(rows, length, ptr(x), length, dt, 0.75, 1, 0, None, None, ptr(lse),
                                               ptr(local), ptr(inside), ptr(gs), ptr(out), out_dt, self.isa,

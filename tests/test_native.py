@@ -184,7 +184,7 @@ def test_the_torch_free_digest_is_one_on_every_instruction_set_and_thread_count(
 
 def _arm_user_space() -> Path:
     """The aarch64 user space that .ci/arm-sysroot makes (LOCKSTEP_ARM_SYSROOT), with qemu-aarch64
-    and the cross compilers on PATH; CI makes it and requires the tests that use it
+    and GCC's aarch64 cross compiler on PATH; CI makes it and requires the tests that use it
     (LOCKSTEP_REQUIRE_ARM), elsewhere they skip with the command that makes it."""
     folder = os.environ.get("LOCKSTEP_ARM_SYSROOT")
     missing = [what for what, ok in [("LOCKSTEP_ARM_SYSROOT", folder and Path(folder, "usr/bin/python3").exists()),
@@ -203,8 +203,8 @@ def test_an_aarch64_build_under_qemu_gives_the_x86_bits(cross, tmp_path):
     """kernels.c built for aarch64 Linux (the scalar path, as on every ARM CPU) by clang (zig's) or
     GCC's cross compiler, with the build's flags, and run under QEMU's user-mode emulation of an
     aarch64 CPU: every op of tests/_native_bits.py, on 1, 2 and 3 threads, gives the digest of the
-    x86 paths here. QEMU computes AArch64's floating point in software, to the architecture's
-    rules; no ARM hardware has run it, and torch's own ops on ARM are not covered."""
+    x86 paths here. QEMU emulates AArch64's floating point to the architecture's rules; no ARM
+    hardware has run it, and torch's own ops on ARM are not covered."""
     import _native_bits
 
     root = _arm_user_space()
