@@ -7,9 +7,12 @@ arithmetic around the ops: the rotary tables (frequencies and long-context cos a
 MoE router (probabilities, top k and renormalised weights, with their gradient). One digest per
 thread count (1, 2, 3) of one process; the instruction set and the BLAS selections come from the
 environment, which the kernel libraries read once, so the test starts a fresh process for each.
+Beside them, for the same thread counts, the bits of a stock fp32 `F.linear` at the issue's shape
+(37 x 1024 by 3072 x 1024): where its BLAS re-blocks with the thread count, those differ.
 
-    python tests/_native_digest.py   ->   {"isa": "avx512", "pool": "openmp",
-                                          "compiler": "gcc (Debian 12.2.0-14) 12.2.0", "digests": {"1": "...", ...}}
+    python tests/_native_digest.py   ->   {"isa": "avx512", "pool": "openmp", "aten": "AVX512",
+                                          "compiler": "gcc (Debian 12.2.0-14) 12.2.0", "digests": {"1": "...", ...},
+                                          "stock_linear": {"1": "...", ...}}
 """
 
 from __future__ import annotations
@@ -127,13 +130,21 @@ def digest() -> str:
     return h.hexdigest()
 
 
+def stock_linear() -> str:
+    gen = torch.Generator().manual_seed(0)
+    x, w = torch.randn(37, 1024, generator=gen), torch.randn(3072, 1024, generator=gen)
+    return hashlib.sha256(torch.nn.functional.linear(x, w).view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
 def main() -> int:
-    out = {}
+    out, stock = {}, {}
     for threads in (1, 2, 3):
         torch.set_num_threads(threads)
         out[str(threads)] = digest()
-    print(json.dumps({"isa": isa_name(), "pool": pool_name(), "compiler": compiler_version(compiler()).split("\n")[0],
-                      "digests": out}))
+        stock[str(threads)] = stock_linear()
+    print(json.dumps({"isa": isa_name(), "pool": pool_name(), "aten": torch.backends.cpu.get_cpu_capability(),
+                      "compiler": compiler_version(compiler()).split("\n")[0], "digests": out,
+                      "stock_linear": stock}))
     return 0
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import platform
 import shlex
 import shutil
 import subprocess
@@ -182,19 +183,25 @@ def test_the_torch_free_digest_is_one_on_every_instruction_set_and_thread_count(
     assert torch.equal(torch.from_numpy(out).view(5, 40), gemm.gemm_nt(ta[:5], tb[:40]))
 
 
+def _require_tools(missing: list[str], what: str, how: str) -> None:
+    """Skip a test that runs under QEMU when `missing` names what it lacks, with the command that
+    makes it; fail instead under LOCKSTEP_REQUIRE_QEMU, which .ci/run sets after making it all."""
+    if not missing:
+        return
+    if os.environ.get("LOCKSTEP_REQUIRE_QEMU"):
+        pytest.fail(f"LOCKSTEP_REQUIRE_QEMU is set but {', '.join(missing)} is missing ({how})")
+    pytest.skip(f"no {what} ({', '.join(missing)}): {how}; .ci/run does it and requires this test")
+
+
 def _arm_user_space() -> Path:
     """The aarch64 user space that .ci/arm-sysroot makes (LOCKSTEP_ARM_SYSROOT), with qemu-aarch64
-    and GCC's aarch64 cross compiler on PATH; CI makes it and requires the tests that use it
-    (LOCKSTEP_REQUIRE_ARM), elsewhere they skip with the command that makes it."""
+    and GCC's aarch64 cross compiler on PATH."""
     folder = os.environ.get("LOCKSTEP_ARM_SYSROOT")
-    missing = [what for what, ok in [("LOCKSTEP_ARM_SYSROOT", folder and Path(folder, "usr/bin/python3").exists()),
-                                     ("qemu-aarch64", shutil.which("qemu-aarch64")),
-                                     ("aarch64-linux-gnu-gcc", shutil.which("aarch64-linux-gnu-gcc"))] if not ok]
-    if missing:
-        if os.environ.get("LOCKSTEP_REQUIRE_ARM"):
-            pytest.fail(f"LOCKSTEP_REQUIRE_ARM is set but {', '.join(missing)} is missing (.ci/arm-sysroot FOLDER)")
-        pytest.skip(f"no aarch64 user space ({', '.join(missing)}): .ci/arm-sysroot FOLDER makes one (root, apt), and "
-                    "LOCKSTEP_ARM_SYSROOT=FOLDER runs this; .ci/run does both and requires it")
+    _require_tools([what for what, ok in [("LOCKSTEP_ARM_SYSROOT", folder and Path(folder, "usr/bin/python3").exists()),
+                                          ("qemu-aarch64", shutil.which("qemu-aarch64")),
+                                          ("aarch64-linux-gnu-gcc", shutil.which("aarch64-linux-gnu-gcc"))] if not ok],
+                   "aarch64 user space", ".ci/arm-sysroot FOLDER makes one (root, apt), and LOCKSTEP_ARM_SYSROOT=FOLDER "
+                   "runs this")
     return Path(folder)
 
 
@@ -222,6 +229,56 @@ def test_an_aarch64_build_under_qemu_gives_the_x86_bits(cross, tmp_path):
     assert got["isa"] == "scalar"
     want = _native_bits.digests(build.library(), build.isa(), 2)
     assert got["digests"] == {str(t): want for t in (1, 2, 3)}
+
+
+# QEMU's models of Intel CPUs (GenuineIntel in CPUID, so MKL takes its Intel code paths) that TCG can
+# run: Haswell (AVX2 and FMA, no AVX-512) and Sandy Bridge (AVX alone, below what the AVX2 path needs).
+INTEL_CPUS = {"Haswell-v4": ("avx2", "AVX2"), "SandyBridge": ("scalar", "DEFAULT")}
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="emulates x86-64 CPUs in user mode; CI runs x86-64")
+@pytest.mark.parametrize("model", list(INTEL_CPUS))
+def test_an_emulated_intel_cpu_gives_the_bits_of_this_one(model, widest):
+    """The issue's Xeon failure came from MKL's Intel code paths, which re-block fp32 GEMMs with the
+    thread count; they run only where CPUID says GenuineIntel. Under QEMU's user-mode emulation of an
+    Intel CPU they run here: stock fp32 `F.linear` on Haswell gives other bits on 1 and 2 threads
+    (checked first, so the emulation is known to reach them). The native backend, whose instruction
+    set is the one it finds in that CPUID (AVX2; scalar on Sandy Bridge, with ATen's default
+    kernels), gives this machine's digest: every op, forward and backward, fp32, bf16 and fp16, on
+    1, 2 and 3 threads. TCG has no AVX-512, so the AVX-512 paths on Intel run only on hardware."""
+    _require_tools([] if shutil.which("qemu-x86_64") else ["qemu-x86_64"], "x86-64 emulator",
+                   "apt-get install qemu-user (.ci/arm-sysroot installs it)")
+    proc = subprocess.run(["qemu-x86_64", "-cpu", model, sys.executable, "-W", "ignore", str(DIGEST)],
+                          capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert (got["isa"], got["aten"]) == INTEL_CPUS[model]
+    if model == "Haswell-v4":
+        assert got["stock_linear"]["1"] != got["stock_linear"]["2"], "MKL's Intel path did not re-block"
+    assert got["digests"] == widest["digests"]
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="emulates x86-64 CPUs in user mode; CI runs x86-64")
+def test_on_an_emulated_intel_cpu_the_fallback_line_says_what_the_portable_backend_loses(tmp_path):
+    """On QEMU's Haswell, MKL's fp32 GEMM changes a row's bits with the tile's row count and a
+    column's with the call's width, the two premises of the portable backend's invariance: without
+    a compiler, the line that says why the native backend is not in use also says that, and so does
+    `lockstep check --backend portable`, whose batch sweep fails there."""
+    _require_tools([] if shutil.which("qemu-x86_64") else ["qemu-x86_64"], "x86-64 emulator",
+                   "apt-get install qemu-user (.ci/arm-sysroot installs it)")
+    qemu = (shutil.which("qemu-x86_64"), "-cpu", "Haswell-v4")  # a full path: PATH is emptied for the child
+    caveat = ("PyTorch's fp32 GEMMs here break the row tiles and column widths that the portable backend rests on, "
+              "so it has no batch invariance or tensor-parallel invariance on this machine at 2 threads "
+              "(docs/contract.md, section 7)")
+    assert _fallback_lines(tmp_path, qemu) == [f"{FALLBACK_LINE}; {caveat}"]
+    check = subprocess.run([*qemu, sys.executable, "-m", "lockstep", "check", "--backend", "portable", "linear",
+                            "--dtype", "fp32", "--no-grad"], env={**os.environ, "OMP_NUM_THREADS": "2"},
+                           capture_output=True, text=True, timeout=600)
+    assert check.returncode == 1, check.stderr[-3000:]
+    first, *_, row, _, summary = check.stdout.splitlines()
+    assert first.startswith("lockstep check: backend=portable threads=2 ") and first.endswith(f"; {caveat}"), first
+    assert row.split()[:2] == ["linear", "float32"] and "FAIL batch=1" in row, row
+    assert summary.startswith("0 passed, 1 failed"), summary
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="os.fork is POSIX-only; CI runs Linux")
@@ -493,18 +550,27 @@ def test_a_forced_instruction_set_must_be_known_and_runnable(monkeypatch):
             build.isa()
 
 
-def test_without_a_working_compiler_the_portable_backend_runs_and_one_line_says_why(tmp_path):
-    code = ("import torch, lockstep\nfrom lockstep import ops, registry\n"
+def _fallback_lines(tmp_path: Path, emulator: tuple[str, ...] = ()) -> list[str]:
+    """The lines a process without a working compiler (CC=/bin/false, nothing on PATH) prints about
+    the native backend, on 2 threads, run by `emulator` (a QEMU command line) or directly."""
+    code = ("import torch, lockstep\nfrom lockstep import ops, registry\ntorch.set_num_threads(2)\n"
             "x, w = torch.randn(3, 8), torch.randn(4, 8)\ny = ops.linear(x, w)\n"
             "with registry.use_backend('portable'):\n    assert torch.equal(y, ops.linear(x, w))\n"
             "print(registry.cpu_backend())\n")
     env = {**os.environ, "CC": "/bin/false", "PATH": str(tmp_path), "LOCKSTEP_CACHE_DIR": str(tmp_path / "cache")}
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([*emulator, sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=600)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "portable"
-    lines = [line for line in proc.stderr.splitlines() if "native CPU backend" in line]
-    assert lines == ["lockstep: the native CPU backend is not in use (false could not compile kernels.c: (no message)); "
-                     "running the portable backend, whose bits follow this machine's BLAS"], proc.stderr
+    return [line for line in proc.stderr.splitlines() if "native CPU backend" in line]
+
+
+FALLBACK_LINE = ("lockstep: the native CPU backend is not in use (false could not compile kernels.c: (no message)); "
+                 "running the portable backend, whose bits follow this machine's BLAS")
+
+
+def test_without_a_working_compiler_the_portable_backend_runs_and_one_line_says_why(tmp_path):
+    assert _fallback_lines(tmp_path) == [FALLBACK_LINE]
 
 
 def _old_compiler(tmp_path: Path, builds: str, fails_with: str = "kernels.c:212:5: error: unknown type name "

@@ -1,7 +1,8 @@
 """The Xeon stand-in of tests/_reblocking_blas.py (docs/adr/0024) does what the suite relies on it
 for: a stock GEMM sums K in the documented blocks, which follow the thread count and the row
 count, in every form the portable backend and stock PyTorch call; the native backend's bits stay;
-arguments it does not take reach the stock kernel's errors. It runs in a child process, since it
+the library's probe of the portable backend's premises sees the row term; arguments it does not
+take reach the stock kernel's errors. It runs in a child process, since it
 re-registers ATen's CPU kernels for the whole process."""
 
 import os
@@ -12,7 +13,7 @@ import pytest
 
 CHILD = r"""
 import sys, torch, _reblocking_blas
-from lockstep import ops, registry
+from lockstep import fixed_order, ops, registry
 mode = sys.argv[1]
 gen = torch.Generator().manual_seed(0)
 x, w = torch.randn(37, 1024, generator=gen), torch.randn(300, 1024, generator=gen)
@@ -58,6 +59,8 @@ for backend in ("portable", "native"):
             runs.append((y.detach(), xg.grad, wg.grad))
     moved[backend] = [not torch.equal(a, b) for a, b in zip(*runs)]
 checks["portable_moves"] = all(moved["portable"])
+# the library's probe of the portable backend's premises sees the row term, and nothing else
+checks["probe_sees_rows"] = fixed_order.torch_gemm_broken_premises() == (("row tiles",) if mode == "rows" else ())
 checks["native_stays"] = not any(moved["native"])
 try:
     torch.mm(torch.randn(5, 48), torch.randn(100, 7))
@@ -81,4 +84,4 @@ def test_the_xeon_stand_in_reblocks_stock_gemms_and_not_the_native_ones(mode):
     assert out.returncode == 0, out.stderr[-3000:]
     results = dict(line.split() for line in out.stdout.splitlines())
     failed = [name for name, ok in results.items() if ok != "True"]
-    assert len(results) == 15 and not failed, (failed, out.stderr[-2000:])
+    assert len(results) == 16 and not failed, (failed, out.stderr[-2000:])

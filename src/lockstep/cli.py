@@ -160,7 +160,10 @@ def cmd_check(args: argparse.Namespace) -> int:
 
         unbuilt = unbuilt_isas()
         isa = f" isa={isa_name()}" + (f" (the compiler left out {', '.join(unbuilt)})" if unbuilt else "")
-    print(f"lockstep check: backend={args.backend}{isa} threads={torch.get_num_threads()} torch={torch.__version__}")
+    # Where the portable backend cannot be invariant, the failures below come with the reason.
+    caveat = registry.portable_caveat() if args.backend == "portable" and args.device == "cpu" else ""
+    print(f"lockstep check: backend={args.backend}{isa} threads={torch.get_num_threads()} torch={torch.__version__}"
+          + (f"; {caveat}" if caveat else ""))
     print("  ".join(h.ljust(w) for h, w in zip(header, widths)))
     print("  ".join("-" * w for w in widths))
     reports, failed, started = [], 0, time.time()

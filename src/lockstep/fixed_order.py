@@ -387,6 +387,36 @@ def torch_matmul_rows(a: Tensor, b: Tensor, bias: Tensor | None = None) -> Tenso
     return out.to(out_dtype)
 
 
+def torch_gemm_broken_premises() -> tuple[str, ...]:
+    """Which premises of the portable backend's invariance PyTorch's fp32 CPU GEMM breaks at this
+    thread count (docs/contract.md, section 7): "row tiles" where a row's bits differ between the
+    row tiles `torch_matmul_rows` uses (batch invariance rests on it), "column widths" where a
+    column's bits follow the call's width (COLUMN_CHUNK's calls and tensor-parallel shards rest on
+    it). MKL on an Intel CPU without AVX-512 breaks both. A probe of a few shapes, called as linear
+    calls them (the weight a transposed view): a premise it names broken is broken; one it passes
+    is what `lockstep check --backend portable` and tests/test_portable.py test further."""
+    return _gemm_broken_premises(torch.get_num_threads())
+
+
+@functools.lru_cache(maxsize=None)
+def _gemm_broken_premises(threads: int) -> tuple[str, ...]:
+    gen = torch.Generator().manual_seed(0)
+
+    def products(m: int, k: int, n: int) -> tuple[Tensor, Tensor, Tensor]:
+        a, b = torch.randn(m, k, generator=gen), (torch.randn(n, k, generator=gen) / 32).t()
+        return a, b, torch.mm(a, b)
+
+    rows = columns = True
+    for k, n in ((300, 77), (1024, 1024)):
+        a, b, full = products(ROW_TILE, k, n)
+        rows = rows and all(torch.equal(torch.mm(a[:t], b), full[:t]) for t in TAIL_TILES)
+    for k, n in ((300, 77), (1024, COLUMN_CHUNK + 1904)):
+        a, b, full = products(TAIL_TILE, k, n)
+        parts = [(0, n // 2), (n // 2, n)] + ([(0, COLUMN_CHUNK), (COLUMN_CHUNK, n)] if n > COLUMN_CHUNK else [])
+        columns = columns and all(torch.equal(torch.mm(a, b[:, lo:hi]), full[:, lo:hi]) for lo, hi in parts)
+    return tuple(name for name, kept in (("row tiles", rows), ("column widths", columns)) if not kept)
+
+
 def sum_over_rows(rows: int, block_partial: Callable[[int, int], Tensor]) -> Tensor:
     """Sum of per-row contributions in the documented fixed order.
 

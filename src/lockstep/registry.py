@@ -139,10 +139,29 @@ def cpu_backend() -> str:
     try:
         load("native")
     except ImportError as e:
+        caveat = portable_caveat()
         logging.getLogger("lockstep").warning("lockstep: the native CPU backend is not in use (%s); running the "
-                                              "portable backend, whose bits follow this machine's BLAS", e.__cause__ or e)
+                                              "portable backend, whose bits follow this machine's BLAS%s",
+                                              e.__cause__ or e, f"; {caveat}" if caveat else "")
         return "portable"
     return "native"
+
+
+# What the portable backend loses where PyTorch's GEMM breaks one of its premises (fixed_order).
+_LOST_WITH = {"row tiles": "batch invariance", "column widths": "tensor-parallel invariance"}
+
+
+def portable_caveat() -> str:
+    """Empty where PyTorch's fp32 CPU GEMM keeps the portable backend's premises at this thread
+    count; else a sentence that says which it breaks and what the portable backend loses."""
+    from .fixed_order import torch_gemm_broken_premises
+
+    broken = torch_gemm_broken_premises()
+    if not broken:
+        return ""
+    return (f"PyTorch's fp32 GEMMs here break the {' and '.join(broken)} that the portable backend rests on, so "
+            f"it has no {' or '.join(_LOST_WITH[b] for b in broken)} on this machine at "
+            f"{torch.get_num_threads()} threads (docs/contract.md, section 7)")
 
 
 @contextlib.contextmanager
