@@ -407,13 +407,15 @@ def _gemm_broken_premises(threads: int) -> tuple[str, ...]:
         return a, b, torch.mm(a, b)
 
     rows = columns = True
-    for k, n in ((300, 77), (1024, 1024)):
-        a, b, full = products(ROW_TILE, k, n)
-        rows = rows and all(torch.equal(torch.mm(a[:t], b), full[:t]) for t in TAIL_TILES)
-    for k, n in ((300, 77), (1024, COLUMN_CHUNK + 1904)):
-        a, b, full = products(TAIL_TILE, k, n)
-        parts = [(0, n // 2), (n // 2, n)] + ([(0, COLUMN_CHUNK), (COLUMN_CHUNK, n)] if n > COLUMN_CHUNK else [])
-        columns = columns and all(torch.equal(torch.mm(a, b[:, lo:hi]), full[:, lo:hi]) for lo, hi in parts)
+    # The probe may first run inside an op under autocast; its answer is about fp32 GEMMs.
+    with torch.autocast("cpu", enabled=False):
+        for k, n in ((300, 77), (1024, 1024)):
+            a, b, full = products(ROW_TILE, k, n)
+            rows = rows and all(torch.equal(torch.mm(a[:t], b), full[:t]) for t in TAIL_TILES)
+        for k, n in ((300, 77), (1024, COLUMN_CHUNK + 1904)):
+            a, b, full = products(TAIL_TILE, k, n)
+            parts = [(0, n // 2), (n // 2, n)] + ([(0, COLUMN_CHUNK), (COLUMN_CHUNK, n)] if n > COLUMN_CHUNK else [])
+            columns = columns and all(torch.equal(torch.mm(a, b[:, lo:hi]), full[:, lo:hi]) for lo, hi in parts)
     return tuple(name for name, kept in (("row tiles", rows), ("column widths", columns)) if not kept)
 
 

@@ -159,9 +159,10 @@ def portable_caveat() -> str:
     broken = torch_gemm_broken_premises()
     if not broken:
         return ""
+    threads = torch.get_num_threads()
     return (f"PyTorch's fp32 GEMMs here break the {' and '.join(broken)} that the portable backend rests on, so "
-            f"it has no {' or '.join(_LOST_WITH[b] for b in broken)} on this machine at "
-            f"{torch.get_num_threads()} threads (docs/contract.md, section 7)")
+            f"it has no {' or '.join(_LOST_WITH[b] for b in broken)} on this machine at {threads} "
+            f"thread{'s' if threads != 1 else ''} (docs/contract.md, section 7)")
 
 
 @contextlib.contextmanager
