@@ -17,6 +17,7 @@ dtypes, mismatched shapes) go to the stock kernel, which accepts or refuses them
 
 from __future__ import annotations
 
+import os
 import threading
 
 import torch
@@ -164,6 +165,15 @@ def _kernel(fn, stock):
             _inside.active = False
         return stock.call_boxed(keyset, *args, **kwargs) if out is None else out
     return kernel
+
+
+def child_env() -> dict[str, str]:
+    """The environment of a child process that installs the stand-in itself: the tests folder on
+    its path, and conftest's variable unset so that nothing installs it twice."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([here, os.environ.get("PYTHONPATH", "")])}
+    env.pop("LOCKSTEP_TEST_REBLOCKING_BLAS", None)
+    return env
 
 
 def install(mode: str = "threads") -> None:

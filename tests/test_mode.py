@@ -2,7 +2,6 @@
 batch-invariant (aten overrides on the CPU and CUDA dispatch keys), and give the stock kernels back."""
 
 import json
-import os
 import subprocess
 import sys
 import threading
@@ -14,6 +13,7 @@ import lockstep
 from lockstep import hf, mode
 from lockstep import contract, fixed_order, ops, registry
 
+import _reblocking_blas
 from _models import hf_config
 
 
@@ -205,11 +205,8 @@ def test_gemm_forms_break_invariance_without_the_mode():
     stock PyTorch alone depends on the machine's BLAS (on this AMD EPYC's MKL, mm out= and addmm_
     among others; on QEMU's Haswell, not those two but baddbmm and addbmm), so the stand-in makes
     the premise hold on every machine."""
-    here = os.path.dirname(__file__)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([here, os.environ.get("PYTHONPATH", "")])}
-    env.pop("LOCKSTEP_TEST_REBLOCKING_BLAS", None)
-    proc = subprocess.run([sys.executable, "-W", "ignore", "-c", FORMS_UNDER_A_ROW_DEPENDENT_BLAS], env=env,
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, "-W", "ignore", "-c", FORMS_UNDER_A_ROW_DEPENDENT_BLAS],
+                          env=_reblocking_blas.child_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     assert [n for n, differs in got["stock_differs"].items() if not differs] == [], got

@@ -188,8 +188,10 @@ def _require_tools(missing: list[str], what: str, how: str) -> None:
     makes it; fail instead under LOCKSTEP_REQUIRE_QEMU, which .ci/run sets after making it all."""
     if not missing:
         return
-    if os.environ.get("LOCKSTEP_REQUIRE_QEMU") or os.environ.get("LOCKSTEP_REQUIRE_ARM"):  # the earlier name
-        pytest.fail(f"LOCKSTEP_REQUIRE_QEMU is set but {', '.join(missing)} is missing ({how})")
+    # LOCKSTEP_REQUIRE_ARM is the earlier name, from before the emulated Intel CPUs.
+    required = [name for name in ("LOCKSTEP_REQUIRE_QEMU", "LOCKSTEP_REQUIRE_ARM") if os.environ.get(name)]
+    if required:
+        pytest.fail(f"{required[0]} is set but {', '.join(missing)} is missing ({how})")
     pytest.skip(f"no {what} ({', '.join(missing)}): {how}; .ci/run does it and requires this test")
 
 
@@ -231,6 +233,14 @@ def test_an_aarch64_build_under_qemu_gives_the_x86_bits(cross, tmp_path):
     assert got["digests"] == {str(t): want for t in (1, 2, 3)}
 
 
+def _qemu_x86() -> str:
+    """The path of qemu-x86_64 (qemu-user; .ci/arm-sysroot installs it)."""
+    qemu = shutil.which("qemu-x86_64")
+    _require_tools([] if qemu else ["qemu-x86_64"], "x86-64 emulator",
+                   "apt-get install qemu-user (.ci/arm-sysroot installs it)")
+    return qemu
+
+
 # QEMU's models of Intel CPUs (GenuineIntel in CPUID, so MKL takes its Intel code paths) that TCG can
 # run: Haswell (AVX2 and FMA, no AVX-512) and Sandy Bridge (AVX alone, below what the AVX2 path needs).
 INTEL_CPUS = {"Haswell-v4": ("avx2", "AVX2"), "SandyBridge": ("scalar", "DEFAULT")}
@@ -246,9 +256,7 @@ def test_an_emulated_intel_cpu_gives_the_bits_of_this_one(model, widest):
     set is the one it finds in that CPUID (AVX2; scalar on Sandy Bridge, with ATen's default
     kernels), gives this machine's digest: every op, forward and backward, fp32, bf16 and fp16, on
     1, 2 and 3 threads. TCG has no AVX-512, so the AVX-512 paths on Intel run only on hardware."""
-    _require_tools([] if shutil.which("qemu-x86_64") else ["qemu-x86_64"], "x86-64 emulator",
-                   "apt-get install qemu-user (.ci/arm-sysroot installs it)")
-    proc = subprocess.run(["qemu-x86_64", "-cpu", model, sys.executable, "-W", "ignore", str(DIGEST)],
+    proc = subprocess.run([_qemu_x86(), "-cpu", model, sys.executable, "-W", "ignore", str(DIGEST)],
                           capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -264,9 +272,7 @@ def test_on_an_emulated_intel_cpu_the_fallback_line_says_what_the_portable_backe
     column's with the call's width, the two premises of the portable backend's invariance: without
     a compiler, the line that says why the native backend is not in use also says that, and so does
     `lockstep check --backend portable`, whose batch sweep fails there."""
-    _require_tools([] if shutil.which("qemu-x86_64") else ["qemu-x86_64"], "x86-64 emulator",
-                   "apt-get install qemu-user (.ci/arm-sysroot installs it)")
-    qemu = (shutil.which("qemu-x86_64"), "-cpu", "Haswell-v4")  # a full path: PATH is emptied for the child
+    qemu = (_qemu_x86(), "-cpu", "Haswell-v4")  # a full path: PATH is emptied for the child
     caveat = ("PyTorch's fp32 GEMMs here break the row tiles and column widths that the portable backend rests on, "
               "so it has no batch invariance or tensor-parallel invariance on this machine at 2 threads "
               "(docs/contract.md, section 7)")
@@ -571,7 +577,7 @@ FALLBACK_LINE = ("lockstep: the native CPU backend is not in use (false could no
 
 def test_without_a_working_compiler_the_portable_backend_runs_and_one_line_says_why(tmp_path):
     """The line also says what the portable backend loses where this machine's GEMM breaks its
-    premises (none on the machines CI runs on; QEMU's Haswell below)."""
+    premises (none on the machines CI runs on; QEMU's Haswell does, in the test above)."""
     with num_threads(2):
         caveat = registry.portable_caveat()
     assert _fallback_lines(tmp_path) == [FALLBACK_LINE + (f"; {caveat}" if caveat else "")]

@@ -2,14 +2,15 @@
 for: a stock GEMM sums K in the documented blocks, which follow the thread count and the row
 count, in every form the portable backend and stock PyTorch call; the native backend's bits stay;
 the library's probe of the portable backend's premises sees the row term; arguments it does not
-take reach the stock kernel's errors. It runs in a child process, since it
-re-registers ATen's CPU kernels for the whole process."""
+take reach the stock kernel's errors. It runs in a child process, since it re-registers ATen's CPU
+kernels for the whole process."""
 
-import os
 import subprocess
 import sys
 
 import pytest
+
+import _reblocking_blas
 
 CHILD = r"""
 import sys, torch, _reblocking_blas
@@ -82,10 +83,8 @@ for name, ok in checks.items():
 
 @pytest.mark.parametrize("mode", ["threads", "rows"])
 def test_the_xeon_stand_in_reblocks_stock_gemms_and_not_the_native_ones(mode):
-    here = os.path.dirname(__file__)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([here, os.environ.get("PYTHONPATH", "")])}
-    env.pop("LOCKSTEP_TEST_REBLOCKING_BLAS", None)
-    out = subprocess.run([sys.executable, "-c", CHILD, mode], capture_output=True, text=True, env=env, timeout=300)
+    out = subprocess.run([sys.executable, "-c", CHILD, mode], capture_output=True, text=True,
+                         env=_reblocking_blas.child_env(), timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     results = dict(line.split() for line in out.stdout.splitlines())
     failed = [name for name, ok in results.items() if ok != "True"]
