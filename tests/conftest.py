@@ -1,4 +1,5 @@
 import os
+import platform
 
 import pytest
 import torch
@@ -30,10 +31,45 @@ def pytest_report_header(config):
     return f"lockstep: torch {torch.__version__}, CUDA available: {torch.cuda.is_available()}"
 
 
+def _cpu_name() -> str:
+    fields = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                fields.setdefault(key.strip(), value.strip())
+    except OSError:
+        pass
+    return f"{fields.get('model name') or platform.processor() or 'unknown CPU'} ({fields.get('vendor_id', '?')})"
+
+
+def _stock_linear_follows_threads() -> bool:
+    """Whether stock fp32 F.linear at issue 27's shape gives other bits on 1 and 2 threads: what
+    an Intel Xeon's MKL does, and what lockstep's native kernels must not inherit."""
+    gen = torch.Generator().manual_seed(0)
+    x, w = torch.randn(37, 1024, generator=gen), torch.randn(3072, 1024, generator=gen)
+    n = torch.get_num_threads()
+    try:
+        outs = []
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            outs.append(torch.nn.functional.linear(x, w))
+    finally:
+        torch.set_num_threads(n)
+    return not torch.equal(*outs)
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     n = getattr(config, "_lockstep_gpu_deselected", 0)
     if n:
         terminalreporter.write_line(f"lockstep: {n} GPU tests deselected (no CUDA device on this machine)")
+    # Which machine a run (CI's above all) landed on, since the BLAS's bits depend on it.
+    follows = "differs" if _stock_linear_follows_threads() else "is the same"
+    if os.environ.get("LOCKSTEP_TEST_REBLOCKING_BLAS"):
+        follows += " (under the stand-in BLAS)"
+    terminalreporter.write_line(f"lockstep: ran on {_cpu_name()}, {os.cpu_count()} CPUs, ATen "
+                                f"{torch.backends.cpu.get_cpu_capability()}; stock fp32 linear on 1 vs 2 "
+                                f"threads {follows}")
 
 
 @pytest.fixture(autouse=True)
