@@ -94,7 +94,7 @@ def test_the_same_loop_on_eager_pytorch_shows_the_mismatch(tmp_path):
     packed: stock fp32 PyTorch rounds the two differently on both CPUs this project has run on (Intel
     with MKL, AMD EPYC), while stock bf16 differs only on the Intel one. lockstep gives 0 in the same
     setting."""
-    args = [*TINY, "--dtype", "fp32", "--max-num-seqs", "1", "--max-new-tokens", "6", "--steps", "1"]
+    args = [*TINY, "--dtype", "fp32", "--max-num-seqs", "1", "--max-new-tokens", "16", "--steps", "1"]
     assert cli.main(["rl", *args, "--backend", "eager", "--out", str(tmp_path / "eager")]) == 0
     (rec,), _ = train.read_log(str(tmp_path / "eager"))
     assert rec["max_abs_dlogp"] > 0 and rec["approx_kl0"] > 0

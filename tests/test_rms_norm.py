@@ -25,9 +25,10 @@ def test_eager_sum_changes_order_at_65536_columns():
     torch.set_num_threads(2)
     gen = torch.Generator().manual_seed(0)
     differs = 0
-    for _ in range(8):
+    for _ in range(4):
         x = torch.randn(64, 65536, generator=gen)
-        differs += not torch.equal(x[:1].sum(-1), x.sum(-1)[:1])
+        # One row at a time (the few-row case that splits a row), 16 sums: two orders often round alike.
+        differs += sum(not torch.equal(x[i:i + 1].sum(-1), x.sum(-1)[i:i + 1]) for i in range(4))
     assert differs > 0
 
 
