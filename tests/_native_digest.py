@@ -29,6 +29,8 @@ from lockstep.harness.attention_check import AttnCase, AttnSizes, _paged_decode
 from lockstep.harness.masked_attention_check import MaskedCase, MaskedSizes
 from lockstep.harness.check import Pool, run
 from lockstep.harness.specs import SPECS, Sizes
+from lockstep import exact_math
+from lockstep.model import ModelConfig, Transformer
 from lockstep.model.moe import route
 from lockstep.rotary import LinearRopeScaling, Llama3RopeScaling, rope_cos_sin, rope_inv_freq
 
@@ -86,8 +88,14 @@ ROPES = ((128, 1_000_000.0, None), (64, 10_000.0, None), (128, 500_000.0, Llama3
 
 
 def _model_arithmetic(h: "hashlib._Hash") -> None:
-    """The rotary tables at positions up to 2^20 and the MoE router on logits of a real router's
-    range (fp32 probabilities through exp, 8 of 16 experts, renormalised, and the logits' gradient)."""
+    """The rotary tables at positions up to 2^20, the MoE router on logits of a real router's range
+    (fp32 probabilities through exp, 8 of 16 experts, renormalised, and the logits' gradient), and
+    a random model's weights (from_config: exact_math.normal, through log_float64 on the whole
+    float64 range)."""
+    wide = torch.logspace(-300, 300, 4001, dtype=torch.float64)
+    _update(h, "log_float64", exact_math.log_float64(wide))
+    for name, p in Transformer.from_config(ModelConfig.tiny("qwen3"), seed=3).state_dict().items():
+        _update(h, f"from_config {name}", p)
     positions = torch.arange(0, 1 << 20, 97)
     for head_dim, theta, scaling in ROPES:
         _update(h, f"inv_freq {head_dim} {theta} {scaling}", rope_inv_freq(head_dim, theta, scaling))
@@ -102,11 +110,29 @@ def _model_arithmetic(h: "hashlib._Hash") -> None:
         _update(h, f"router {label}", t)
 
 
+def _training(h: "hashlib._Hash") -> None:
+    """Two Trainer steps of a random Qwen3 (fp32, and bf16 with fp32 master weights): the weights and
+    the optimizer's state after them, AdamW's square root and the gradient norm's included."""
+    from lockstep.train import PackedDataset, TrainConfig, Trainer
+
+    tokens = torch.randint(0, 300, (600,), generator=torch.Generator().manual_seed(0)).tolist()
+    for dtype in (torch.float32, torch.bfloat16):
+        cfg = TrainConfig(steps=2, seq_len=32, micro_batch_tokens=96, accum=2, lr=3e-3, warmup=1, seed=0,
+                          grad_clip=0.5, master_weights=dtype == torch.bfloat16)
+        model = Transformer.from_config(ModelConfig.tiny("qwen3", vocab_size=300), seed=0, dtype=dtype)
+        trainer = Trainer(model, PackedDataset(tokens, cfg.seq_len, cfg.micro_batch_tokens, cfg.seed), cfg)
+        for _ in range(cfg.steps):
+            trainer.step()
+        for name, t in [*model.state_dict().items(), *trainer.opt.state_tensors().items()]:
+            _update(h, f"trained {dtype} {name}", t)
+
+
 def digest() -> str:
     h = hashlib.sha256()
     a, b = bf16_edge_operands()
     _update(h, "bf16 edge GEMM", gemm_nt(a, b))
     _model_arithmetic(h)
+    _training(h)
     for dtype in DTYPES:
         for name, spec in SPECS.items():
             pool = Pool(spec, dtype, SIZES, seed=0, grad=spec.differentiable)

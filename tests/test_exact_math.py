@@ -5,10 +5,12 @@ import math
 from decimal import Decimal, localcontext
 from fractions import Fraction
 
+import numpy as np
 import pytest
 import torch
 
 from lockstep import exact_math
+from lockstep.sampling import uniform_noise
 from lockstep.exact_math import cos_sin_float64
 
 
@@ -96,3 +98,62 @@ def test_scalar_cos_is_correctly_rounded():
 def test_cos_sin_names_angles_outside_its_range(angles, message):
     with pytest.raises(ValueError, match=message):
         cos_sin_float64(angles)
+
+
+def test_log_float64_is_within_3_ulp_of_torch_log():
+    """At the sampler's uniforms and their -log (the Gumbel noise's two logs), and over float64's range."""
+    u = uniform_noise(1, 2, 300_000)
+    wide = torch.rand(50_000, dtype=torch.float64, generator=torch.Generator().manual_seed(0)) * 1e3
+    special = torch.tensor([1.0, 2.0, 0.5, 1e-300, 1e300, 5e-324, 1 - 2 ** -53, 1 + 2 ** -52], dtype=torch.float64)
+    x = torch.cat([u, -torch.log(u), wide, special])
+    ours, ref = exact_math.log_float64(x).numpy(), torch.log(x).numpy()
+    ulps = np.abs(ours - ref) / np.spacing(np.abs(ref)).clip(min=np.finfo(np.float64).tiny)
+    assert ulps.max() <= 3, ulps.max()
+    assert exact_math.log_float64(torch.tensor([1.0], dtype=torch.float64)).item() == 0.0
+
+
+def test_sqrt_float64_is_within_an_ulp_of_the_ieee_root():
+    """IEEE operations alone against the correctly rounded root (Python's math.sqrt), over float64's
+    whole range, subnormals and the ends included; exact at 0, -0, powers of four and 1."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.cat([torch.exp(torch.rand(200_000, dtype=torch.float64, generator=gen) * 1400 - 700),
+                   torch.rand(100_000, dtype=torch.float64, generator=gen) * 80,
+                   torch.tensor([5e-324, 1e-310, 2.2250738585072014e-308, 1.7976931348623157e308, 2.0, 0.5],
+                                dtype=torch.float64)])
+    got = exact_math.sqrt_float64(x).tolist()
+    for v, root in zip(x.tolist(), got):
+        ieee = math.sqrt(v)
+        assert abs(root - ieee) <= math.ulp(ieee), (v, root, ieee)
+    special = torch.tensor([0.0, -0.0, 1.0, 4.0, 2.0 ** -1074 * 4, 2.0 ** 1022], dtype=torch.float64)
+    assert [str(v) for v in exact_math.sqrt_float64(special).tolist()] == [
+        "0.0", "-0.0", "1.0", "2.0", str(2.0 ** -536), str(2.0 ** 511)]
+
+
+def test_normal_draws_are_standard_normal():
+    """Two million draws: mean, variance, the share beyond 1, 2, 3 and 4 standard deviations and
+    skew within 6 standard errors of the normal's (a sampler that lost the sine half, squared the
+    radius, or drew one uniform twice is far outside)."""
+    z = exact_math.normal((2_000_000,), torch.Generator().manual_seed(0))
+    n = z.numel()
+    assert abs(z.mean().item()) < 6 / n ** 0.5
+    assert abs(z.var().item() - 1) < 6 * (2 / n) ** 0.5
+    assert abs((z ** 3).mean().item()) < 6 * (15 / n) ** 0.5
+    for k in (1, 2, 3, 4):
+        p = math.erfc(k / math.sqrt(2))
+        assert abs((z.abs() > k).double().mean().item() - p) < 6 * (p * (1 - p) / n) ** 0.5, k
+    pairs = z.view(-1, 2)                                      # cos and sin halves are uncorrelated
+    assert abs((pairs[:, 0] * pairs[:, 1]).mean().item()) < 6 / (n / 2) ** 0.5
+
+
+def test_normal_draws_do_not_depend_on_how_they_are_split():
+    """n values take n + n % 2 uniforms, in order, in the chunks or in one draw: the first values of
+    a longer draw are a shorter one's, across chunks, and a generator left after an odd draw is
+    where rand would leave it."""
+    chunk = exact_math.NORMAL_CHUNK
+    long = exact_math.normal((3, chunk + 5), torch.Generator().manual_seed(4)).flatten()
+    short = exact_math.normal((2 * chunk + 1,), torch.Generator().manual_seed(4))
+    assert torch.equal(long[:short.numel()], short)
+    gen, ref = torch.Generator().manual_seed(4), torch.Generator().manual_seed(4)
+    exact_math.normal((7,), gen)
+    torch.rand(4, 2, generator=ref, dtype=torch.float64)
+    assert torch.equal(gen.get_state(), ref.get_state())

@@ -22,12 +22,14 @@ _calls = {"linear": 0}
 
 @register("planted-ulp", "linear")
 def _planted_linear(x, weight, bias, *splits):
-    """One ulp added to one element of the output of one linear call: layer 1's down_proj."""
+    """One ulp added to one element of the output of one linear call: layer 1's down_proj, row 0's
+    largest element."""
     y = portable_linear(x, weight, bias, *splits)
     if _calls["linear"] % (2 * LINEARS_PER_LAYER) == LINEARS_PER_LAYER + 6:
         with torch.no_grad():
             delta = torch.zeros_like(y)
-            delta[0, 0] = torch.nextafter(y[0, 0], torch.tensor(float("inf"), dtype=y.dtype)) - y[0, 0]
+            j = int(y[0].abs().argmax())
+            delta[0, j] = torch.nextafter(y[0, j], torch.tensor(float("inf"), dtype=y.dtype)) - y[0, j]
         y = y + delta                 # exact: adjacent floats differ by a representable step
     _calls["linear"] += 1
     return y
@@ -68,6 +70,12 @@ def model():
 
 
 def test_planted_one_ulp_change_is_named_by_op_and_layer(model):
+    """The planted ulp is found at its op, and the records it changed later are listed. At random
+    init the MLP's output is a small fraction of the residual stream it is added to, so one ulp of
+    it vanishes in that sum for about half the seeds; scaled by 2^10 (exactly), it outweighs the
+    stream and its largest element's ulp reaches the final norm (16 seeds of 16)."""
+    with torch.no_grad():
+        model.model.layers[1].mlp.down_proj.weight.mul_(1024.0)
     _calls["linear"] = 0
     c = parity.parity(model, RunConfig(backend="portable"), RunConfig(backend="planted-ulp"))
     d = c.first["forward"]

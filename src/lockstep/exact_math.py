@@ -7,8 +7,13 @@ wherever lockstep needs such a value in a computation whose bits it promises, it
 - `power` and `log` of Python floats: evaluated in 50-digit decimal arithmetic (Python's software
   arithmetic, the same everywhere), then rounded once to float64.
 - `cos` on one Python float: its Taylor series in the same decimal arithmetic.
-- `cos_sin_float64` on float64 tensors: from IEEE additions, multiplications and roundings alone,
-  each its own PyTorch kernel, so the same bits on every CPU, vector unit and GPU.
+- `cos_sin_float64` and `log_float64` on float64 tensors: from IEEE additions, multiplications,
+  divisions and roundings alone, each its own PyTorch kernel, so the same bits on every CPU, vector
+  unit and GPU.
+- `sqrt_float64` likewise: torch.sqrt on a CPU tensor goes through MKL's vector math, which picks
+  its code by the CPU's maker and vector unit.
+- `normal`: standard normal draws from a torch.Generator, by Box-Muller on the functions above
+  (torch.randn's vector and scalar samplers give other normals for one seed).
 """
 
 from __future__ import annotations
@@ -122,3 +127,73 @@ def _horner(z: Tensor, coeffs: tuple[float, ...]) -> Tensor:
     for c in reversed(coeffs[:-1]):
         acc = acc * z + c
     return acc
+
+
+_LN2_HI = 6.93147180369123816490e-01     # ln 2 split so that e * _LN2_HI is exact for |e| < 2^11
+_LN2_LO = 1.90821492927058770002e-10
+
+
+def log_float64(x: Tensor) -> Tensor:
+    """ln(x) for float64 x > 0 (finite; other values give no promised result, and are not
+    checked, since the sampler calls this on every step on any device) from IEEE additions,
+    multiplications and divisions alone, so that its bits do not depend on the CPU's vector unit.
+    torch.log on float64 goes through a vectorized math library whose last bit may follow the
+    instruction set; the sampler's Gumbel noise decides ties between tokens with it.
+
+    x = m 2^e with m in [sqrt(1/2), sqrt(2)); ln m = 2 atanh(s), s = (m - 1) / (m + 1), |s| < 0.172,
+    summed as an odd series to s^25 (the next term is below 2^-60 of the result). Measured within
+    3 ulp of torch.log (tests/test_sampling.py)."""
+    m, e = torch.frexp(x)                            # m in [0.5, 1): exact
+    small = m < 0.7071067811865476
+    m = torch.where(small, m * 2, m)
+    e = (e - small.to(e.dtype)).to(torch.float64)
+    s = (m - 1) / (m + 1)
+    s2 = s * s
+    series = torch.full_like(s, 1.0 / 25)
+    for k in range(23, 0, -2):                       # Horner, from the smallest term
+        series = series * s2 + 1.0 / k
+    return e * _LN2_HI + (e * _LN2_LO + 2 * s * series)
+
+
+def sqrt_float64(x: Tensor) -> Tensor:
+    """The square root of float64 `x` >= 0 (finite; other values give no promised result) from
+    IEEE additions, multiplications, divisions and frexp, each its own kernel, so the same bits on
+    every device and vector unit: torch.sqrt on a CPU tensor of more than a few elements is MKL's
+    vector math, which is not correctly rounded (on an AMD EPYC one float64 root in 75 is an ulp
+    off) and picks its code by the CPU's maker and vector unit (docs/adr/0021). Measured within an
+    ulp of the correctly rounded root (tests/test_exact_math.py).
+
+    x = m 2^e with e even and 1/2 <= m < 2; sqrt m by five Newton steps from (1 + m) / 2 (6% off
+    at worst, then 2e-3, 2e-6, 2e-12, 2e-24); times 2^(e/2), built from its bits (exact)."""
+    m, e = torch.frexp(x)                           # m in [1/2, 1), exact
+    odd = (e & 1) == 1
+    m = torch.where(odd, m * 2.0, m)
+    half_e = (e - odd.to(e.dtype)) // 2
+    y = (m + 1.0) * 0.5
+    for _ in range(5):
+        y = (y + m / y) * 0.5
+    scale = ((half_e.to(torch.int64) + 1023) << 52).view(torch.float64)      # 2^(e/2), a normal number
+    return torch.where(x == 0, x, y * scale)
+
+
+_TWO_PI = float(2 * _PI)
+# Values per chunk of `normal`: its float64 temporaries stay near the cache (fastest here of 2^14..2^20).
+NORMAL_CHUNK = 1 << 18
+
+
+def normal(shape: tuple[int, ...] | torch.Size, generator: torch.Generator) -> Tensor:
+    """Standard normal float64 draws of `shape` on the CPU, the same bits on every machine for one
+    generator state. Pairs by Box-Muller: for uniforms (u1, u2) from torch.rand (a serial sampler,
+    the same on every CPU), sqrt(-2 log(1 - u1)) times cos and sin of 2 pi u2, each computed by
+    this module. Draws are made in chunks of an even size, which gives the same values as one
+    draw: a tensor of n values takes n + n % 2 uniforms, and when n is odd its last pair's sine is
+    dropped."""
+    n = math.prod(shape)
+    out = torch.empty(n, dtype=torch.float64)
+    for start in range(0, n, NORMAL_CHUNK):
+        size = min(NORMAL_CHUNK, n - start)
+        u = torch.rand(-(-size // 2), 2, generator=generator, dtype=torch.float64)
+        radius = sqrt_float64(log_float64(1.0 - u[:, 0]) * -2.0)
+        cos, sin = cos_sin_float64(u[:, 1] * _TWO_PI)
+        out[start:start + size] = torch.stack([radius * cos, radius * sin], dim=1).flatten()[:size]
+    return out.view(shape)

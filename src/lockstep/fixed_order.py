@@ -123,7 +123,8 @@ class CpuKernels(NamedTuple):
     `split_matmul_rows` (a, b, parts), the reduction over K in `parts` slices as `split_sum` of
     `matmul_rows` computes it; `silu` and `silu_backward` (same signatures); and `weight_grad_node`
     (grad_out, inp, bounds, out), `weight_grad_node`'s unit tree in one call, or None where it
-    declines (then the composition runs)."""
+    declines (then the composition runs); and `sqrt` (x, out=None), a correctly rounded square
+    root, fp32 (MKL's vector math, which torch.sqrt takes, is not)."""
     name: str
     matmul_rows: Callable[..., Tensor]
     weight_grad: Callable[..., Tensor]
@@ -138,6 +139,7 @@ class CpuKernels(NamedTuple):
     silu: Callable[[Tensor], Tensor] | None = None
     silu_backward: Callable[[Tensor, Tensor], Tensor] | None = None
     weight_grad_node: Callable[[Tensor, Tensor, list[int], Tensor], Tensor | None] | None = None
+    sqrt: Callable[..., Tensor] | None = None
 
 
 _CPU_KERNELS: dict[str, CpuKernels] = {}
@@ -159,7 +161,7 @@ def current_cpu_kernels() -> str:
 
 @contextlib.contextmanager
 def cpu_kernels(name: str) -> Iterator[None]:
-    """Run `matmul_rows`, `weight_grad`, `exp` and `log` on CPU tensors with kernels `name` in the block."""
+    """Run `matmul_rows`, `weight_grad`, `exp`, `log` and `sqrt` on CPU tensors with kernels `name` in the block."""
     if name != "torch" and name not in _CPU_KERNELS:
         raise ValueError(f"name: unknown CPU kernels {name!r}; expected one of {['torch', *_CPU_KERNELS]}")
     stack = getattr(_kernels_state, "stack", None)
@@ -211,6 +213,14 @@ def log(x: Tensor) -> Tensor:
     """torch.log, on the selected CPU kernels when there are some for `x` (same dtype out)."""
     kernels = _kernels_for(x)
     return torch.log(x) if kernels is None else kernels.log(x)
+
+
+def sqrt(x: Tensor, out: Tensor | None = None) -> Tensor:
+    """torch.sqrt (into `out` when given), on the selected CPU kernels when there are some for `x`."""
+    kernels = _kernels_for(x)
+    if kernels is None or kernels.sqrt is None:
+        return torch.sqrt(x, out=out)
+    return kernels.sqrt(x, out=out)
 
 
 def silu(x: Tensor) -> Tensor:

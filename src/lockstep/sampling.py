@@ -9,7 +9,7 @@ reports the drawn entry, so what it reports is what the trainer sees.
 Drawing is Gumbel-max: token = argmax(logp + g) over the allowed tokens, with g = -log(-log(u))
 and u from a counter-based hash of (seed, completion index, position, token id), computed with
 integer torch ops that give the same bits on any device and in any batch; the logarithms are
-lockstep's own (`log_float64`), and top-p's probabilities use the CPU backend's exp, so a draw does
+lockstep's own (`exact_math.log_float64`), and top-p's probabilities use the CPU backend's exp, so a draw does
 not follow the CPU's vector unit either. Which tokens are allowed, and how likely, is shaped in this order: the repetition penalty, then top-k, min-p and top-p. The
 reported logprob (and the top-N alternatives) are those of the temperature-scaled distribution
 *before* that shaping, because that is what a trainer recomputes from the model.
@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from . import exact_math, ops
+from .exact_math import log_float64
 from .fixed_order import exp
 from .registry import cpu_backend_kernels
 
@@ -123,31 +124,6 @@ def uniform_noise(seed: int, position: int, vocab_size: int, device: torch.devic
     b = _mix32(a ^ _mix32(key ^ 0x5BD1E995))
     bits = a * 2 ** 21 + (b >> 11)       # 53 random bits
     return (bits.to(torch.float64) + 0.5) / 2.0 ** 53
-
-
-_LN2_HI = 6.93147180369123816490e-01     # ln 2 split so that e * _LN2_HI is exact for |e| < 2^11
-_LN2_LO = 1.90821492927058770002e-10
-
-
-def log_float64(x: Tensor) -> Tensor:
-    """ln(x) for float64 x > 0 from IEEE additions, multiplications and divisions alone, so that its
-    bits do not depend on the CPU's vector unit. torch.log on float64 goes through a vectorized
-    math library whose last bit may follow the instruction set (ATen picks AVX2 or AVX-512 at run
-    time), and the Gumbel noise decides ties between tokens.
-
-    x = m 2^e with m in [sqrt(1/2), sqrt(2)); ln m = 2 atanh(s), s = (m - 1) / (m + 1), |s| < 0.172,
-    summed as an odd series to s^25 (the next term is below 2^-60 of the result). Measured within
-    3 ulp of torch.log (tests/test_sampling.py)."""
-    m, e = torch.frexp(x)                            # m in [0.5, 1): exact
-    small = m < 0.7071067811865476
-    m = torch.where(small, m * 2, m)
-    e = (e - small.to(e.dtype)).to(torch.float64)
-    s = (m - 1) / (m + 1)
-    s2 = s * s
-    series = torch.full_like(s, 1.0 / 25)
-    for k in range(23, 0, -2):                       # Horner, from the smallest term
-        series = series * s2 + 1.0 / k
-    return e * _LN2_HI + (e * _LN2_LO + 2 * s * series)
 
 
 @dataclass

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from .. import checks, grad_tree, ops
+from ..exact_math import normal
 from ..fixed_order import TP_SPLIT, accumulate_dtype
 from ..paged_cache import CacheStep
 from ..softcap import softcap
@@ -193,10 +194,11 @@ class Transformer(nn.Module):
     @classmethod
     def from_config(cls, config: ModelConfig, seed: int = 0, dtype: torch.dtype = torch.float32,
                     device: str | torch.device = "cpu") -> "Transformer":
-        """Random weights (normal, std 0.02; norms at 1) from torch.randn: the same for a given seed
-        wherever PyTorch draws normals with the same kernel. Its vector sampler runs on every x86
-        CPU with AVX2 (AVX-512 included); its scalar one (ATEN_CPU_CAPABILITY=default, a CPU
-        without AVX2) gives other weights (ADR 0021)."""
+        """Random weights (normal, std 0.02; norms at 1), the same bits for a given seed on every
+        machine: exact_math.normal's draws, not torch.randn's, whose vector and scalar samplers
+        give other normals (ADR 0021). Parameters draw in named_parameters order from one
+        generator; each is 0.02 x its draws in float64, rounded to float32 and then to `dtype`, so
+        a model in another dtype is the float32 one cast."""
         model = cls(config)
         gen = torch.Generator().manual_seed(seed)
         with torch.no_grad():
@@ -204,7 +206,7 @@ class Transformer(nn.Module):
                 if name.endswith("norm.weight"):
                     p.fill_(1.0 - config.norm_offset)
                 else:
-                    p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+                    p.copy_(normal(p.shape, gen) * 0.02)
         return model.to(device=device, dtype=dtype)
 
     @property

@@ -17,7 +17,8 @@ from torch import Tensor
 
 from ..chunks import row_chunks
 from ..exact_math import cos, power
-from ..fixed_order import row_sum, tree_sum
+from ..fixed_order import row_sum, sqrt, tree_sum
+from ..registry import cpu_backend_kernels
 
 
 @dataclass
@@ -61,6 +62,11 @@ class AdamW:
         b1, b2 = self.cfg.betas
         bc1 = 1 - power(b1, self.step_count)       # the C library's pow follows the CPU (exact_math)
         bc2_sqrt = math.sqrt(1 - power(b2, self.step_count))
+        with cpu_backend_kernels():             # the denominator's sqrt: torch.sqrt's bits follow the CPU
+            self._step_all(lr, grad_scale, grads, bc1, bc2_sqrt)
+
+    def _step_all(self, lr: float, grad_scale: float, grads: dict[str, Tensor] | None, bc1: float,
+                  bc2_sqrt: float) -> None:
         for name, p in self.params:
             grad = p.grad if grads is None else grads.get(name)
             if grad is None:
@@ -95,7 +101,7 @@ class AdamW:
         wf = w if w.dtype == torch.float32 else w.to(torch.float32)
         if self.cfg.weight_decay:
             wf.mul_(1 - lr * self.cfg.weight_decay)
-        torch.sqrt(v, out=tmp).div_(bc2_sqrt).add_(self.cfg.eps)  # denom
+        sqrt(v, out=tmp).div_(bc2_sqrt).add_(self.cfg.eps)        # denom
         torch.div(m, tmp, out=tmp).mul_(lr / bc1)
         wf.sub_(tmp)                                               # w - (m / denom) * (lr / bc1)
         if wf is not w:  # a bf16 / fp16 model without master weights
@@ -149,7 +155,8 @@ def grad_norm(grads: dict[str, Tensor], parts: dict[str, tuple[int, int]] | None
             offset += k
         else:
             total = total + square_sum(grads[n]).cpu()
-    return torch.sqrt(total)
+    with cpu_backend_kernels():
+        return sqrt(total)
 
 
 def square_sum(grad: Tensor) -> Tensor:

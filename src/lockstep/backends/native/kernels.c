@@ -1144,7 +1144,9 @@ AVX512_T INLINE z_i z_isel_gt(z_v x, float t, z_i a, z_i b) { return _mm512_mask
 EXPLOG_BODY(z, AVX512_T)
 #endif
 
-enum { FN_EXP = 0, FN_LOG = 1 };
+/* FN_SQRT is the IEEE square root (sqrtss, vsqrtps): correctly rounded on every CPU, where
+ * torch.sqrt takes MKL's vector math, whose bits follow the CPU's maker and vector unit. */
+enum { FN_EXP = 0, FN_LOG = 1, FN_SQRT = 2 };
 
 typedef struct {
     const float *x;
@@ -1156,7 +1158,8 @@ typedef struct {
 #define UNARY_CHUNK 4096
 
 static void unary_scalar(const float *x, float *y, int64_t n, int fn) {
-    for (int64_t i = 0; i < n; i++) y[i] = fn == FN_EXP ? s_exp(x[i]) : s_log(x[i]);
+    for (int64_t i = 0; i < n; i++)
+        y[i] = fn == FN_EXP ? s_exp(x[i]) : fn == FN_LOG ? s_log(x[i]) : __builtin_sqrtf(x[i]);
 }
 
 #if LS_X86
@@ -1164,13 +1167,13 @@ AVX2_T static void unary_avx2(const float *x, float *y, int64_t n, int fn) {
     int64_t i = 0;
     for (; i + 8 <= n; i += 8) {
         a_v v = _mm256_loadu_ps(x + i);
-        _mm256_storeu_ps(y + i, fn == FN_EXP ? a_exp(v) : a_log(v));
+        _mm256_storeu_ps(y + i, fn == FN_EXP ? a_exp(v) : fn == FN_LOG ? a_log(v) : _mm256_sqrt_ps(v));
     }
     if (i < n) { /* the tail through a padded buffer, in the same lane code */
         float buf[8] = {0};
         memcpy(buf, x + i, (size_t)(n - i) * 4);
         a_v v = _mm256_loadu_ps(buf);
-        _mm256_storeu_ps(buf, fn == FN_EXP ? a_exp(v) : a_log(v));
+        _mm256_storeu_ps(buf, fn == FN_EXP ? a_exp(v) : fn == FN_LOG ? a_log(v) : _mm256_sqrt_ps(v));
         memcpy(y + i, buf, (size_t)(n - i) * 4);
     }
 }
@@ -1179,7 +1182,7 @@ AVX512_T static void unary_avx512(const float *x, float *y, int64_t n, int fn) {
     for (int64_t i = 0; i < n; i += 16) {
         __mmask16 m = (__mmask16)(n - i >= 16 ? 0xffffu : ((1u << (n - i)) - 1u));
         z_v v = _mm512_maskz_loadu_ps(m, x + i);
-        _mm512_mask_storeu_ps(y + i, m, fn == FN_EXP ? z_exp(v) : z_log(v));
+        _mm512_mask_storeu_ps(y + i, m, fn == FN_EXP ? z_exp(v) : fn == FN_LOG ? z_log(v) : _mm512_sqrt_ps(v));
     }
 }
 #endif
@@ -2924,10 +2927,10 @@ int ls_logit_rows(int64_t rows, int64_t L, const void *x, int64_t ld, int dt, fl
     return atomic_load(&J.failed) ? -2 : 0;
 }
 
-/* y[i] = exp(x[i]) (fn 0) or log(x[i]) (fn 1) for i < n, fp32, contiguous; y may alias x. Returns 0,
- * or -1 for arguments it cannot take. */
+/* y[i] = exp(x[i]) (fn 0), log(x[i]) (fn 1) or sqrt(x[i]) (fn 2) for i < n, fp32, contiguous; y may
+ * alias x. Returns 0, or -1 for arguments it cannot take. */
 int ls_unary(const float *x, float *y, int64_t n, int fn, int isa, int threads) {
-    if (n < 0 || (fn != FN_EXP && fn != FN_LOG) || !ls_cpu_supports(isa)) return -1;
+    if (n < 0 || (fn != FN_EXP && fn != FN_LOG && fn != FN_SQRT) || !ls_cpu_supports(isa)) return -1;
     unary_job u = {x, y, n, fn, isa};
     int64_t items = (n + UNARY_CHUNK - 1) / UNARY_CHUNK;
     parallel_for(unary_item, &u, items, n < (1 << 16) ? 1 : threads);

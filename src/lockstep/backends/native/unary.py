@@ -1,6 +1,6 @@
-"""Native exp and log (kernels.c): one algorithm in the scalar, AVX2 and AVX-512 paths, so the same
-bits on every CPU, where torch.exp and torch.log take MKL's vector math for fp32, whose bits follow
-the instruction set."""
+"""Native exp, log and sqrt (kernels.c): one algorithm in the scalar, AVX2 and AVX-512 paths (for
+sqrt, the IEEE instruction), so the same bits on every CPU, where torch.exp, torch.log and
+torch.sqrt take MKL's vector math for fp32, whose bits follow the CPU's maker and vector unit."""
 
 from __future__ import annotations
 
@@ -9,18 +9,24 @@ from torch import Tensor
 
 from .build import isa, library
 
-_FUNCTIONS = {"exp": 0, "log": 1}
+_FUNCTIONS = {"exp": 0, "log": 1, "sqrt": 2}
 
 
-def _unary(fn: str, x: Tensor) -> Tensor:
+def _unary(fn: str, x: Tensor, out: Tensor | None = None) -> Tensor:
     """fn(x) elementwise: any float dtype in (computed in fp32: bf16 and fp16 widen exactly), x's
-    dtype out, x's shape."""
+    dtype out, x's shape; into `out` (fp32, x's shape; written in place when contiguous) when given."""
+    if out is not None and (out.dtype != torch.float32 or out.shape != x.shape):
+        raise ValueError(f"out: expected a float32 tensor of shape {tuple(x.shape)}, got {out.dtype} of shape "
+                         f"{tuple(out.shape)}")
     xf = x.float().contiguous()
-    out = torch.empty_like(xf)
-    if library().ls_unary(xf.data_ptr(), out.data_ptr(), xf.numel(), _FUNCTIONS[fn], isa(),
+    direct = out is not None and out.is_contiguous()
+    result = out if direct else torch.empty_like(xf)
+    if library().ls_unary(xf.data_ptr(), result.data_ptr(), xf.numel(), _FUNCTIONS[fn], isa(),
                           torch.get_num_threads()) != 0:
         raise RuntimeError(f"ls_unary refused {fn} of {xf.numel()} elements")
-    return out.to(x.dtype)
+    if out is None:
+        return result.to(x.dtype)
+    return out if direct else out.copy_(result)
 
 
 def exp(x: Tensor) -> Tensor:
@@ -31,3 +37,9 @@ def exp(x: Tensor) -> Tensor:
 def log(x: Tensor) -> Tensor:
     """The natural log elementwise, about 1 ulp in fp32 (x: any float dtype, same out)."""
     return _unary("log", x)
+
+
+def sqrt(x: Tensor, out: Tensor | None = None) -> Tensor:
+    """The correctly rounded square root elementwise in fp32 (x: any float dtype, same out; or into
+    `out`, fp32)."""
+    return _unary("sqrt", x, out)
