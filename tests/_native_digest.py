@@ -90,10 +90,13 @@ ROPES = ((128, 1_000_000.0, None), (64, 10_000.0, None), (128, 500_000.0, Llama3
 def _model_arithmetic(h: "hashlib._Hash") -> None:
     """The rotary tables at positions up to 2^20, the MoE router on logits of a real router's range
     (fp32 probabilities through exp, 8 of 16 experts, renormalised, and the logits' gradient), and
-    a random model's weights (from_config: exact_math.normal, through log_float64 on the whole
-    float64 range)."""
-    wide = torch.logspace(-300, 300, 4001, dtype=torch.float64)
+    exact_math's float64 functions over float64's positive range (inputs from bit patterns, so
+    they are the same everywhere) and its normal draws in float64 (where a last-bit change shows,
+    unlike in weights rounded to fp32), and a random model's weights (from_config)."""
+    wide = (torch.arange(1, 4002, dtype=torch.int64) * (0x7FEFFFFFFFFFFFFF // 4001)).view(torch.float64)
     _update(h, "log_float64", exact_math.log_float64(wide))
+    _update(h, "sqrt_float64", exact_math.sqrt_float64(wide))
+    _update(h, "normal", exact_math.normal((20_001,), torch.Generator().manual_seed(3)))
     for name, p in Transformer.from_config(ModelConfig.tiny("qwen3"), seed=3).state_dict().items():
         _update(h, f"from_config {name}", p)
     positions = torch.arange(0, 1 << 20, 97)
@@ -110,20 +113,26 @@ def _model_arithmetic(h: "hashlib._Hash") -> None:
         _update(h, f"router {label}", t)
 
 
+def tiny_trainer(family: str, dtype: torch.dtype, tokens: list[int], **config):
+    """A Trainer of a random tiny model of `family` (vocabulary 300) in `dtype` (bf16 with fp32
+    master weights) over `tokens`: sequences of 32, micro-batches of 96 tokens, 2 per step."""
+    from lockstep.train import PackedDataset, TrainConfig, Trainer
+
+    cfg = TrainConfig(**{"steps": 1, "seq_len": 32, "micro_batch_tokens": 96, "accum": 2, "lr": 3e-3, "warmup": 1,
+                         "seed": 0, "master_weights": dtype == torch.bfloat16, **config})
+    model = Transformer.from_config(ModelConfig.tiny(family, vocab_size=300), seed=0, dtype=dtype)
+    return Trainer(model, PackedDataset(tokens, cfg.seq_len, cfg.micro_batch_tokens, cfg.seed), cfg)
+
+
 def _training(h: "hashlib._Hash") -> None:
     """Two Trainer steps of a random Qwen3 (fp32, and bf16 with fp32 master weights): the weights and
     the optimizer's state after them, AdamW's square root and the gradient norm's included."""
-    from lockstep.train import PackedDataset, TrainConfig, Trainer
-
     tokens = torch.randint(0, 300, (600,), generator=torch.Generator().manual_seed(0)).tolist()
     for dtype in (torch.float32, torch.bfloat16):
-        cfg = TrainConfig(steps=2, seq_len=32, micro_batch_tokens=96, accum=2, lr=3e-3, warmup=1, seed=0,
-                          grad_clip=0.5, master_weights=dtype == torch.bfloat16)
-        model = Transformer.from_config(ModelConfig.tiny("qwen3", vocab_size=300), seed=0, dtype=dtype)
-        trainer = Trainer(model, PackedDataset(tokens, cfg.seq_len, cfg.micro_batch_tokens, cfg.seed), cfg)
-        for _ in range(cfg.steps):
+        trainer = tiny_trainer("qwen3", dtype, tokens, steps=2, grad_clip=0.5)
+        for _ in range(2):
             trainer.step()
-        for name, t in [*model.state_dict().items(), *trainer.opt.state_tensors().items()]:
+        for name, t in [*trainer.model.state_dict().items(), *trainer.opt.state_tensors().items()]:
             _update(h, f"trained {dtype} {name}", t)
 
 

@@ -101,7 +101,8 @@ def test_cos_sin_names_angles_outside_its_range(angles, message):
 
 
 def test_log_float64_is_within_3_ulp_of_torch_log():
-    """At the sampler's uniforms and their -log (the Gumbel noise's two logs), and over float64's range."""
+    """At the sampler's uniforms and their -log (the Gumbel noise's two logs), in [0, 1e3), and at
+    float64's ends, subnormals, 1 and its neighbours."""
     u = uniform_noise(1, 2, 300_000)
     wide = torch.rand(50_000, dtype=torch.float64, generator=torch.Generator().manual_seed(0)) * 1e3
     special = torch.tensor([1.0, 2.0, 0.5, 1e-300, 1e300, 5e-324, 1 - 2 ** -53, 1 + 2 ** -52], dtype=torch.float64)
@@ -145,15 +146,19 @@ def test_normal_draws_are_standard_normal():
     assert abs((pairs[:, 0] * pairs[:, 1]).mean().item()) < 6 / (n / 2) ** 0.5
 
 
-def test_normal_draws_do_not_depend_on_how_they_are_split():
-    """n values take n + n % 2 uniforms, in order, in the chunks or in one draw: the first values of
-    a longer draw are a shorter one's, across chunks, and a generator left after an odd draw is
-    where rand would leave it."""
-    chunk = exact_math.NORMAL_CHUNK
-    long = exact_math.normal((3, chunk + 5), torch.Generator().manual_seed(4)).flatten()
-    short = exact_math.normal((2 * chunk + 1,), torch.Generator().manual_seed(4))
-    assert torch.equal(long[:short.numel()], short)
+def test_normal_draws_do_not_depend_on_how_they_are_split(monkeypatch: pytest.MonkeyPatch):
+    """n values take n + n % 2 uniforms, in order: chunks of 6 values give one draw's values (odd n
+    included), and a generator left after an odd draw is where rand would leave it. An odd chunk is
+    refused (its last pair would straddle two chunks)."""
+    one_draw = exact_math.normal((5, 7), torch.Generator().manual_seed(4))
+    monkeypatch.setattr(exact_math, "NORMAL_CHUNK", 6)
+    assert torch.equal(exact_math.normal((5, 7), torch.Generator().manual_seed(4)), one_draw)
+    scaled = exact_math.normal((5, 7), torch.Generator().manual_seed(4), scale=0.02, dtype=torch.float32)
+    assert torch.equal(scaled, (one_draw * 0.02).float())
     gen, ref = torch.Generator().manual_seed(4), torch.Generator().manual_seed(4)
     exact_math.normal((7,), gen)
     torch.rand(4, 2, generator=ref, dtype=torch.float64)
     assert torch.equal(gen.get_state(), ref.get_state())
+    monkeypatch.setattr(exact_math, "NORMAL_CHUNK", 7)
+    with pytest.raises(ValueError, match="NORMAL_CHUNK: expected an even number, got 7"):
+        exact_math.normal((5,), gen)

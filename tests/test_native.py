@@ -255,8 +255,9 @@ def test_an_emulated_intel_cpu_gives_the_bits_of_this_one(model, widest):
     Intel CPU they run here: stock fp32 `F.linear` on Haswell gives other bits on 1 and 2 threads
     (checked first, so the emulation is known to reach them). The native backend, whose instruction
     set is the one it finds in that CPUID (AVX2; scalar on Sandy Bridge, with ATen's default
-    kernels), gives this machine's digest: every op, forward and backward, fp32, bf16 and fp16, on
-    1, 2 and 3 threads. TCG has no AVX-512, so the AVX-512 paths on Intel run only on hardware."""
+    kernels), gives this machine's digest: every op, forward and backward, fp32, bf16 and fp16, two
+    trainer steps (AdamW's root included) and a random model's weights, on 1, 2 and 3 threads. TCG
+    has no AVX-512, so the AVX-512 paths on Intel run only on hardware."""
     proc = subprocess.run([_qemu_x86(), "-cpu", model, sys.executable, "-W", "ignore", str(DIGEST)],
                           capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -494,26 +495,39 @@ def test_exp_and_log_bits_across_instruction_sets_and_their_accuracy(isa):
     assert lgx[x < 0].isnan().all() and (lgx[x == 0] == float("-inf")).all() and lgx[-3] == float("inf")
 
 
-def test_sqrt_is_the_ieee_root_in_every_instruction_set(isa):
+def test_sqrt_is_the_ieee_root_in_every_instruction_set(monkeypatch):
     """The native sqrt (AdamW's denominator) is the correctly rounded root, bit for bit, in every
-    path, tails and the special values included, and writes into `out`."""
+    path this CPU runs, tails and the special values included; bf16 in is widened exactly; `out`
+    takes it in place, strided, as x itself or as a shifted view of x."""
     gen = torch.Generator().manual_seed(5)
     x = torch.cat([torch.exp(torch.rand(100_003, generator=gen, dtype=torch.float64) * 180 - 100).float(),
                    torch.tensor([0.0, -0.0, 1e-45, 1e-40, 3.4e38, 1.0, 2.0, float("inf"), -1.0, float("nan")])])
-    # float64's correctly rounded root, rounded to fp32: the fp32 root (53 >= 2 x 24 + 2 bits)
-    ieee = torch.tensor([math.sqrt(v) if v >= 0 else float("nan") for v in x.tolist()]).float()
-    for name in build.ISAS:
-        isa(name)
+
+    def ieee(t: torch.Tensor) -> torch.Tensor:
+        """float64's correctly rounded root, rounded to fp32: the fp32 root (53 >= 2 x 24 + 2 bits)."""
+        return torch.tensor([math.sqrt(v) if v >= 0 else float("nan") for v in t.tolist()]).float()
+
+    want, xb = ieee(x), x[:1000].bfloat16()
+    if platform.machine() == "x86_64":                              # CI's: scalar, AVX2 and more
+        assert {"scalar", "avx2"} <= set(build.supported_isas()), build.supported_isas()
+    for name in build.supported_isas():
+        monkeypatch.setenv("LOCKSTEP_CPU_ISA", name)
         got = unary.sqrt(x)
-        assert torch.equal(got.view(torch.int32)[:-2], ieee.view(torch.int32)[:-2]), name
+        assert torch.equal(got.view(torch.int32)[:-2], want.view(torch.int32)[:-2]), name
         assert got[-2:].isnan().all() and str(got[-9].item()) == "-0.0", name
-        out = torch.empty_like(x)
-        assert unary.sqrt(x, out=out) is out and torch.equal(out.view(torch.int32), got.view(torch.int32))
-        strided = torch.empty(x.numel(), 2)[:, 0]                  # AdamW's buffer for a transposed weight
-        assert unary.sqrt(x, out=strided) is strided and torch.equal(strided.view(torch.int32), got.view(torch.int32))
-        assert torch.equal(unary.sqrt(x[:13].bfloat16()), ieee[:13].bfloat16())   # bf16 widens exactly
-    with pytest.raises(ValueError, match=r"out: expected a float32 tensor of shape \(5,\), got "
-                                         r"torch.bfloat16 of shape \(5,\)"):
+        assert torch.equal(unary.sqrt(xb), ieee(xb.float()).bfloat16()), name
+    got = unary.sqrt(x)
+    out = torch.empty_like(x)
+    assert unary.sqrt(x, out=out) is out and torch.equal(out.view(torch.int32), got.view(torch.int32))
+    strided = torch.empty(x.numel(), 2)[:, 0]                       # AdamW's buffer for a transposed weight
+    assert unary.sqrt(x, out=strided) is strided and torch.equal(strided.view(torch.int32), got.view(torch.int32))
+    same = x.clone()
+    assert unary.sqrt(same, out=same) is same and torch.equal(same.view(torch.int32), got.view(torch.int32))
+    shifted = torch.cat([x, torch.zeros(1)])
+    unary.sqrt(shifted[:-1], out=shifted[1:])
+    assert torch.equal(shifted[1:].view(torch.int32), got.view(torch.int32))
+    with pytest.raises(ValueError, match=r"out: expected a float32 CPU tensor of shape \(5,\), got "
+                                         r"torch.bfloat16 on cpu of shape \(5,\)"):
         unary.sqrt(torch.ones(5), out=torch.empty(5, dtype=torch.bfloat16))
 
 
@@ -1573,9 +1587,8 @@ def _native_workload() -> list:
     from lockstep.harness.masked_attention_check import MaskedCase
     from lockstep.harness.specs import SPECS, Sizes
     from lockstep.model import ModelConfig, Transformer
-    from lockstep.train import PackedDataset, TrainConfig, Trainer
 
-    from _native_digest import ATTN, MASKED
+    from _native_digest import ATTN, MASKED, tiny_trainer
 
     sizes = Sizes(hidden=40, out_features=24, heads=2, head_dim=8, ffn=24, vocab=300, lm_hidden=16, embed_vocab=20,
                   pool=12)
@@ -1591,10 +1604,7 @@ def _native_workload() -> list:
     tokens = torch.randint(0, 300, (2000,), generator=torch.Generator().manual_seed(0)).tolist()
     for family in ("qwen3", "gemma3_text", "qwen3_moe"):
         for dtype in (torch.float32, torch.bfloat16):
-            cfg = TrainConfig(steps=1, seq_len=32, micro_batch_tokens=96, accum=2, lr=3e-3, warmup=1, seed=0,
-                              master_weights=dtype == torch.bfloat16)
-            model = Transformer.from_config(ModelConfig.tiny(family, vocab_size=300), seed=0, dtype=dtype)
-            calls.append(Trainer(model, PackedDataset(tokens, cfg.seq_len, cfg.micro_batch_tokens, cfg.seed), cfg).step)
+            calls.append(tiny_trainer(family, dtype, tokens).step)
     for family, sampling in (
             ("qwen3_moe", SamplingParams(temperature=0.7, top_k=30, top_p=0.9, max_new_tokens=6, seed=1)),
             ("gemma3_text", SamplingParams(temperature=0.9, min_p=0.05, repetition_penalty=1.3, max_new_tokens=6,
@@ -1625,5 +1635,6 @@ def test_nothing_lockstep_runs_on_the_native_backend_reduces_in_pytorchs_order()
         torch.exp(torch.ones(3))
         torch.add(torch.ones(3), torch.ones(3), alpha=0.3)
         torch.zeros(3).index_put_((torch.tensor([0, 0]),), torch.ones(2), accumulate=True)
+        torch.sqrt(torch.ones(3))
     assert set(planted.inexact) == {"aten.mm.default", "aten.exp.default", "aten.add.Tensor",
-                                    "aten.index_put_.default"}, planted.inexact
+                                    "aten.index_put_.default", "aten.sqrt.default"}, planted.inexact

@@ -137,7 +137,7 @@ def test_trajectory_against_the_plain_pytorch_trainer(model):
     against plain stayed within the contract in 25 of 25 runs (at most 2.8e-5). The portable
     backend's seed-0 draw (4.1e-5 from the float64 trainer in one gate_proj element after one step,
     against plain's 0.2-1.7e-5) stayed within it in only 2 of the 5 orders, the AMD MKL's one of
-    them."""
+    them. (Measured with the random weights torch.randn drew before ADR 0021's later section.)"""
     from lockstep.train import PackedDataset, TrainConfig, Trainer
 
     tokens = torch.randint(0, 512, (6000,), generator=torch.Generator().manual_seed(0)).tolist()

@@ -161,7 +161,8 @@ def sqrt_float64(x: Tensor) -> Tensor:
     every device and vector unit: torch.sqrt on a CPU tensor of more than a few elements is MKL's
     vector math, which is not correctly rounded (on an AMD EPYC one float64 root in 75 is an ulp
     off) and picks its code by the CPU's maker and vector unit (docs/adr/0021). Measured within an
-    ulp of the correctly rounded root (tests/test_exact_math.py).
+    ulp of the correctly rounded root, and an ulp off it in about one root in four: Newton's last
+    step lands on either neighbour (tests/test_exact_math.py).
 
     x = m 2^e with e even and 1/2 <= m < 2; sqrt m by five Newton steps from (1 + m) / 2 (6% off
     at worst, then 2e-3, 2e-6, 2e-12, 2e-24); times 2^(e/2), built from its bits (exact)."""
@@ -181,19 +182,24 @@ _TWO_PI = float(2 * _PI)
 NORMAL_CHUNK = 1 << 18
 
 
-def normal(shape: tuple[int, ...] | torch.Size, generator: torch.Generator) -> Tensor:
-    """Standard normal float64 draws of `shape` on the CPU, the same bits on every machine for one
-    generator state. Pairs by Box-Muller: for uniforms (u1, u2) from torch.rand (a serial sampler,
-    the same on every CPU), sqrt(-2 log(1 - u1)) times cos and sin of 2 pi u2, each computed by
-    this module. Draws are made in chunks of an even size, which gives the same values as one
+def normal(shape: tuple[int, ...] | torch.Size, generator: torch.Generator, scale: float = 1.0,
+           dtype: torch.dtype = torch.float64) -> Tensor:
+    """Normal draws of standard deviation `scale`, of `shape`, on the CPU, in `dtype` (each draw
+    times `scale` in float64, rounded once), the same bits on every machine for one generator
+    state. Pairs by Box-Muller: for uniforms (u1, u2) from torch.rand (a serial sampler, the same
+    on every CPU), sqrt(-2 log(1 - u1)) times cos and sin of 2 pi u2, each computed by this
+    module. Draws are made in chunks of NORMAL_CHUNK values (even), which gives the values of one
     draw: a tensor of n values takes n + n % 2 uniforms, and when n is odd its last pair's sine is
     dropped."""
+    if NORMAL_CHUNK % 2:
+        raise ValueError(f"NORMAL_CHUNK: expected an even number, got {NORMAL_CHUNK}")
     n = math.prod(shape)
-    out = torch.empty(n, dtype=torch.float64)
+    out = torch.empty(n, dtype=dtype)
     for start in range(0, n, NORMAL_CHUNK):
         size = min(NORMAL_CHUNK, n - start)
         u = torch.rand(-(-size // 2), 2, generator=generator, dtype=torch.float64)
         radius = sqrt_float64(log_float64(1.0 - u[:, 0]) * -2.0)
         cos, sin = cos_sin_float64(u[:, 1] * _TWO_PI)
-        out[start:start + size] = torch.stack([radius * cos, radius * sin], dim=1).flatten()[:size]
+        draws = torch.stack([radius * cos, radius * sin], dim=1).flatten()[:size]
+        out[start:start + size] = draws if scale == 1.0 else draws * scale
     return out.view(shape)

@@ -216,11 +216,22 @@ def log(x: Tensor) -> Tensor:
 
 
 def sqrt(x: Tensor, out: Tensor | None = None) -> Tensor:
-    """torch.sqrt (into `out` when given), on the selected CPU kernels when there are some for `x`."""
+    """torch.sqrt (into `out` when given), on the selected CPU kernels when there are some for `x`:
+    then the correctly rounded fp32 root, and `out` must be float32 of x's shape. float64 and
+    other devices take torch.sqrt (on the CPU, MKL's vector math)."""
     kernels = _kernels_for(x)
     if kernels is None or kernels.sqrt is None:
         return torch.sqrt(x, out=out)
     return kernels.sqrt(x, out=out)
+
+
+def rsqrt(x: Tensor) -> Tensor:
+    """torch.rsqrt; on the selected CPU kernels, 1 / their correctly rounded root (what a kernel's
+    1.0f / sqrtf gives), since ATen's float64 rsqrt follows the CPU's maker."""
+    kernels = _kernels_for(x)
+    if kernels is None or kernels.sqrt is None:
+        return torch.rsqrt(x)
+    return torch.reciprocal(kernels.sqrt(x))
 
 
 def silu(x: Tensor) -> Tensor:

@@ -167,8 +167,8 @@ def portable_caveat() -> str:
 
 @contextlib.contextmanager
 def cpu_backend_kernels() -> Iterator[None]:
-    """The block's fixed_order GEMMs, exp and log on the CPU backend's kernels: lockstep's native
-    ones where they build, whose bits do not follow the CPU's vector unit; else PyTorch's."""
+    """The block's fixed_order GEMMs, exp, log and sqrt on the CPU backend's kernels: lockstep's
+    native ones where they build, whose bits do not follow the CPU's vector unit; else PyTorch's."""
     from .fixed_order import cpu_kernels
 
     with cpu_kernels("native" if cpu_backend() == "native" else "torch"):

@@ -102,7 +102,7 @@ def enable(strict: bool = False) -> None:
         if _depth == 0:
             _register(strict)
             _owner, state.strict = me, strict
-            # The overrides' GEMMs, exp and log run on the CPU backend's kernels: native where it
+            # The overrides' GEMMs, exp, log and sqrt run on the CPU backend's kernels: native where it
             # builds, whose bits do not follow MKL's blocking (docs/adr/0010).
             _kernels.enter_context(registry.cpu_backend_kernels())
         elif strict and not state.strict:

@@ -198,7 +198,8 @@ class Transformer(nn.Module):
         machine: exact_math.normal's draws, not torch.randn's, whose vector and scalar samplers
         give other normals (ADR 0021). Parameters draw in named_parameters order from one
         generator; each is 0.02 x its draws in float64, rounded to float32 and then to `dtype`, so
-        a model in another dtype is the float32 one cast."""
+        a model in another dtype is the float32 one cast. About 30 ns a value on 2 threads
+        (7 s for 219M parameters; torch.randn took 1 s)."""
         model = cls(config)
         gen = torch.Generator().manual_seed(seed)
         with torch.no_grad():
@@ -206,7 +207,7 @@ class Transformer(nn.Module):
                 if name.endswith("norm.weight"):
                     p.fill_(1.0 - config.norm_offset)
                 else:
-                    p.copy_(normal(p.shape, gen) * 0.02)
+                    p.copy_(normal(p.shape, gen, scale=0.02, dtype=torch.float32))
         return model.to(device=device, dtype=dtype)
 
     @property

@@ -14,12 +14,15 @@ _FUNCTIONS = {"exp": 0, "log": 1, "sqrt": 2}
 
 def _unary(fn: str, x: Tensor, out: Tensor | None = None) -> Tensor:
     """fn(x) elementwise: any float dtype in (computed in fp32: bf16 and fp16 widen exactly), x's
-    dtype out, x's shape; into `out` (fp32, x's shape; written in place when contiguous) when given."""
-    if out is not None and (out.dtype != torch.float32 or out.shape != x.shape):
-        raise ValueError(f"out: expected a float32 tensor of shape {tuple(x.shape)}, got {out.dtype} of shape "
-                         f"{tuple(out.shape)}")
+    dtype out, x's shape; into `out` (fp32 on the CPU, x's shape; written in place when contiguous
+    and not a shifted view of x) when given."""
+    if out is not None and (out.dtype != torch.float32 or out.shape != x.shape or out.device.type != "cpu"):
+        raise ValueError(f"out: expected a float32 CPU tensor of shape {tuple(x.shape)}, got {out.dtype} on "
+                         f"{out.device} of shape {tuple(out.shape)}")
     xf = x.float().contiguous()
-    direct = out is not None and out.is_contiguous()
+    # The kernel may write over its input element by element (out is x), not over a shifted copy of it.
+    shares = out is not None and out.untyped_storage().data_ptr() == xf.untyped_storage().data_ptr()
+    direct = out is not None and out.is_contiguous() and (not shares or out.data_ptr() == xf.data_ptr())
     result = out if direct else torch.empty_like(xf)
     if library().ls_unary(xf.data_ptr(), result.data_ptr(), xf.numel(), _FUNCTIONS[fn], isa(),
                           torch.get_num_threads()) != 0:

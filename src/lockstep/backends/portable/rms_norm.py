@@ -6,7 +6,7 @@ import torch
 from torch import Tensor
 
 from ... import grad_tree
-from ...fixed_order import accumulate_dtype, column_sum, row_sum
+from ...fixed_order import accumulate_dtype, column_sum, row_sum, rsqrt
 from ...registry import register
 from ...second_order import first_order_only
 
@@ -29,7 +29,7 @@ def weight_grad_rows(gxhat: Tensor, use: grad_tree.Use | None) -> Tensor | None:
 def inverse_rms(xf: Tensor, eps: float) -> Tensor:
     """1 / sqrt(mean of squares + eps) of each row of xf [M, H] (accumulation dtype), the squares
     summed by `row_sum`. lockstep.mode's RMSNorm uses it too."""
-    return torch.rsqrt(row_sum(xf * xf) / xf.shape[-1] + eps)
+    return rsqrt(row_sum(xf * xf) / xf.shape[-1] + eps)
 
 
 class _RMSNorm(torch.autograd.Function):
