@@ -7,7 +7,6 @@ against the PyTorch call it replaces, in one run on 2 threads:
   many values, the draws alone.
 """
 
-import statistics
 import time
 
 import torch
@@ -17,17 +16,7 @@ from lockstep.bench import machine
 from lockstep.train import optim
 from lockstep.train.optim import AdamW, AdamWConfig
 
-from _realistic import lockstep_model
-
-
-def _median_ms(fn, repeats: int = 5) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times) * 1e3
+from _realistic import best_of, lockstep_model
 
 
 def main():
@@ -38,20 +27,20 @@ def main():
     drawn_s = time.perf_counter() - t
     n = sum(p.numel() for p in model.parameters())
     gen = torch.Generator().manual_seed(0)
-    randn_s = _median_ms(lambda: torch.randn(n, generator=gen), repeats=1) / 1e3
+    randn_s = best_of(lambda: torch.randn(n, generator=gen), repeats=1)
 
     params = [(name, p) for name, p in model.named_parameters()]
     for _, p in params:
         p.grad = torch.full_like(p, 1e-3)
     ours = AdamW(params, AdamWConfig(1e-4, (0.9, 0.95), 1e-8, 0.1))
-    native_ms = _median_ms(lambda: ours.step(1e-4))
+    native_ms = best_of(lambda: ours.step(1e-4), repeats=5) * 1e3
     optim.sqrt = lambda x, out=None: torch.sqrt(x, out=out)           # the root before the change
     try:
-        torch_ms = _median_ms(lambda: ours.step(1e-4))
+        torch_ms = best_of(lambda: ours.step(1e-4), repeats=5) * 1e3
     finally:
         optim.sqrt = fixed_order.sqrt
     stock = torch.optim.AdamW([p for _, p in params], lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
-    stock_ms = _median_ms(stock.step)
+    stock_ms = best_of(stock.step, repeats=5) * 1e3
 
     print(f"\n{n / 1e6:.0f}M fp32 parameters (the realistic model, 4 layers)\n")
     print("| work | lockstep | replaced call | ratio |\n|---|---|---|---|")

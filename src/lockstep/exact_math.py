@@ -142,7 +142,7 @@ def log_float64(x: Tensor) -> Tensor:
 
     x = m 2^e with m in [sqrt(1/2), sqrt(2)); ln m = 2 atanh(s), s = (m - 1) / (m + 1), |s| < 0.172,
     summed as an odd series to s^25 (the next term is below 2^-60 of the result). Measured within
-    3 ulp of torch.log (tests/test_sampling.py)."""
+    3 ulp of torch.log (tests/test_exact_math.py)."""
     m, e = torch.frexp(x)                            # m in [0.5, 1): exact
     small = m < 0.7071067811865476
     m = torch.where(small, m * 2, m)

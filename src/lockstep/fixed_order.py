@@ -161,7 +161,8 @@ def current_cpu_kernels() -> str:
 
 @contextlib.contextmanager
 def cpu_kernels(name: str) -> Iterator[None]:
-    """Run `matmul_rows`, `weight_grad`, `exp`, `log` and `sqrt` on CPU tensors with kernels `name` in the block."""
+    """Run `matmul_rows`, `weight_grad`, `exp`, `log` and `sqrt` on CPU tensors with kernels `name`
+    in the block."""
     if name != "torch" and name not in _CPU_KERNELS:
         raise ValueError(f"name: unknown CPU kernels {name!r}; expected one of {['torch', *_CPU_KERNELS]}")
     stack = getattr(_kernels_state, "stack", None)

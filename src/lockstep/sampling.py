@@ -9,8 +9,8 @@ reports the drawn entry, so what it reports is what the trainer sees.
 Drawing is Gumbel-max: token = argmax(logp + g) over the allowed tokens, with g = -log(-log(u))
 and u from a counter-based hash of (seed, completion index, position, token id), computed with
 integer torch ops that give the same bits on any device and in any batch; the logarithms are
-lockstep's own (`exact_math.log_float64`), and top-p's probabilities use the CPU backend's exp, so a draw does
-not follow the CPU's vector unit either. Which tokens are allowed, and how likely, is shaped in this order: the repetition penalty, then top-k, min-p and top-p. The
+lockstep's own (`exact_math.log_float64`), and top-p's probabilities use the CPU backend's exp, so
+a draw does not follow the CPU's vector unit either. Which tokens are allowed, and how likely, is shaped in this order: the repetition penalty, then top-k, min-p and top-p. The
 reported logprob (and the top-N alternatives) are those of the temperature-scaled distribution
 *before* that shaping, because that is what a trainer recomputes from the model.
 """

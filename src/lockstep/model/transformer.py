@@ -198,8 +198,8 @@ class Transformer(nn.Module):
         machine: exact_math.normal's draws, not torch.randn's, whose vector and scalar samplers
         give other normals (ADR 0021). Parameters draw in named_parameters order from one
         generator; each is 0.02 x its draws in float64, rounded to float32 and then to `dtype`, so
-        a model in another dtype is the float32 one cast. About 24 ns a value on 2 threads (5.3 s
-        for 219M parameters, where torch.randn took 0.84 s; docs/benchmarks.md)."""
+        a model in another dtype is the float32 one cast. About 30 ns a value on 2 threads (5.3-6.5
+        s for 219M parameters, where torch.randn took 0.83 s; docs/benchmarks.md)."""
         model = cls(config)
         gen = torch.Generator().manual_seed(seed)
         with torch.no_grad():

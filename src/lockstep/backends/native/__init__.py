@@ -2,8 +2,8 @@
 instruction set and thread count (docs/adr/0010-native-cpu-backend.md).
 
 The ops are the portable backend's, with their GEMMs (forward, dX, dW, attention's products, the LM
-head) and their exp, log and sqrt on the native kernels (cpu.py). Importing this package builds the kernels (build.py) and raises
-ImportError with the reason when they cannot be built or loaded here.
+head) and their exp, log and sqrt on the native kernels (cpu.py). Importing this package builds the
+kernels (build.py) and raises ImportError with the reason when they cannot be built or loaded here.
 """
 
 from .build import NativeUnavailable, library
