@@ -5,14 +5,19 @@ packed prefill with gradients and by paged decode, masked attention (left paddin
 gradients, a bf16 GEMM on inputs that reach every case of the bf16 order, and the model's own
 arithmetic around the ops: the rotary tables (frequencies and long-context cos and sin) and the
 MoE router (probabilities, top k and renormalised weights, with their gradient). One digest per
-thread count (1, 2, 3) of one process; the instruction set and the BLAS selections come from the
-environment, which the kernel libraries read once, so the test starts a fresh process for each.
-Beside them, for the same thread counts, the bits of a stock fp32 `F.linear` at the issue's shape
-(37 x 1024 by 3072 x 1024): where its BLAS re-blocks with the thread count, those differ.
+section (an op in a dtype, training, ...) per thread count (1, 2, 3) of one process; the
+instruction set and the BLAS selections come from the environment, which the kernel libraries read
+once, so the test starts a fresh process for each. Beside them, for the same thread counts, the
+bits of a stock fp32 `F.linear` at the issue's shape (37 x 1024 by 3072 x 1024): where its BLAS
+re-blocks with the thread count, those differ.
 
     python tests/_native_digest.py   ->   {"isa": "avx512", "pool": "openmp", "aten": "AVX512",
-                                          "compiler": "gcc (Debian 12.2.0-14) 12.2.0", "digests": {"1": "...", ...},
+                                          "compiler": "gcc (Debian 12.2.0-14) 12.2.0",
+                                          "digests": {"1": {"training": "...", ...}, ...},
                                           "stock_linear": {"1": "...", ...}}
+
+    python tests/_native_digest.py --record   writes this machine's bits, this digest's and
+                                              tests/_native_bits.py's, into RECORDED (ADR 0026)
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import json
 import sys
+from pathlib import Path
 
 import torch
 
@@ -136,14 +142,21 @@ def _training(h: "hashlib._Hash") -> None:
             _update(h, f"trained {dtype} {name}", t)
 
 
-def digest() -> str:
-    h = hashlib.sha256()
+def digest() -> dict[str, str]:
+    """{section: sha256 hex} over every section named in the module docstring."""
+    sections: dict[str, "hashlib._Hash"] = {}
+
+    def section(name: str) -> "hashlib._Hash":
+        return sections.setdefault(name, hashlib.sha256())
+
     a, b = bf16_edge_operands()
-    _update(h, "bf16 edge GEMM", gemm_nt(a, b))
-    _model_arithmetic(h)
-    _training(h)
+    _update(section("bf16 edge GEMM"), "bf16 edge GEMM", gemm_nt(a, b))
+    _model_arithmetic(section("model arithmetic"))
+    _training(section("training"))
     for dtype in DTYPES:
+        kind = str(dtype).removeprefix("torch.")
         for name, spec in SPECS.items():
+            h = section(f"{name} {kind}")
             pool = Pool(spec, dtype, SIZES, seed=0, grad=spec.differentiable)
             r = run(pool, "native", list(range(SIZES.pool)))
             _update(h, f"{name} {dtype} out", r.out)
@@ -151,18 +164,20 @@ def digest() -> str:
                 _update(h, f"{name} {dtype} d{key}", r.row_grads[key])
             for key in sorted(r.param_grads):
                 _update(h, f"{name} {dtype} d{key}", r.param_grads[key])
+        h = section(f"attention {kind}")
         case = AttnCase(dtype, ATTN, seed=0)
         per, _ = case.prefill("native", list(range(len(case.seqs))), grad=True)
         for i, tensors in enumerate(per):
             for j, t in enumerate(tensors):
                 _update(h, f"attention {dtype} {i} {j}", t)
         for i, t in enumerate(_paged_decode(case, "native")):
-            _update(h, f"paged_attention {dtype} {i}", t)
+            _update(section(f"paged_attention {kind}"), f"paged_attention {dtype} {i}", t)
         masked = MaskedCase(dtype, MASKED, seed=0)
+        h = section(f"masked_attention {kind}")
         for i, tensors in enumerate(masked.run("native", list(range(len(masked.seqs))), grad=True, left=True)):
             for j, t in enumerate(tensors):
                 _update(h, f"masked_attention {dtype} {i} {j}", t)
-    return h.hexdigest()
+    return {name: h.hexdigest() for name, h in sections.items()}
 
 
 def stock_linear() -> str:
@@ -171,7 +186,38 @@ def stock_linear() -> str:
     return hashlib.sha256(torch.nn.functional.linear(x, w).view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
+RECORDED = Path(__file__).with_name("recorded_bits.json")
+
+
+def record() -> dict:
+    """This machine's bits in RECORDED's form: the torch-free digest of every kernel (one thread
+    count and instruction set stand for all: tests/test_native.py ties them) and this digest's
+    sections on 1 thread, with what they were computed on."""
+    import numpy as np
+
+    import _native_bits
+    from lockstep.backends.native import build
+    from lockstep.bench import machine
+
+    where = machine()
+    torch.set_num_threads(1)
+    return {"about": "The native backend's bits, the same on every machine; tests/test_native.py compares this "
+                     "machine's with them. After a change that alters them on purpose, rerun `python "
+                     "tests/_native_digest.py --record` and say why in the commit (docs/adr/0026).",
+            "recorded_on": {"machine": where, "isa": isa_name(), "aten": torch.backends.cpu.get_cpu_capability(),
+                            "compiler": compiler_version(compiler()).split("\n")[0], "numpy": np.__version__},
+            "torch": torch.__version__,
+            "kernels": _native_bits.digests(build.library(), build.isa(), 1),
+            "native_backend": digest()}
+
+
 def main() -> int:
+    if sys.argv[1:] == ["--record"]:
+        RECORDED.write_text(json.dumps(record(), indent=1, sort_keys=True) + "\n")
+        print(f"wrote {RECORDED}")
+        return 0
+    if sys.argv[1:]:
+        raise SystemExit(f"usage: python {sys.argv[0]} [--record]; got {sys.argv[1:]}")
     out, stock = {}, {}
     for threads in (1, 2, 3):
         torch.set_num_threads(threads)

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lockstep import ops, registry
+from lockstep import bench, ops, registry
 from lockstep.backends.native import build, gemm, masked_attention, unary
 from lockstep.harness.check import num_threads
 
@@ -30,6 +30,7 @@ from test_cpu_kernels import ATEN_CAPABILITIES, MKL_ISAS, ONEDNN_ISAS, cpu_flags
 
 ROOT = Path(__file__).resolve().parent.parent
 DIGEST = Path(__file__).with_name("_native_digest.py")
+RECORDED = Path(__file__).with_name("recorded_bits.json")
 ISA_FLAGS = {"scalar": set(), "avx2": {"avx2", "fma", "f16c"}, "avx512": {"avx512f", "avx512bw", "avx512vl"},
              "avx512bf16": {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"}}
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -57,7 +58,48 @@ def isa(monkeypatch):
 
 
 def test_every_thread_count_gives_one_digest(widest):
-    assert len(set(widest["digests"].values())) == 1, widest
+    assert len({json.dumps(d, sort_keys=True) for d in widest["digests"].values()}) == 1, widest
+
+
+def _recorded_differences(got: dict[str, str], want: dict[str, str], what: str) -> str:
+    """'' where `got` is the recorded `want`; else what differs, and what to do about it."""
+    differ = sorted(name for name in want.keys() | got.keys() if got.get(name) != want.get(name))
+    if not differ:
+        return ""
+    recorded = json.loads(RECORDED.read_text())["recorded_on"]
+    return (f"{what} gave other bits than {RECORDED.name} records (from {recorded['machine']}, "
+            f"{recorded['isa']}) in: {', '.join(differ)}. On this machine ({bench.machine()}, {build.isa_name()}): "
+            f"if a change altered the arithmetic on purpose, record the new bits with `python "
+            f"tests/_native_digest.py --record` and say why in the commit; if not, this machine breaks the "
+            f"contract's promise of one set of bits on every CPU (docs/contract.md section 7, docs/adr/0026).")
+
+
+def test_the_kernels_give_the_recorded_bits():
+    """Every kernel, through ctypes on inputs that no floating-point library touches
+    (tests/_native_bits.py), gives the bits that tests/recorded_bits.json holds: those of the
+    machine where they were recorded, whatever this CPU's maker, instruction sets and thread count
+    (the other instruction sets and thread counts are tied to this one by the test below)."""
+    import _native_bits
+
+    want = json.loads(RECORDED.read_text())["kernels"]
+    got = _native_bits.digests(build.library(), build.isa(), 2)
+    problem = _recorded_differences(got, want, "The kernels")
+    if problem:
+        pytest.fail(problem, pytrace=False)
+
+
+def test_the_native_backend_gives_the_recorded_bits(widest):
+    """Every op forward and backward in fp32, bf16 and fp16, attention's forms, two trainer steps,
+    the model's own arithmetic and a random model's weights (tests/_native_digest.py) give the bits
+    that tests/recorded_bits.json holds, under the pinned torch (its own exact ops and generators
+    build the inputs and the arithmetic around the kernels)."""
+    recorded = json.loads(RECORDED.read_text())
+    assert torch.__version__ == recorded["torch"], (
+        f"{RECORDED.name} was recorded under torch {recorded['torch']}, the version pyproject.toml pins; this "
+        f"runs torch {torch.__version__}, whose generators and ops may give other inputs and bits")
+    problem = _recorded_differences(widest["digests"]["1"], recorded["native_backend"], "The native backend")
+    if problem:
+        pytest.fail(problem, pytrace=False)
 
 
 @pytest.mark.parametrize("name", list(build.ISAS))
