@@ -16,8 +16,9 @@ re-blocks with the thread count, those differ.
                                           "digests": {"1": {"training": "...", ...}, ...},
                                           "stock_linear": {"1": "...", ...}}
 
-    python tests/_native_digest.py --record   writes this machine's bits, this digest's and
-                                              tests/_native_bits.py's, into RECORDED (ADR 0026)
+    python tests/_native_digest.py --record   writes this machine's bits, this digest's and the
+                                              kernels' (lockstep.backends.native.bits), into
+                                              that module's recorded_bits.json (ADR 0026)
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ from __future__ import annotations
 import hashlib
 import json
 import sys
-from pathlib import Path
 
 import torch
 
@@ -186,33 +186,38 @@ def stock_linear() -> str:
     return hashlib.sha256(torch.nn.functional.linear(x, w).view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
-RECORDED = Path(__file__).with_name("recorded_bits.json")
-
-
 def record() -> dict:
-    """This machine's bits in RECORDED's form: the torch-free digest of every kernel (one thread
-    count and instruction set stand for all: tests/test_native.py ties them) and this digest's
-    sections on 1 thread, with what they were computed on."""
+    """This machine's bits in recorded_bits.json's form: the torch-free digest of every kernel (one
+    thread count and instruction set stand for all: tests/test_native.py ties them) and this
+    digest's sections on 1 thread, with what they were computed on."""
     import numpy as np
 
-    import _native_bits
-    from lockstep.backends.native import build
-    from lockstep.bench import machine
+    import platform
 
-    where = machine()
+    from lockstep.backends.native import bits, build
+
+    cpu = {}
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            cpu.setdefault(key.strip(), value.strip())
+    where = f"{cpu.get('model name', platform.processor())} ({cpu.get('vendor_id', '?')}, family {cpu.get('cpu family', '?')})"
     torch.set_num_threads(1)
-    return {"about": "The native backend's bits, the same on every machine; tests/test_native.py compares this "
-                     "machine's with them. After a change that alters them on purpose, rerun `python "
-                     "tests/_native_digest.py --record` and say why in the commit (docs/adr/0026).",
+    return {"about": "The native backend's bits, the same on every machine: `lockstep check` compares this "
+                     "machine's kernels with them, and tests/test_native.py the whole native backend. After a "
+                     "change that alters them on purpose, rerun `python tests/_native_digest.py --record` and say "
+                     "why in the commit (docs/adr/0026).",
             "recorded_on": {"machine": where, "isa": isa_name(), "aten": torch.backends.cpu.get_cpu_capability(),
                             "compiler": compiler_version(compiler()).split("\n")[0], "numpy": np.__version__},
             "torch": torch.__version__,
-            "kernels": _native_bits.digests(build.library(), build.isa(), 1),
+            "kernels": bits.digests(build.library(), build.isa(), 1),
             "native_backend": digest()}
 
 
 def main() -> int:
     if sys.argv[1:] == ["--record"]:
+        from lockstep.backends.native.bits import RECORDED
+
         RECORDED.write_text(json.dumps(record(), indent=1, sort_keys=True) + "\n")
         print(f"wrote {RECORDED}")
         return 0

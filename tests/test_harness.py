@@ -83,7 +83,9 @@ def test_cli_bad_arguments(argv, message, capsys):
 def test_cli_check_writes_into_a_folder_it_creates(tmp_path, capsys):
     path = tmp_path / "a" / "b" / "x.json"
     assert cli.main(["check", "silu_mul", "--dtype", "fp32", "--json", str(path), "--html", str(tmp_path / "h" / "r.html")]) == 0
-    assert path.exists() and (tmp_path / "h" / "r.html").exists()
+    assert json.loads(path.read_text())["reports"][0]["op"] == "silu_mul"
+    page = (tmp_path / "h" / "r.html").read_text()
+    assert "<h2>Operator contract</h2>" in page and ">silu_mul</td>" in page, page[-2000:]
 
 
 def test_cli_check_refuses_an_unwritable_output_before_any_work(tmp_path, capsys, monkeypatch):

@@ -23,14 +23,13 @@ import pytest
 import torch
 
 from lockstep import bench, ops, registry
-from lockstep.backends.native import build, gemm, masked_attention, unary
+from lockstep.backends.native import bits, build, gemm, masked_attention, unary
 from lockstep.harness.check import num_threads
 
 from test_cpu_kernels import ATEN_CAPABILITIES, MKL_ISAS, ONEDNN_ISAS, cpu_flags, require
 
 ROOT = Path(__file__).resolve().parent.parent
 DIGEST = Path(__file__).with_name("_native_digest.py")
-RECORDED = Path(__file__).with_name("recorded_bits.json")
 ISA_FLAGS = {"scalar": set(), "avx2": {"avx2", "fma", "f16c"}, "avx512": {"avx512f", "avx512bw", "avx512vl"},
              "avx512bf16": {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"}}
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -61,45 +60,30 @@ def test_every_thread_count_gives_one_digest(widest):
     assert len({json.dumps(d, sort_keys=True) for d in widest["digests"].values()}) == 1, widest
 
 
-def _recorded_differences(got: dict[str, str], want: dict[str, str], what: str) -> str:
-    """'' where `got` is the recorded `want`; else what differs, and what to do about it."""
-    differ = sorted(name for name in want.keys() | got.keys() if got.get(name) != want.get(name))
-    if not differ:
-        return ""
-    recorded = json.loads(RECORDED.read_text())["recorded_on"]
-    return (f"{what} gave other bits than {RECORDED.name} records (from {recorded['machine']}, "
-            f"{recorded['isa']}) in: {', '.join(differ)}. On this machine ({bench.machine()}, {build.isa_name()}): "
-            f"if a change altered the arithmetic on purpose, record the new bits with `python "
-            f"tests/_native_digest.py --record` and say why in the commit; if not, this machine breaks the "
-            f"contract's promise of one set of bits on every CPU (docs/contract.md section 7, docs/adr/0026).")
-
-
-def test_the_kernels_give_the_recorded_bits():
+def test_the_kernels_give_the_recorded_bits_on_every_instruction_set():
     """Every kernel, through ctypes on inputs that no floating-point library touches
-    (tests/_native_bits.py), gives the bits that tests/recorded_bits.json holds: those of the
-    machine where they were recorded, whatever this CPU's maker, instruction sets and thread count
-    (the other instruction sets and thread counts are tied to this one by the test below)."""
-    import _native_bits
-
-    want = json.loads(RECORDED.read_text())["kernels"]
-    got = _native_bits.digests(build.library(), build.isa(), 2)
-    problem = _recorded_differences(got, want, "The kernels")
-    if problem:
-        pytest.fail(problem, pytrace=False)
+    (lockstep.backends.native.bits), gives on every instruction set this CPU runs the bits that
+    recorded_bits.json holds: those of the machine where they were recorded, whatever this CPU's
+    maker (other thread counts are tied to these by the test below). `lockstep check` runs the
+    same comparison."""
+    differ = {isa: names for isa, names in bits.differences().items() if names}
+    if differ:
+        pytest.fail(bits.mismatch("The kernels", differ), pytrace=False)
 
 
 def test_the_native_backend_gives_the_recorded_bits(widest):
     """Every op forward and backward in fp32, bf16 and fp16, attention's forms, two trainer steps,
-    the model's own arithmetic and a random model's weights (tests/_native_digest.py) give the bits
-    that tests/recorded_bits.json holds, under the pinned torch (its own exact ops and generators
-    build the inputs and the arithmetic around the kernels)."""
-    recorded = json.loads(RECORDED.read_text())
+    the model's own arithmetic and a random model's weights (tests/_native_digest.py, 1 thread, the
+    widest instruction set) give the bits that recorded_bits.json holds, under the pinned torch
+    (its own exact ops and generators build the inputs and the arithmetic around the kernels)."""
+    recorded = bits.recorded()
     assert torch.__version__ == recorded["torch"], (
-        f"{RECORDED.name} was recorded under torch {recorded['torch']}, the version pyproject.toml pins; this "
+        f"recorded_bits.json was recorded under torch {recorded['torch']}, the version pyproject.toml pins; this "
         f"runs torch {torch.__version__}, whose generators and ops may give other inputs and bits")
-    problem = _recorded_differences(widest["digests"]["1"], recorded["native_backend"], "The native backend")
-    if problem:
-        pytest.fail(problem, pytrace=False)
+    got, want = widest["digests"]["1"], recorded["native_backend"]
+    differ = sorted(name for name in want.keys() | got.keys() if got.get(name) != want.get(name))
+    if differ:
+        pytest.fail(bits.mismatch(f"The native backend on {bench.machine()}", {widest["isa"]: differ}), pytrace=False)
 
 
 @pytest.mark.parametrize("name", list(build.ISAS))
@@ -182,7 +166,7 @@ def test_the_kernels_compile_for_other_platforms(target, tmp_path):
 
 
 def test_the_torch_free_digest_is_one_on_every_instruction_set_and_thread_count():
-    """tests/_native_bits.py calls the kernels through ctypes on numpy buffers, so that it can run
+    """lockstep.backends.native.bits calls the kernels through ctypes on numpy buffers, so that it can run
     where torch cannot (under QEMU for aarch64, below). Here it gives one digest per op on every
     instruction set and thread count; every op of it runs on several threads (counted through a
     stand-in for OpenMP's entry point, which runs a region's team on one thread, with the same
@@ -192,12 +176,10 @@ def test_the_torch_free_digest_is_one_on_every_instruction_set_and_thread_count(
 
     import numpy as np
 
-    import _native_bits
-
     lib, digests = build.library(), {}
     for name in build.supported_isas():
         for threads in (1, 2, 3):
-            digests[name, threads] = _native_bits.digests(lib, build.ISAS[name], threads)
+            digests[name, threads] = bits.digests(lib, build.ISAS[name], threads)
     assert len({json.dumps(d, sort_keys=True) for d in digests.values()}) == 1, digests
     teams, body = [], ctypes.CFUNCTYPE(None, ctypes.c_void_p)
 
@@ -208,8 +190,8 @@ def test_the_torch_free_digest_is_one_on_every_instruction_set_and_thread_count(
 
     lib.ls_use_openmp(ctypes.cast(parallel, ctypes.c_void_p))
     try:
-        run = _native_bits.Run(lib, build.isa(), 3)
-        for name in _native_bits.OPS:
+        run = bits.Run(lib, build.isa(), 3)
+        for name in bits.OPS:
             teams.clear()
             h = hashlib.sha256()
             getattr(run, name)(h)
@@ -217,11 +199,11 @@ def test_the_torch_free_digest_is_one_on_every_instruction_set_and_thread_count(
             assert h.hexdigest() == digests[build.isa_name(), 3][name], name
     finally:
         lib.ls_use_openmp(build._gomp_parallel(build._pool_asked()))
-    run = _native_bits.Run(lib, build.isa(), 2)
-    a, b = (_native_bits.values(run.rng, rows * 129, _native_bits.BF16) for rows in (5, 40))
+    run = bits.Run(lib, build.isa(), 2)
+    a, b = (bits.values(run.rng, rows * 129, bits.BF16) for rows in (5, 40))
     out = np.zeros(5 * 40, dtype=np.float32)
     run.check(lib.ls_gemm_nt(1, 5, 40, 129, a.ctypes.data, 129, 0, b.ctypes.data, 129, 0, out.ctypes.data, 40, 0, None,
-                             _native_bits.BF16, _native_bits.F32, 1, run.isa, 2), "ls_gemm_nt")
+                             bits.BF16, bits.F32, 1, run.isa, 2), "ls_gemm_nt")
     ta, tb = (torch.from_numpy(x).view(torch.bfloat16).view(-1, 129) for x in (a, b))
     assert torch.equal(torch.from_numpy(out).view(5, 40), gemm.gemm_nt(ta[:5], tb[:40]))
 
@@ -254,11 +236,9 @@ def _arm_user_space() -> Path:
 def test_an_aarch64_build_under_qemu_gives_the_x86_bits(cross, tmp_path):
     """kernels.c built for aarch64 Linux (the scalar path, as on every ARM CPU) by clang (zig's) or
     GCC's cross compiler, with the build's flags, and run under QEMU's user-mode emulation of an
-    aarch64 CPU: every op of tests/_native_bits.py, on 1, 2 and 3 threads, gives the digest of the
+    aarch64 CPU: every op of lockstep.backends.native.bits, on 1, 2 and 3 threads, gives the digest of the
     x86 paths here. QEMU emulates AArch64's floating point to the architecture's rules; no ARM
     hardware has run it, and torch's own ops on ARM are not covered."""
-    import _native_bits
-
     root = _arm_user_space()
     so = tmp_path / "kernels-aarch64.so"
     cc = ([sys.executable, "-m", "ziglang", "cc", "-target", "aarch64-linux-gnu.2.36"] if cross == "clang"
@@ -267,12 +247,12 @@ def test_an_aarch64_build_under_qemu_gives_the_x86_bits(cross, tmp_path):
                           timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     proc = subprocess.run(["qemu-aarch64", "-L", str(root), "-E", f"PYTHONPATH={root / 'site'}",
-                           str(root / "usr/bin/python3"), str(Path(_native_bits.__file__)), str(so)],
+                           str(root / "usr/bin/python3"), str(Path(bits.__file__)), str(so)],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(proc.stdout)
     assert got["isa"] == "scalar"
-    want = _native_bits.digests(build.library(), build.isa(), 2)
+    want = bits.digests(build.library(), build.isa(), 2)
     assert got["digests"] == {str(t): want for t in (1, 2, 3)}
 
 
@@ -766,6 +746,34 @@ def test_lockstep_check_names_the_instruction_set_and_says_why_native_cannot_run
     portable = subprocess.run([*argv, "--backend", "portable"], env=env, capture_output=True, text=True, timeout=300)
     assert portable.returncode == 0, portable.stderr
     assert portable.stdout.splitlines()[0].startswith("lockstep check: backend=portable threads="), portable.stdout
+
+
+def test_lockstep_check_fails_where_the_kernels_are_not_the_recorded_bits(tmp_path, monkeypatch, capsys):
+    """`lockstep check` on the native backend compares the kernels' bits on every instruction set
+    this CPU runs with recorded_bits.json: one line when they agree; where one kernel group differs
+    (here the recording says so), the line names it on every instruction set, the exit status is 1
+    whatever the op rows say, and the JSON and HTML reports carry it."""
+    from lockstep import cli
+
+    argv = ["check", "linear", "--dtype", "fp32", "--no-large"]
+    assert cli.main(argv) == 0
+    line = capsys.readouterr().out.splitlines()[1]
+    assert line.startswith(f"native bits: the recorded ones on {', '.join(build.supported_isas())} (recorded on "), line
+    recorded = bits.recorded()
+    recorded["kernels"]["rope"] = "0" * 64
+    monkeypatch.setattr(bits, "RECORDED", tmp_path / "recorded_bits.json")
+    bits.RECORDED.write_text(json.dumps(recorded))
+    assert cli.main([*argv, "--json", str(tmp_path / "c.json"), "--html", str(tmp_path / "c.html")]) == 1
+    out = capsys.readouterr().out
+    line = out.splitlines()[1]
+    where = "; ".join(f"{isa}: rope" for isa in build.supported_isas())
+    assert line.startswith(f"native bits: FAIL: On this machine ({bench.machine()}) the kernels gave other bits than "
+                           f"those recorded on {recorded['recorded_on']['machine']} ({recorded['recorded_on']['isa']}), "
+                           f"in {where}. If a change"), line
+    assert "1 passed, 0 failed" in out and "the kernels' bits are not the recorded ones" in out, out
+    report = json.loads((tmp_path / "c.json").read_text())["recorded_bits"]
+    assert report["differ"] == {isa: ["rope"] for isa in build.supported_isas()}
+    assert f"in {where} (docs/adr/0026)" in (tmp_path / "c.html").read_text()
 
 
 def test_a_cache_folder_that_cannot_be_written_still_gives_the_native_backend(tmp_path):

@@ -54,20 +54,25 @@ def run_installed(site: Path, code: str, tmp_path: Path, blocked: tuple[str, ...
 
 def test_a_wheel_holds_every_file_of_the_package_and_runs_the_native_backend(wheel_install, tmp_path):
     """`pip wheel .` packs every file under src/lockstep that is not Python (the contract, the
-    native kernels' source); installed from that wheel alone, lockstep compiles the kernels and
-    runs the native backend, not the portable fallback."""
+    native kernels' source, their recorded bits); installed from that wheel alone, lockstep compiles
+    the kernels, runs the native backend, not the portable fallback, and its kernels give the
+    recorded bits."""
     wheel, site = wheel_install
     names = set(zipfile.ZipFile(wheel).namelist())
     data = {p.relative_to(PACKAGE.parent).as_posix() for p in PACKAGE.rglob("*")
             if p.is_file() and p.suffix not in (".py", ".pyc") and "__pycache__" not in p.parts}
-    assert {"lockstep/contract.toml", "lockstep/backends/native/kernels.c"} <= data
+    assert {"lockstep/contract.toml", "lockstep/backends/native/kernels.c",
+            "lockstep/backends/native/recorded_bits.json"} <= data
     assert data <= names, sorted(data - names)
 
     proc = run_installed(site, "import torch, lockstep\nfrom lockstep import ops, registry\n"
                                "print(lockstep.__file__)\nprint(registry.cpu_backend())\n"
-                               "print(ops.linear(torch.ones(2, 3), torch.ones(4, 3)).sum().item())\n", tmp_path)
+                               "print(ops.linear(torch.ones(2, 3), torch.ones(4, 3)).sum().item())\n"
+                               "from lockstep.backends.native import bits\n"
+                               "print(sum(map(len, bits.differences().values())))\n", tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    where, backend, total = proc.stdout.split()
+    where, backend, total, differ = proc.stdout.split()
+    assert differ == "0", "the installed kernels' bits are not the recorded ones"
     assert Path(where).is_relative_to(site), where
     assert backend == "native", proc.stderr
     assert float(total) == 24.0

@@ -49,9 +49,10 @@ def _run(argv: list[str], cwd: Path) -> subprocess.CompletedProcess:
 
 
 def _skeleton(line: str) -> str:
-    """A line with its numbers, the machine's instruction set (`isa=...`) and spacing abstracted:
-    what must match between README and reality on any machine."""
+    """A line with its numbers, the machine's instruction sets (`isa=...`, those the native bits were
+    compared on) and spacing abstracted: what must match between README and reality on any machine."""
     line = re.sub(r"\bisa=\S+( \(the compiler left out [^)]*\))?", "isa=*", line)
+    line = re.sub(r"^native bits: the recorded ones on [^(]*\(", "native bits: the recorded ones on * (", line)
     return " ".join(re.sub(r"[-+]?\d+(\.\d+)?(e[-+]?\d+)?", "#", line).split())
 
 

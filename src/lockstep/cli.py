@@ -120,15 +120,16 @@ def _prepare_outputs(args: argparse.Namespace) -> None:
                 raise UsageError(f"output: {parent} is not writable")
 
 
-def _write_outputs(args: argparse.Namespace, data: dict, title: str) -> None:
-    """--json writes `data`; --html writes the self-contained report of it."""
+def _write_outputs(args: argparse.Namespace, data: dict, title: str, sections: dict | None = None) -> None:
+    """--json writes `data`; --html writes the self-contained report of `sections` (report.build_html's
+    keys; by default `data` itself)."""
     if getattr(args, "json", None):
         with open(args.json, "w") as f:
             json.dump(data, f, indent=1, default=str)
     if getattr(args, "html", None):
         from .report import write_html
 
-        write_html(json.loads(json.dumps(data, default=str)), args.html, title)
+        write_html(json.loads(json.dumps(data if sections is None else sections, default=str)), args.html, title)
         print(f"report: {args.html}")
 
 
@@ -170,6 +171,7 @@ def cmd_check(args: argparse.Namespace) -> int:
             caveat = registry.portable_caveat()
     print(f"lockstep check: backend={args.backend}{isa} threads={torch.get_num_threads()} torch={torch.__version__}"
           + (f"; {caveat}" if caveat else ""))
+    recorded = _recorded_bits() if args.backend == "native" else None
     print("  ".join(h.ljust(w) for h, w in zip(header, widths)))
     print("  ".join("-" * w for w in widths))
     reports, failed, started = [], 0, time.time()
@@ -197,10 +199,31 @@ def cmd_check(args: argparse.Namespace) -> int:
                 print(f"  {r.op} {r.dtype} {s.sweep}: {'pass' if s.passed else 'FAIL'} "
                       f"(rows {s.compared}, max diff {_fmt(s.max_diff)}) {s.detail}")
         failed += not r.passed
-    print(f"\n{len(reports) - failed} passed, {failed} failed ({time.time() - started:.1f}s)")
-    _write_outputs(args, {"backend": args.backend, "torch": torch.__version__,
-                          "reports": [r.to_dict() for r in reports]}, f"lockstep check (backend {args.backend})")
-    return 1 if failed else 0
+    print(f"\n{len(reports) - failed} passed, {failed} failed ({time.time() - started:.1f}s)"
+          + ("; the kernels' bits are not the recorded ones (above)" if recorded and recorded["differ"] else ""))
+    data = {"backend": args.backend, "torch": torch.__version__, "reports": [r.to_dict() for r in reports]}
+    if recorded:
+        data["recorded_bits"] = recorded
+    _write_outputs(args, data, f"lockstep check (backend {args.backend})",
+                   {"check": data["reports"], "recorded_bits": recorded})
+    return 1 if failed or (recorded and recorded["differ"]) else 0
+
+
+def _recorded_bits() -> dict:
+    """Compare the native kernels' bits on every instruction set this CPU runs with those recorded
+    on another machine (docs/adr/0026), print one line saying whether they are the same, and return
+    {"recorded_on", "instruction_sets", "differ": {isa: kernel groups}}."""
+    from .backends.native import bits
+    from .bench import machine
+
+    found = bits.differences()
+    on = bits.recorded()["recorded_on"]
+    differ = {isa: names for isa, names in found.items() if names}
+    if differ:
+        print(f"native bits: FAIL: {bits.mismatch(f'On this machine ({machine()}) the kernels', differ)}")
+    else:
+        print(f"native bits: the recorded ones on {', '.join(found)} (recorded on {on['machine']}, {on['isa']})")
+    return {"recorded_on": on, "instruction_sets": list(found), "differ": differ}
 
 
 def cmd_check_mode() -> int:

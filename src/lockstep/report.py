@@ -166,7 +166,20 @@ def heat_map(per_op: list[dict], phase: str) -> str:
     return "\n".join(out) + "</table></div>"
 
 
-def _check_section(reports: list[dict]) -> str:
+def _recorded_bits_note(recorded: dict | None) -> str:
+    """One paragraph: whether the native kernels gave the bits recorded on another machine."""
+    if not recorded:
+        return ""
+    on = recorded["recorded_on"]
+    if recorded["differ"]:
+        where = "; ".join(f"{isa}: {', '.join(names)}" for isa, names in recorded["differ"].items())
+        return (f"<p class=fail>Native bits: other bits than those recorded on {html.escape(on['machine'])} "
+                f"({html.escape(on['isa'])}), in {html.escape(where)} (docs/adr/0026).</p>")
+    return (f"<p class=pass>Native bits: the recorded ones on {html.escape(', '.join(recorded['instruction_sets']))} "
+            f"(recorded on {html.escape(on['machine'])}, {html.escape(on['isa'])}).</p>")
+
+
+def _check_section(reports: list[dict], recorded: dict | None = None) -> str:
     rows, classes, sweeps = [], [], []
     for r in reports:
         for s in r["sweeps"]:
@@ -187,7 +200,7 @@ def _check_section(reports: list[dict]) -> str:
         mcls.append([""] + [("pass" if by[s]["passed"] else "fail") if s in by else "na" for s in sweeps])
     matrix = _table(["op x sweep"] + sweeps, mrows, mcls)
     return ("<h2>Operator contract</h2><p class=note>Errors against float64; err / eager is lockstep's error over "
-            f"eager PyTorch's.</p>{contract}<h2>Invariance matrix</h2><p class=note>pass = bitwise identical; "
+            f"eager PyTorch's.</p>{_recorded_bits_note(recorded)}{contract}<h2>Invariance matrix</h2><p class=note>pass = bitwise identical; "
             f"otherwise the max difference.</p>{matrix}")
 
 
@@ -275,11 +288,12 @@ def _training_section(t: dict) -> str:
 
 
 def build_html(data: dict, title: str = "lockstep report") -> str:
-    """data may hold "check" (list of op reports), "verify", "parity", "trajectory" and "training"
+    """data may hold "check" (list of op reports) with "recorded_bits" (lockstep check's comparison
+    of the native kernels' bits with the recorded ones), "verify", "parity", "trajectory" and "training"
     ({"steps": [...], "events": [...]}, a `lockstep train` log)."""
     sections = []
     if data.get("check"):
-        sections.append(_check_section(data["check"]))
+        sections.append(_check_section(data["check"], data.get("recorded_bits")))
     if data.get("verify"):
         sections.append(_verify_section(data["verify"]))
     if data.get("parity"):
@@ -323,6 +337,7 @@ def from_run_dir(run_dir: str, out: str | None = None) -> str:
                     raise ValueError(f"run_dir: {path} is not valid JSON ({e})") from None
             if key == "check":
                 data[key] = loaded.get("reports", loaded)
+                data["recorded_bits"] = loaded.get("recorded_bits") if isinstance(loaded, dict) else None
             else:
                 data[key] = loaded.get(key, loaded)    # parity.json and trajectory.json wrap their payload
     if os.path.exists(os.path.join(run_dir, "log.jsonl")):

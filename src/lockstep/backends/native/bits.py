@@ -1,10 +1,11 @@
-"""Digests of the native kernels' outputs without torch: numpy buffers and ctypes calls only.
+"""The native kernels' bits as digests, and the recorded ones that every machine must give
+(docs/adr/0026-the-bits-are-recorded.md).
 
-The torch-based digest (_native_digest.py) needs torch on the machine that runs it. This one needs
-only Python, numpy and a build of kernels.c, so it runs where torch does not: under an emulator
-for another architecture (tests/test_native.py runs an aarch64 build under QEMU, in the user space
-that .ci/arm-sysroot makes), and it ties the bits there to the x86 paths' (the same test file runs
-it on every instruction set and thread count here).
+`lockstep check` compares this machine's digests, on every instruction set it runs, with those in
+recorded_bits.json, which were computed on the machine the file names; the test suite does too.
+The digests need only Python, numpy and a build of kernels.c, no torch, so this file also runs as
+a script where torch does not: under an emulator for another architecture (tests/test_native.py
+runs an aarch64 build under QEMU, in the user space that .ci/arm-sysroot makes).
 
 Its inputs come from splitmix64 in numpy's uint64 arithmetic, as integers times powers of two (exact
 in every dtype), bf16 bit patterns that reach every case of the bf16 order (denormals, products near
@@ -18,7 +19,7 @@ unit tree's partials), rope, the row sums, log_softmax forward and backward, the
 fold and logit gradient, and attention forward and backward over packed causal sequences (with and
 without a window), under a mask, and its paged decode; each at sizes that run on several threads.
 
-    python tests/_native_bits.py LIBRARY [ISA]   ->   {"isa": "avx2", "digests": {"1": {"gemm": "...", ...}, ...}}
+    python bits.py LIBRARY [ISA]   ->   {"isa": "avx2", "digests": {"1": {"gemm": "...", ...}, ...}}
 """
 
 from __future__ import annotations
@@ -32,10 +33,14 @@ from pathlib import Path
 
 import numpy as np
 
-_spec = importlib.util.spec_from_file_location(
-    "_native_build", Path(__file__).resolve().parent.parent / "src/lockstep/backends/native/build.py")
-build = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(build)  # build.py's top level is the standard library alone
+if __package__:
+    from . import build
+else:  # a script, maybe where torch is missing: build.py alone, whose top level is the standard library
+    _spec = importlib.util.spec_from_file_location("_native_build", Path(__file__).with_name("build.py"))
+    build = importlib.util.module_from_spec(_spec)
+    _spec.loader.exec_module(build)
+
+RECORDED = Path(__file__).with_name("recorded_bits.json")
 
 F32, BF16, F16 = 0, 1, 2
 # Zeros of both signs, infinities, NaN, denormals, the largest finite, exp's overflow and underflow
@@ -309,12 +314,42 @@ OPS = ("gemm", "gemm_tree", "unary", "silu", "rms_norm", "rope", "rows", "logit_
 
 
 def digests(lib: ctypes.CDLL, isa: int, threads: int) -> dict[str, str]:
+    """{kernel group (OPS): sha256 hex} of one pass at instruction set `isa` (build.ISAS' code) on
+    `threads` threads."""
     run, out = Run(lib, isa, threads), {}
     for name in OPS:
         h = hashlib.sha256()
         getattr(run, name)(h)
         out[name] = h.hexdigest()
     return out
+
+
+def recorded() -> dict:
+    """recorded_bits.json: "kernels" ({group: digest}), "recorded_on" (machine, isa, compiler, ...)
+    and the test suite's "native_backend" sections under "torch"."""
+    return json.loads(RECORDED.read_text())
+
+
+def differences(threads: int = 2) -> dict[str, list[str]]:
+    """{instruction set: the kernel groups whose bits differ from the recorded ones} for every
+    instruction set this CPU and build run (an empty list: the recorded bits)."""
+    want = recorded()["kernels"]
+    out = {}
+    for name in build.supported_isas():
+        got = digests(build.library(), build.ISAS[name], threads)
+        out[name] = sorted(group for group in want.keys() | got.keys() if got.get(group) != want.get(group))
+    return out
+
+
+def mismatch(what: str, differ: dict[str, list[str]]) -> str:
+    """The message for `what` giving other bits than the recorded ones in differ's {where: names}."""
+    on = recorded()["recorded_on"]
+    where = "; ".join(f"{key}: {', '.join(names)}" for key, names in differ.items())
+    return (f"{what} gave other bits than those recorded on {on['machine']} ({on['isa']}), in {where}. If a "
+            f"change to lockstep altered its arithmetic on purpose, record the new bits (python "
+            f"tests/_native_digest.py --record) and say why in the commit; if not, this machine breaks the "
+            f"contract's promise of one set of bits on every CPU (docs/contract.md section 7, docs/adr/0026): "
+            f"please report it with this message")
 
 
 def main() -> int:
