@@ -26,6 +26,7 @@ from __future__ import annotations
 import hashlib
 import json
 import sys
+from pathlib import Path
 
 import torch
 
@@ -192,22 +193,15 @@ def record() -> dict:
     digest's sections on 1 thread, with what they were computed on."""
     import numpy as np
 
-    import platform
-
     from lockstep.backends.native import bits, build
+    from lockstep.bench import cpu_name
 
-    cpu = {}
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            key, _, value = line.partition(":")
-            cpu.setdefault(key.strip(), value.strip())
-    where = f"{cpu.get('model name', platform.processor())} ({cpu.get('vendor_id', '?')}, family {cpu.get('cpu family', '?')})"
     torch.set_num_threads(1)
     return {"about": "The native backend's bits, the same on every machine: `lockstep check` compares this "
                      "machine's kernels with them, and tests/test_native.py the whole native backend. After a "
                      "change that alters them on purpose, rerun `python tests/_native_digest.py --record` and say "
                      "why in the commit (docs/adr/0026).",
-            "recorded_on": {"machine": where, "isa": isa_name(), "aten": torch.backends.cpu.get_cpu_capability(),
+            "recorded_on": {"machine": cpu_name(), "isa": isa_name(), "aten": torch.backends.cpu.get_cpu_capability(),
                             "compiler": compiler_version(compiler()).split("\n")[0], "numpy": np.__version__},
             "torch": torch.__version__,
             "kernels": bits.digests(build.library(), build.isa(), 1),
@@ -216,10 +210,10 @@ def record() -> dict:
 
 def main() -> int:
     if sys.argv[1:] == ["--record"]:
-        from lockstep.backends.native.bits import RECORDED
-
-        RECORDED.write_text(json.dumps(record(), indent=1, sort_keys=True) + "\n")
-        print(f"wrote {RECORDED}")
+        # The clone's file, which the commit carries, whichever lockstep this interpreter imports.
+        recorded = Path(__file__).resolve().parent.parent / "src/lockstep/backends/native/recorded_bits.json"
+        recorded.write_text(json.dumps(record(), indent=1, sort_keys=True) + "\n")
+        print(f"wrote {recorded}")
         return 0
     if sys.argv[1:]:
         raise SystemExit(f"usage: python {sys.argv[0]} [--record]; got {sys.argv[1:]}")

@@ -1,5 +1,4 @@
 import os
-import platform
 
 import pytest
 import torch
@@ -31,18 +30,6 @@ def pytest_report_header(config):
     return f"lockstep: torch {torch.__version__}, CUDA available: {torch.cuda.is_available()}"
 
 
-def _cpu_name() -> str:
-    fields = {}
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                fields.setdefault(key.strip(), value.strip())
-    except OSError:
-        pass
-    return f"{fields.get('model name') or platform.processor() or 'unknown CPU'} ({fields.get('vendor_id', '?')})"
-
-
 def _stock_linear_follows_threads() -> bool:
     """Whether stock fp32 F.linear at issue 27's shape gives other bits on 1 and 2 threads: what
     an Intel Xeon's MKL does, and what lockstep's native kernels must not inherit."""
@@ -67,7 +54,9 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     follows = "differs" if _stock_linear_follows_threads() else "is the same"
     if os.environ.get("LOCKSTEP_TEST_REBLOCKING_BLAS"):
         follows += " (under the stand-in BLAS)"
-    terminalreporter.write_line(f"lockstep: ran on {_cpu_name()}, {os.cpu_count()} CPUs, ATen "
+    from lockstep.bench import cpu_name
+
+    terminalreporter.write_line(f"lockstep: ran on {cpu_name()}, {os.cpu_count()} CPUs, ATen "
                                 f"{torch.backends.cpu.get_cpu_capability()}; stock fp32 linear on 1 vs 2 "
                                 f"threads {follows}")
 

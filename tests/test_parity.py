@@ -248,6 +248,27 @@ def test_report_of_a_training_run_draws_its_curves(tmp_path, capsys):
     assert "Training run" in page and page.count("<svg") == 3 and ">loss<" in page and "gradient norm" in page
 
 
+def test_report_of_a_check_run_says_whether_the_native_bits_are_the_recorded_ones(tmp_path, capsys):
+    """`lockstep report` on a folder with `lockstep check --json`'s check.json draws the op table and
+    the native-bits line (absent from a check.json of another backend); a check.json that is not
+    lockstep check's is named, not a traceback."""
+    run = tmp_path / "run"
+    assert cli.main(["check", "silu_mul", "--dtype", "fp32", "--no-large", "--json", str(run / "check.json")]) == 0
+    assert cli.main(["report", str(run)]) == 0
+    page = (run / "report.html").read_text()
+    assert "<h2>Operator contract</h2>" in page and "<p class=pass>Native bits: the recorded ones on " in page
+    assert cli.main(["check", "silu_mul", "--dtype", "fp32", "--no-large", "--backend", "portable",
+                     "--json", str(run / "check.json")]) == 0
+    assert cli.main(["report", str(run)]) == 0
+    page = (run / "report.html").read_text()
+    assert "<h2>Operator contract</h2>" in page and "Native bits" not in page
+    (run / "check.json").write_text("[1]")
+    capsys.readouterr()
+    assert cli.main(["report", str(run)]) == 2
+    assert capsys.readouterr().err.strip() == (f"lockstep report: run_dir: {run / 'check.json'} is not lockstep "
+                                                "check's JSON (expected an object with a \"reports\" list)")
+
+
 def test_chart_axes_ticks_and_legend():
     import re
 

@@ -184,14 +184,26 @@ def memory_case(tokens: int = 1024, hidden: int = 1024, vocab: int = 152064) -> 
     return {"selected_logprobs": peak_rss_mib(fused), "log_softmax(full logits)": peak_rss_mib(full)}
 
 
-def machine() -> str:
-    cpu = platform.processor() or platform.machine()
+def cpu_name() -> str:
+    """The CPU's model, maker and family as Linux reports them ("AMD EPYC (AuthenticAMD, family 26)"),
+    or what platform knows elsewhere: the bits of stock BLAS and vector math follow all three."""
+    fields: dict[str, str] = {}
     try:
         with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+            for line in f:
+                key, _, value = line.partition(":")
+                fields.setdefault(key.strip(), value.strip())
     except OSError:
         pass
-    return f"{cpu}, {os.cpu_count()} cores, {torch.get_num_threads()} threads, torch {torch.__version__}"
+    model = fields.get("model name") or platform.processor() or platform.machine() or "unknown CPU"
+    maker = ", ".join(x for x in (fields.get("vendor_id"), fields.get("cpu family") and f"family {fields['cpu family']}")
+                      if x)
+    return f"{model} ({maker})" if maker else model
+
+
+def machine() -> str:
+    """The CPU (cpu_name), its cores, torch's threads and torch's version: where a number was measured."""
+    return f"{cpu_name()}, {os.cpu_count()} cores, {torch.get_num_threads()} threads, torch {torch.__version__}"
 
 
 def main(selected: list[str] | None = None, quick: bool = False, out: str | None = None,

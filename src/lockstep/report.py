@@ -166,20 +166,22 @@ def heat_map(per_op: list[dict], phase: str) -> str:
     return "\n".join(out) + "</table></div>"
 
 
-def _recorded_bits_note(recorded: dict | None) -> str:
-    """One paragraph: whether the native kernels gave the bits recorded on another machine."""
-    if not recorded:
+def _native_bits_note(native_bits: dict | None) -> str:
+    """One paragraph: whether the native kernels gave the recorded bits (lockstep check's comparison)."""
+    if not native_bits:
         return ""
-    on = recorded["recorded_on"]
-    if recorded["differ"]:
-        where = "; ".join(f"{isa}: {', '.join(names)}" for isa, names in recorded["differ"].items())
-        return (f"<p class=fail>Native bits: other bits than those recorded on {html.escape(on['machine'])} "
-                f"({html.escape(on['isa'])}), in {html.escape(where)} (docs/adr/0026).</p>")
-    return (f"<p class=pass>Native bits: the recorded ones on {html.escape(', '.join(recorded['instruction_sets']))} "
-            f"(recorded on {html.escape(on['machine'])}, {html.escape(on['isa'])}).</p>")
+    on = native_bits["recorded_on"]
+    recorded = f"recorded on {html.escape(on['machine'])}, {html.escape(on['isa'])}"
+    if native_bits["differ"]:
+        from .backends.native.bits import describe
+
+        return (f"<p class=fail>Native bits: not the recorded ones ({recorded}), in "
+                f"{html.escape(describe(native_bits['differ']))} (docs/adr/0026).</p>")
+    return (f"<p class=pass>Native bits: the recorded ones on {html.escape(', '.join(native_bits['instruction_sets']))} "
+            f"({recorded}).</p>")
 
 
-def _check_section(reports: list[dict], recorded: dict | None = None) -> str:
+def _check_section(reports: list[dict], native_bits: dict | None = None) -> str:
     rows, classes, sweeps = [], [], []
     for r in reports:
         for s in r["sweeps"]:
@@ -200,7 +202,7 @@ def _check_section(reports: list[dict], recorded: dict | None = None) -> str:
         mcls.append([""] + [("pass" if by[s]["passed"] else "fail") if s in by else "na" for s in sweeps])
     matrix = _table(["op x sweep"] + sweeps, mrows, mcls)
     return ("<h2>Operator contract</h2><p class=note>Errors against float64; err / eager is lockstep's error over "
-            f"eager PyTorch's.</p>{_recorded_bits_note(recorded)}{contract}<h2>Invariance matrix</h2><p class=note>pass = bitwise identical; "
+            f"eager PyTorch's.</p>{_native_bits_note(native_bits)}{contract}<h2>Invariance matrix</h2><p class=note>pass = bitwise identical; "
             f"otherwise the max difference.</p>{matrix}")
 
 
@@ -288,12 +290,12 @@ def _training_section(t: dict) -> str:
 
 
 def build_html(data: dict, title: str = "lockstep report") -> str:
-    """data may hold "check" (list of op reports) with "recorded_bits" (lockstep check's comparison
+    """data may hold "check" (list of op reports) with "native_bits" (lockstep check's comparison
     of the native kernels' bits with the recorded ones), "verify", "parity", "trajectory" and "training"
     ({"steps": [...], "events": [...]}, a `lockstep train` log)."""
     sections = []
     if data.get("check"):
-        sections.append(_check_section(data["check"], data.get("recorded_bits")))
+        sections.append(_check_section(data["check"], data.get("native_bits")))
     if data.get("verify"):
         sections.append(_verify_section(data["verify"]))
     if data.get("parity"):
@@ -336,8 +338,10 @@ def from_run_dir(run_dir: str, out: str | None = None) -> str:
                 except json.JSONDecodeError as e:
                     raise ValueError(f"run_dir: {path} is not valid JSON ({e})") from None
             if key == "check":
-                data[key] = loaded.get("reports", loaded)
-                data["recorded_bits"] = loaded.get("recorded_bits") if isinstance(loaded, dict) else None
+                if not isinstance(loaded, dict) or not isinstance(loaded.get("reports"), list):
+                    raise ValueError(f"run_dir: {path} is not lockstep check's JSON (expected an object with a "
+                                     "\"reports\" list)")
+                data[key], data["native_bits"] = loaded["reports"], loaded.get("native_bits")
             else:
                 data[key] = loaded.get(key, loaded)    # parity.json and trajectory.json wrap their payload
     if os.path.exists(os.path.join(run_dir, "log.jsonl")):

@@ -19,7 +19,8 @@ unit tree's partials), rope, the row sums, log_softmax forward and backward, the
 fold and logit gradient, and attention forward and backward over packed causal sequences (with and
 without a window), under a mask, and its paged decode; each at sizes that run on several threads.
 
-    python bits.py LIBRARY [ISA]   ->   {"isa": "avx2", "digests": {"1": {"gemm": "...", ...}, ...}}
+    python src/lockstep/backends/native/bits.py LIBRARY [ISA]
+        ->   {"isa": "avx2", "digests": {"1": {"gemm": "...", ...}, ...}}
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ class Stream:
         self.counter = np.uint64(seed)
 
     def bits(self, n: int) -> np.ndarray:
+        """The stream's next n 64-bit integers (uint64)."""
         with np.errstate(over="ignore"):
             z = (self.counter + np.arange(1, n + 1, dtype=np.uint64)) * np.uint64(0x9E3779B97F4A7C15)
             self.counter += np.uint64(n)
@@ -107,17 +109,19 @@ def canonical(out: np.ndarray) -> bytes:
 
 
 def ptr(a: np.ndarray | None) -> int | None:
+    """The address of a's data, for a ctypes call (None stays NULL)."""
     return None if a is None else a.ctypes.data
 
 
 class Run:
-    """One pass over every op at one instruction set and thread count; each method hashes what its
-    kernel wrote."""
+    """One pass over every op at one instruction set and thread count; each method named in OPS
+    feeds what its kernels wrote to the hash `h` (hashlib.sha256) it is given."""
 
     def __init__(self, lib: ctypes.CDLL, isa: int, threads: int):
         self.lib, self.isa, self.threads, self.rng = lib, isa, threads, Stream(0)
 
     def check(self, status: int, what: str) -> None:
+        """Raise if a kernel call `what` returned a nonzero status (a bad argument)."""
         if status != 0:
             raise RuntimeError(f"{what} returned {status}")
 
@@ -325,40 +329,59 @@ def digests(lib: ctypes.CDLL, isa: int, threads: int) -> dict[str, str]:
 
 
 def recorded() -> dict:
-    """recorded_bits.json: "kernels" ({group: digest}), "recorded_on" (machine, isa, compiler, ...)
-    and the test suite's "native_backend" sections under "torch"."""
-    return json.loads(RECORDED.read_text())
+    """recorded_bits.json: "kernels" ({kernel group: digest}), "recorded_on" (machine, isa, compiler,
+    ...), and for the test suite "torch" and "native_backend" ({section: digest})."""
+    try:
+        data = json.loads(RECORDED.read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{RECORDED}: cannot read the recorded bits ({e}); reinstall lockstep") from None
+    missing = [key for key in ("kernels", "recorded_on") if not isinstance(data, dict) or key not in data]
+    if missing or not isinstance(data["recorded_on"], dict) or not {"machine", "isa"} <= data["recorded_on"].keys():
+        raise ValueError(f"{RECORDED}: expected a JSON object with \"kernels\" and \"recorded_on\" (machine, isa); "
+                         f"{'it lacks ' + ', '.join(missing) if missing else 'recorded_on lacks machine or isa'}; "
+                         "reinstall lockstep")
+    return data
 
 
-def differences(threads: int = 2) -> dict[str, list[str]]:
-    """{instruction set: the kernel groups whose bits differ from the recorded ones} for every
-    instruction set this CPU and build run (an empty list: the recorded bits)."""
-    want = recorded()["kernels"]
-    out = {}
-    for name in build.supported_isas():
-        got = digests(build.library(), build.ISAS[name], threads)
-        out[name] = sorted(group for group in want.keys() | got.keys() if got.get(group) != want.get(group))
-    return out
+def differing(got: dict[str, str], want: dict[str, str]) -> list[str]:
+    """The names whose digest in `got` is not the one in `want` (or is in only one of them), sorted."""
+    return sorted(name for name in want.keys() | got.keys() if got.get(name) != want.get(name))
 
 
-def mismatch(what: str, differ: dict[str, list[str]]) -> str:
-    """The message for `what` giving other bits than the recorded ones in differ's {where: names}."""
-    on = recorded()["recorded_on"]
-    where = "; ".join(f"{key}: {', '.join(names)}" for key, names in differ.items())
-    return (f"{what} gave other bits than those recorded on {on['machine']} ({on['isa']}), in {where}. If a "
-            f"change to lockstep altered its arithmetic on purpose, record the new bits (python "
-            f"tests/_native_digest.py --record) and say why in the commit; if not, this machine breaks the "
-            f"contract's promise of one set of bits on every CPU (docs/contract.md section 7, docs/adr/0026): "
-            f"please report it with this message")
+def compare(want: dict[str, str], threads: int = 2) -> dict[str, list[str]]:
+    """{instruction set: the kernel groups whose bits are not `want`'s} for every instruction set this
+    CPU and build run; an empty list where all agree. 2 threads by default: the recording ran on 1,
+    so the comparison also covers the split of outputs between threads."""
+    return {name: differing(digests(build.library(), build.ISAS[name], threads), want)
+            for name in build.supported_isas()}
+
+
+def describe(differ: dict[str, list[str]]) -> str:
+    """'avx2: gemm, rope; avx512: rope' for {where: names}, leaving out empty lists."""
+    return "; ".join(f"{key}: {', '.join(names)}" for key, names in differ.items() if names)
+
+
+def mismatch(what: str, differ: dict[str, list[str]], on: dict) -> str:
+    """The message for `what` giving other bits than those recorded on `on` (recorded()["recorded_on"]),
+    in differ's {where: names}."""
+    return (f"{what} gave other bits than those recorded on {on['machine']} ({on['isa']}), in {describe(differ)}. "
+            f"If you changed lockstep's arithmetic on purpose, record the new bits (python "
+            f"tests/_native_digest.py --record, in a clone) and say why in the commit. If not, this machine breaks "
+            f"the contract's promise of one set of bits on every CPU (docs/contract.md section 7, docs/adr/0026): "
+            f"please open an issue on lockstep with this message and `lockstep check`'s first line")
 
 
 def main() -> int:
+    """The script: every kernel group's digest on 1, 2 and 3 threads, as JSON on one line."""
+    if len(sys.argv) not in (2, 3):
+        raise SystemExit(f"usage: python {sys.argv[0]} LIBRARY [ISA] (LIBRARY: a build of kernels.c; ISA: one of "
+                         f"{list(build.ISAS)}, by default the widest this CPU runs)")
     lib = build.declare(ctypes.CDLL(sys.argv[1]))
     lib.ls_use_openmp(None)  # the library's own threads: no torch, so no OpenMP runtime of its
     supported = [name for name, code in build.ISAS.items() if lib.ls_cpu_supports(code)]
     isa = sys.argv[2] if len(sys.argv) > 2 else supported[-1]
     if isa not in supported:
-        raise SystemExit(f"this CPU and build run {supported}, not {isa!r}")
+        raise SystemExit(f"ISA: this CPU and build run {supported}, not {isa!r}")
     print(json.dumps({"isa": isa, "digests": {str(t): digests(lib, build.ISAS[isa], t) for t in (1, 2, 3)}}))
     return 0
 
