@@ -18,7 +18,9 @@ re-blocks with the thread count, those differ.
 
     python tests/_native_digest.py --record   writes this machine's bits, this digest's and the
                                               kernels' (lockstep.backends.native.bits), into
-                                              that module's recorded_bits.json (ADR 0026)
+                                              that module's recorded_bits.json (ADR 0026); under
+                                              another torch release that gives the recorded bits,
+                                              adds that release to the file's list
 """
 
 from __future__ import annotations
@@ -187,33 +189,61 @@ def stock_linear() -> str:
     return hashlib.sha256(torch.nn.functional.linear(x, w).view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
-def record() -> dict:
+def release(version: str) -> str:
+    """A torch version without its local part: "2.13.0+cpu" -> "2.13.0" (a CUDA build runs the same
+    CPU kernels as the CPU build of its release)."""
+    return version.split("+")[0]
+
+
+def record(previous: dict | None = None) -> tuple[dict, list[str]]:
     """This machine's bits in recorded_bits.json's form: the torch-free digest of every kernel (one
     thread count and instruction set stand for all: tests/test_native.py ties them) and this
-    digest's sections on 1 thread, with what they were computed on."""
+    digest's sections on 1 thread, with what they were computed on; and the torch releases the
+    recording held that it no longer does. `torch` lists the releases found to give these bits: where
+    `previous` (the file as it was) holds the same bits, this release joins its list and its
+    machine stays the one named; where the bits changed, the other releases are dropped, since
+    nothing has shown that they give the new ones."""
     import numpy as np
 
     from lockstep.backends.native import bits, build
     from lockstep.bench import cpu_name
 
     torch.set_num_threads(1)
-    return {"about": "The native backend's bits, the same on every machine: `lockstep check` compares this "
-                     "machine's kernels with them, and tests/test_native.py the whole native backend. After a "
-                     "change that alters them on purpose, rerun `python tests/_native_digest.py --record` and say "
-                     "why in the commit (docs/adr/0026).",
-            "recorded_on": {"machine": cpu_name(), "isa": isa_name(), "aten": torch.backends.cpu.get_cpu_capability(),
-                            "compiler": compiler_version(compiler()).split("\n")[0], "numpy": np.__version__},
-            "torch": torch.__version__,
-            "kernels": bits.digests(build.library(), build.isa(), 1),
-            "native_backend": digest()}
+    now = {"about": "The native backend's bits, the same on every machine: `lockstep check` compares this "
+                    "machine's kernels with them, and tests/test_native.py the whole native backend, under each "
+                    "torch release listed. After a change that alters them on purpose, rerun `python "
+                    "tests/_native_digest.py --record` and say why in the commit; run it under another torch "
+                    "release to add that release (docs/adr/0026).",
+           "recorded_on": {"machine": cpu_name(), "isa": isa_name(), "aten": torch.backends.cpu.get_cpu_capability(),
+                           "compiler": compiler_version(compiler()).split("\n")[0], "numpy": np.__version__},
+           "torch": [release(torch.__version__)],
+           "kernels": bits.digests(build.library(), build.isa(), 1),
+           "native_backend": digest()}
+    if not previous:
+        return now, []
+    earlier = previous.get("torch", [])
+    earlier = [release(earlier)] if isinstance(earlier, str) else list(earlier)
+    if (previous.get("kernels"), previous.get("native_backend")) == (now["kernels"], now["native_backend"]):
+        releases = sorted({*earlier, *now["torch"]}, key=lambda r: [int(p) if p.isdigit() else -1 for p in r.split(".")])
+        return {**previous, "about": now["about"], "torch": releases}, []
+    return now, [r for r in earlier if r not in now["torch"]]
 
 
 def main() -> int:
     if sys.argv[1:] == ["--record"]:
         # The clone's file, which the commit carries, whichever lockstep this interpreter imports.
         recorded = Path(__file__).resolve().parent.parent / "src/lockstep/backends/native/recorded_bits.json"
-        recorded.write_text(json.dumps(record(), indent=1, sort_keys=True) + "\n")
-        print(f"wrote {recorded}")
+        try:
+            previous = json.loads(recorded.read_text())
+        except (OSError, ValueError):
+            previous = None
+        data, dropped = record(previous if isinstance(previous, dict) else None)
+        recorded.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+        print(f"wrote {recorded}: the bits under torch {', '.join(data['torch'])}, recorded on "
+              f"{data['recorded_on']['machine']}")
+        if dropped:
+            print(f"the bits changed, so torch {', '.join(dropped)} no longer appear{'s' if len(dropped) == 1 else ''}: "
+                  "run --record under each to add it back")
         return 0
     if sys.argv[1:]:
         raise SystemExit(f"usage: python {sys.argv[0]} [--record]; got {sys.argv[1:]}")

@@ -330,7 +330,8 @@ def digests(lib: ctypes.CDLL, isa: int, threads: int) -> dict[str, str]:
 
 def recorded() -> dict:
     """recorded_bits.json: "kernels" ({kernel group: digest}), "recorded_on" (machine, isa, compiler,
-    ...), and for the test suite "torch" and "native_backend" ({section: digest})."""
+    ...), and for the test suite "native_backend" ({section: digest}) with "torch" (the releases
+    found to give those bits)."""
     try:
         data = json.loads(RECORDED.read_text())
     except (OSError, ValueError) as e:
