@@ -1,14 +1,9 @@
-"""Print a digest of the native backend's outputs and gradients, for tests/test_native.py.
+"""Print the native backend's digests (lockstep.backends.native.backend_bits), for tests/test_native.py.
 
-Every op of the harness (forward and backward, fp32, bf16 and fp16, small sizes), attention by
-packed prefill with gradients and by paged decode, masked attention (left padding) with
-gradients, a bf16 GEMM on inputs that reach every case of the bf16 order, and the model's own
-arithmetic around the ops: the rotary tables (frequencies and long-context cos and sin) and the
-MoE router (probabilities, top k and renormalised weights, with their gradient). One digest per
-section (an op in a dtype, training, ...) per thread count (1, 2, 3) of one process; the
-instruction set and the BLAS selections come from the environment, which the kernel libraries read
-once, so the test starts a fresh process for each. Beside them, for the same thread counts, the
-bits of a stock fp32 `F.linear` at the issue's shape (37 x 1024 by 3072 x 1024): where its BLAS
+One digest per section (an op in a dtype, training, ...) per thread count (1, 2, 3) of one process;
+the instruction set and the BLAS selections come from the environment, which the kernel libraries
+read once, so the test starts a fresh process for each. Beside them, for the same thread counts,
+the bits of a stock fp32 `F.linear` at the issue's shape (37 x 1024 by 3072 x 1024): where its BLAS
 re-blocks with the thread count, those differ.
 
     python tests/_native_digest.py   ->   {"isa": "avx512", "pool": "openmp", "aten": "AVX512",
@@ -16,11 +11,12 @@ re-blocks with the thread count, those differ.
                                           "digests": {"1": {"training": "...", ...}, ...},
                                           "stock_linear": {"1": "...", ...}}
 
-    python tests/_native_digest.py --record   writes this machine's bits, this digest's and the
-                                              kernels' (lockstep.backends.native.bits), into
-                                              that module's recorded_bits.json (ADR 0026); under
+    python tests/_native_digest.py --record   writes this machine's bits, the whole backend's and
+                                              the kernels' (lockstep.backends.native.bits), into
+                                              that package's recorded_bits.json (ADR 0026); under
                                               another torch release that gives the recorded bits,
-                                              adds that release to the file's list
+                                              adds that release to the file's list, and refuses one
+                                              that gives other bits (--replace records them)
 """
 
 from __future__ import annotations
@@ -32,155 +28,8 @@ from pathlib import Path
 
 import torch
 
+from lockstep.backends.native.backend_bits import digests, release
 from lockstep.backends.native.build import compiler, compiler_version, isa_name, pool_name
-from lockstep.backends.native.gemm import gemm_nt
-from lockstep.harness.attention_check import AttnCase, AttnSizes, _paged_decode
-from lockstep.harness.masked_attention_check import MaskedCase, MaskedSizes
-from lockstep.harness.check import Pool, run
-from lockstep.harness.specs import SPECS, Sizes
-from lockstep import exact_math
-from lockstep.model import ModelConfig, Transformer
-from lockstep.model.moe import route
-from lockstep.rotary import LinearRopeScaling, Llama3RopeScaling, rope_cos_sin, rope_inv_freq
-
-# Big enough that the GEMMs of linear, the LM head and attention run on several threads (kernels.c
-# keeps products under 2^18 multiply-adds on one), small enough for the scalar path.
-SIZES = Sizes(hidden=264, out_features=100, heads=2, head_dim=16, ffn=40, vocab=4200, lm_hidden=72, embed_vocab=20,
-              pool=40)
-ATTN = AttnSizes(lens=(20, 1, 90), q_heads=4, kv_heads=2, head_dim=40, chunks=(7,))
-MASKED = MaskedSizes(lens=(20, 1, 90), q_heads=4, kv_heads=2, head_dim=40)
-DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def _update(h: "hashlib._Hash", label: str, t: torch.Tensor | None) -> None:
-    h.update(label.encode())
-    if t is not None:
-        h.update(t.detach().contiguous().view(torch.uint8).numpy().tobytes())
-
-
-def bf16_edge_operands(rows: int = 64, k: int = 103) -> tuple[torch.Tensor, torch.Tensor]:
-    """bf16 GEMM operands that reach every case of the bf16 order (kernels.c): rows of tiny values
-    and denormals whose products and partial sums fall at and just below 2^-126 (where the order
-    flushes what plain rounding keeps), rows that cancel their neighbours, rows of ordinary values,
-    Inf and NaN in every 16th row, and row 2 of each operand the constructed tininess case."""
-    gen = torch.Generator().manual_seed(11)
-    tiny = torch.arange(rows)[:, None] % 3 != 2                     # two rows in three
-    exponent = torch.where(tiny, 62 + torch.randint(0, 4, (rows, k), generator=gen),
-                           110 + torch.randint(0, 30, (rows, k), generator=gen))
-    exponent = torch.where(torch.rand(rows, k, generator=gen) < 0.1, 0, exponent)       # zeros and denormals
-    special = (torch.arange(rows)[:, None] % 16 == 6) & (torch.rand(rows, k, generator=gen) < 0.05)
-    exponent = torch.where(special, 255, exponent)                                      # Inf and NaN
-    bits = (torch.randint(0, 2, (rows, k), generator=gen) << 15) | (exponent << 7) | torch.randint(
-        0, 128, (rows, k), generator=gen)
-    x = bits.to(torch.int16).view(torch.bfloat16)
-    x[1::4] = -x[0::4][: x[1::4].shape[0]]                          # rows that cancel their neighbours
-    a, b = x, x.flip(0).roll(3, 1)
-    a[2], b[2] = BF16_TININESS
-    return a, b
-
-
-def _tininess_case(k: int = 103) -> tuple[torch.Tensor, torch.Tensor]:
-    """One row pair whose dot is exactly 0 in the bf16 order and 2^-126 with plain rounding: lane 0
-    reaches 2^-126 + 2^-149, then adds -1.375 x 2^-149; the exact sum, rounded to 24 bits with an
-    unbounded exponent, is 2^-126 - 2^-150, tiny, so it is flushed (kernels.c's header)."""
-    a, b = torch.zeros(k), torch.zeros(k)
-    a[1], b[1] = 2.0 ** -63, 2.0 ** -63             # odd step of chunk 0: 2^-126
-    a[0], b[0] = 2.0 ** -75, 2.0 ** -74             # even step: + 2^-149
-    a[33], b[33] = -1.375 * 2.0 ** -75, 2.0 ** -74  # odd step of chunk 1: - 1.375 x 2^-149
-    return a.bfloat16(), b.bfloat16()
-
-
-BF16_TININESS = _tininess_case()
-
-ROPES = ((128, 1_000_000.0, None), (64, 10_000.0, None), (128, 500_000.0, Llama3RopeScaling()),
-         (256, 1_000_000.0, LinearRopeScaling(8.0)))
-
-
-def _model_arithmetic(h: "hashlib._Hash") -> None:
-    """The rotary tables at positions up to 2^20, the MoE router on logits of a real router's range
-    (fp32 probabilities through exp, 8 of 16 experts, renormalised, and the logits' gradient), and
-    exact_math's float64 functions over float64's positive range (inputs from bit patterns, so
-    they are the same everywhere) and its normal draws in float64 (where a last-bit change shows,
-    unlike in weights rounded to fp32), and a random model's weights (from_config)."""
-    wide = (torch.arange(1, 4002, dtype=torch.int64) * (0x7FEFFFFFFFFFFFFF // 4001)).view(torch.float64)
-    _update(h, "log_float64", exact_math.log_float64(wide))
-    _update(h, "sqrt_float64", exact_math.sqrt_float64(wide))
-    _update(h, "normal", exact_math.normal((20_001,), torch.Generator().manual_seed(3)))
-    for name, p in Transformer.from_config(ModelConfig.tiny("qwen3"), seed=3).state_dict().items():
-        _update(h, f"from_config {name}", p)
-    positions = torch.arange(0, 1 << 20, 97)
-    for head_dim, theta, scaling in ROPES:
-        _update(h, f"inv_freq {head_dim} {theta} {scaling}", rope_inv_freq(head_dim, theta, scaling))
-        for dtype in (torch.float32, torch.bfloat16):
-            for i, t in enumerate(rope_cos_sin(positions, head_dim, theta, scaling, dtype)):
-                _update(h, f"rope table {head_dim} {theta} {scaling} {dtype} {i}", t)
-    gen = torch.Generator().manual_seed(5)
-    logits = (torch.rand(64, 16, generator=gen) * 16 - 8).requires_grad_(True)
-    weights, experts = route(logits, 8, True)
-    weights.backward(torch.rand(64, 8, generator=gen) - 0.5)
-    for label, t in (("weights", weights), ("experts", experts), ("d logits", logits.grad)):
-        _update(h, f"router {label}", t)
-
-
-def tiny_trainer(family: str, dtype: torch.dtype, tokens: list[int], **config):
-    """A Trainer of a random tiny model of `family` (vocabulary 300) in `dtype` (bf16 with fp32
-    master weights) over `tokens`: sequences of 32, micro-batches of 96 tokens, 2 per step."""
-    from lockstep.train import PackedDataset, TrainConfig, Trainer
-
-    cfg = TrainConfig(**{"steps": 1, "seq_len": 32, "micro_batch_tokens": 96, "accum": 2, "lr": 3e-3, "warmup": 1,
-                         "seed": 0, "master_weights": dtype == torch.bfloat16, **config})
-    model = Transformer.from_config(ModelConfig.tiny(family, vocab_size=300), seed=0, dtype=dtype)
-    return Trainer(model, PackedDataset(tokens, cfg.seq_len, cfg.micro_batch_tokens, cfg.seed), cfg)
-
-
-def _training(h: "hashlib._Hash") -> None:
-    """Two Trainer steps of a random Qwen3 (fp32, and bf16 with fp32 master weights): the weights and
-    the optimizer's state after them, AdamW's square root and the gradient norm's included."""
-    tokens = torch.randint(0, 300, (600,), generator=torch.Generator().manual_seed(0)).tolist()
-    for dtype in (torch.float32, torch.bfloat16):
-        trainer = tiny_trainer("qwen3", dtype, tokens, steps=2, grad_clip=0.5)
-        for _ in range(2):
-            trainer.step()
-        for name, t in [*trainer.model.state_dict().items(), *trainer.opt.state_tensors().items()]:
-            _update(h, f"trained {dtype} {name}", t)
-
-
-def digest() -> dict[str, str]:
-    """{section: sha256 hex} over every section named in the module docstring."""
-    sections: dict[str, "hashlib._Hash"] = {}
-
-    def section(name: str) -> "hashlib._Hash":
-        return sections.setdefault(name, hashlib.sha256())
-
-    a, b = bf16_edge_operands()
-    _update(section("bf16 edge GEMM"), "bf16 edge GEMM", gemm_nt(a, b))
-    _model_arithmetic(section("model arithmetic"))
-    _training(section("training"))
-    for dtype in DTYPES:
-        kind = str(dtype).removeprefix("torch.")
-        for name, spec in SPECS.items():
-            h = section(f"{name} {kind}")
-            pool = Pool(spec, dtype, SIZES, seed=0, grad=spec.differentiable)
-            r = run(pool, "native", list(range(SIZES.pool)))
-            _update(h, f"{name} {dtype} out", r.out)
-            for key in sorted(r.row_grads):
-                _update(h, f"{name} {dtype} d{key}", r.row_grads[key])
-            for key in sorted(r.param_grads):
-                _update(h, f"{name} {dtype} d{key}", r.param_grads[key])
-        h = section(f"attention {kind}")
-        case = AttnCase(dtype, ATTN, seed=0)
-        per, _ = case.prefill("native", list(range(len(case.seqs))), grad=True)
-        for i, tensors in enumerate(per):
-            for j, t in enumerate(tensors):
-                _update(h, f"attention {dtype} {i} {j}", t)
-        for i, t in enumerate(_paged_decode(case, "native")):
-            _update(section(f"paged_attention {kind}"), f"paged_attention {dtype} {i}", t)
-        masked = MaskedCase(dtype, MASKED, seed=0)
-        h = section(f"masked_attention {kind}")
-        for i, tensors in enumerate(masked.run("native", list(range(len(masked.seqs))), grad=True, left=True)):
-            for j, t in enumerate(tensors):
-                _update(h, f"masked_attention {dtype} {i} {j}", t)
-    return {name: h.hexdigest() for name, h in sections.items()}
 
 
 def stock_linear() -> str:
@@ -189,68 +38,100 @@ def stock_linear() -> str:
     return hashlib.sha256(torch.nn.functional.linear(x, w).view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
-def release(version: str) -> str:
-    """A torch version without its local part: "2.13.0+cpu" -> "2.13.0" (a CUDA build runs the same
-    CPU kernels as the CPU build of its release)."""
-    return version.split("+")[0]
+ABOUT = ("The native backend's bits, the same on every machine: `lockstep check` compares this machine's kernels "
+         "and whole native backend with them, and so does tests/test_native.py. `torch` lists the releases under "
+         "which the whole backend gave these bits. After a change that alters them on purpose, rerun `python "
+         "tests/_native_digest.py --record` under a listed release and say why in the commit; run it under another "
+         "release to add that release where it gives these bits (docs/adr/0026).")
 
 
-def record(previous: dict | None = None) -> tuple[dict, list[str]]:
+def measure() -> dict:
     """This machine's bits in recorded_bits.json's form: the torch-free digest of every kernel (one
-    thread count and instruction set stand for all: tests/test_native.py ties them) and this
-    digest's sections on 1 thread, with what they were computed on; and the torch releases the
-    recording held that it no longer does. `torch` lists the releases found to give these bits: where
-    `previous` (the file as it was) holds the same bits, this release joins its list and its
-    machine stays the one named; where the bits changed, the other releases are dropped, since
-    nothing has shown that they give the new ones."""
+    thread count and instruction set stand for all: tests/test_native.py ties them) and the whole
+    backend's sections on 1 thread, with what they were computed on and this torch release."""
     import numpy as np
 
     from lockstep.backends.native import bits, build
     from lockstep.bench import cpu_name
 
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    now = {"about": "The native backend's bits, the same on every machine: `lockstep check` compares this "
-                    "machine's kernels with them, and tests/test_native.py the whole native backend, under each "
-                    "torch release listed. After a change that alters them on purpose, rerun `python "
-                    "tests/_native_digest.py --record` and say why in the commit; run it under another torch "
-                    "release to add that release (docs/adr/0026).",
-           "recorded_on": {"machine": cpu_name(), "isa": isa_name(), "aten": torch.backends.cpu.get_cpu_capability(),
-                           "compiler": compiler_version(compiler()).split("\n")[0], "numpy": np.__version__},
-           "torch": [release(torch.__version__)],
-           "kernels": bits.digests(build.library(), build.isa(), 1),
-           "native_backend": digest()}
+    try:
+        return {"about": ABOUT,
+                "recorded_on": {"machine": cpu_name(), "isa": isa_name(),
+                                "aten": torch.backends.cpu.get_cpu_capability(),
+                                "compiler": compiler_version(compiler()).split("\n")[0], "numpy": np.__version__},
+                "torch": [release(torch.__version__)],
+                "kernels": bits.digests(build.library(), build.isa(), 1),
+                "native_backend": digests()}
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _releases(value: object) -> list[str]:
+    """A recording's `torch` as a list of releases: a list, or one version string (the first form)."""
+    items = [value] if isinstance(value, str) else value if isinstance(value, list) else []
+    return [release(r) for r in items if isinstance(r, str)]
+
+
+def _by_version(releases: set[str]) -> list[str]:
+    return sorted(releases, key=lambda r: ([int(p) if p.isdigit() else -1 for p in r.split(".")], r))
+
+
+def merge(previous: dict | None, now: dict, replace: bool = False) -> tuple[dict, list[str]]:
+    """The file to write, given the file as it was (`previous`, None for none) and this machine's
+    bits (`now`, from measure()), and the releases it no longer lists. Where the bits are the ones
+    recorded, this release joins the list and the machine named stays. Where they changed under a
+    listed release (a change to the arithmetic), `now` is recorded and the other releases are
+    dropped, since nothing has shown that they give the new bits. Where they differ under a release
+    the file does not list, the release itself may be why (its generators draw other inputs), so
+    this raises ValueError unless `replace`."""
     if not previous:
         return now, []
-    earlier = previous.get("torch", [])
-    earlier = [release(earlier)] if isinstance(earlier, str) else list(earlier)
+    earlier, (this,) = _releases(previous.get("torch")), now["torch"]
     if (previous.get("kernels"), previous.get("native_backend")) == (now["kernels"], now["native_backend"]):
-        releases = sorted({*earlier, *now["torch"]}, key=lambda r: [int(p) if p.isdigit() else -1 for p in r.split(".")])
-        return {**previous, "about": now["about"], "torch": releases}, []
-    return now, [r for r in earlier if r not in now["torch"]]
+        return {**now, **previous, "about": now["about"], "torch": _by_version({*earlier, this})}, []
+    if earlier and this not in earlier and not replace:
+        from lockstep.backends.native import bits
+
+        differ = bits.differing(now["kernels"], previous.get("kernels", {})) + bits.differing(
+            now["native_backend"], previous.get("native_backend", {}))
+        raise ValueError(f"torch {this} gives other bits than the recording ({', '.join(differ)}), which lists torch "
+                         f"{', '.join(earlier)}: another release's generators may draw other inputs, so it is not "
+                         "added. After a change to the arithmetic, record under a listed release; --replace "
+                         "records these bits and drops the listed releases")
+    return now, [r for r in earlier if r != this]
 
 
 def main() -> int:
-    if sys.argv[1:] == ["--record"]:
+    args = sys.argv[1:]
+    if args in (["--record"], ["--record", "--replace"]):
         # The clone's file, which the commit carries, whichever lockstep this interpreter imports.
         recorded = Path(__file__).resolve().parent.parent / "src/lockstep/backends/native/recorded_bits.json"
         try:
             previous = json.loads(recorded.read_text())
-        except (OSError, ValueError):
+        except (OSError, ValueError) as e:
+            print(f"could not read {recorded} ({e}): writing a new recording")
             previous = None
-        data, dropped = record(previous if isinstance(previous, dict) else None)
+        try:
+            data, dropped = merge(previous if isinstance(previous, dict) else None, measure(), "--replace" in args)
+        except ValueError as e:
+            print(f"not recorded: {e}", file=sys.stderr)
+            return 1
         recorded.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
         print(f"wrote {recorded}: the bits under torch {', '.join(data['torch'])}, recorded on "
               f"{data['recorded_on']['machine']}")
         if dropped:
-            print(f"the bits changed, so torch {', '.join(dropped)} no longer appear{'s' if len(dropped) == 1 else ''}: "
-                  "run --record under each to add it back")
+            print(f"the bits changed, so the file no longer lists torch {', '.join(dropped)}: run --record under "
+                  f"{'each' if len(dropped) > 1 else 'it'} to add {'them' if len(dropped) > 1 else 'it'} back where "
+                  "the new bits hold")
         return 0
-    if sys.argv[1:]:
-        raise SystemExit(f"usage: python {sys.argv[0]} [--record]; got {sys.argv[1:]}")
+    if args:
+        raise SystemExit(f"usage: python {sys.argv[0]} [--record [--replace]]; got {args}")
     out, stock = {}, {}
     for threads in (1, 2, 3):
         torch.set_num_threads(threads)
-        out[str(threads)] = digest()
+        out[str(threads)] = digests()
         stock[str(threads)] = stock_linear()
     print(json.dumps({"isa": isa_name(), "pool": pool_name(), "aten": torch.backends.cpu.get_cpu_capability(),
                       "compiler": compiler_version(compiler()).split("\n")[0], "digests": out,

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from lockstep import bench, ops, registry
-from lockstep.backends.native import bits, build, gemm, masked_attention, unary
+from lockstep.backends.native import backend_bits, bits, build, gemm, masked_attention, unary
 from lockstep.harness.check import num_threads
 
 from test_cpu_kernels import ATEN_CAPABILITIES, MKL_ISAS, ONEDNN_ISAS, cpu_flags, require
@@ -76,20 +76,21 @@ def test_the_kernels_give_the_recorded_bits_on_every_instruction_set():
 
 def test_the_native_backend_gives_the_recorded_bits(widest):
     """Every op forward and backward in fp32, bf16 and fp16, attention's forms, two trainer steps,
-    the model's own arithmetic and a random model's weights (tests/_native_digest.py, 1 thread, the
-    widest instruction set) give the bits that recorded_bits.json holds. torch's own exact ops and
+    the model's own arithmetic and a random model's weights (backend_bits through tests/_native_digest.py,
+    1 thread, the widest instruction set) give the bits that recorded_bits.json holds. torch's own exact ops and
     generators build the inputs and the arithmetic around the kernels, so the file lists the torch
     releases found to give those bits; under another the comparison still runs, and a failure says
     that the release may be why."""
     recorded = bits.recorded()
     differ = bits.differing(widest["digests"]["1"], recorded["native_backend"])
     if differ:
-        releases = recorded.get("torch", [])
-        unknown = "" if torch.__version__.split("+")[0] in releases else (
-            f". This runs torch {torch.__version__}, and the bits were recorded under torch {', '.join(releases)}: "
-            "another release's generators and ops may give other inputs")
-        pytest.fail(bits.mismatch(f"The native backend on {bench.machine()}", {widest["isa"]: differ},
-                                  recorded["recorded_on"]) + unknown
+        listed = backend_bits.release(torch.__version__) in recorded["torch"]
+        pytest.fail(("" if listed else (
+                        f"This runs torch {torch.__version__}, and the recorded bits were found under torch "
+                        f"{', '.join(recorded['torch'])} only: another release's generators and ops may give other "
+                        "inputs, so check that first. "))
+                    + bits.mismatch(f"The native backend on {bench.machine()}", {widest["isa"]: differ},
+                                    recorded["recorded_on"])
                     + ". Where the kernels give the recorded bits (the test above) and every op section differs, "
                       "suspect the inputs: torch's float64 randn takes the C library's log and cos (docs/adr/0026)",
                     pytrace=False)
@@ -97,33 +98,51 @@ def test_the_native_backend_gives_the_recorded_bits(widest):
 
 def test_the_recording_holds_the_torch_release_the_makefile_pins():
     """The suite runs under the Makefile's torch, so the recording must have been checked under it."""
-    pin = re.search(r"torch==([0-9.]+)", (ROOT / "Makefile").read_text()).group(1)
+    pin = re.search(r"torch==([0-9.]+)", (ROOT / "Makefile").read_text())
+    assert pin, "the Makefile no longer installs torch==X.Y.Z"
+    pin = pin.group(1)
     releases = bits.recorded()["torch"]
     assert pin in releases, (f"recorded_bits.json lists torch {releases}, not the Makefile's torch=={pin}: run "
                              "python tests/_native_digest.py --record under it")
 
 
-def test_recording_under_another_release_adds_it_only_where_the_bits_are_the_same():
-    """--record keeps the file's machine and adds this torch release where the bits are the ones
-    recorded; where they changed, it records this machine and drops the releases that nothing has
-    shown to give the new bits."""
+def test_record_measures_the_bits_the_tests_compare(widest):
+    """--record writes the whole backend's bits that the test above compares (1 thread) and the
+    kernels' of this CPU's widest instruction set, under this torch release."""
     import _native_digest
 
-    torch_threads = torch.get_num_threads()
-    try:
-        here, dropped = _native_digest.record()
-        assert dropped == [] and here["torch"] == [_native_digest.release(torch.__version__)]
-        same = {**here, "torch": ["1.0.0"], "recorded_on": {"machine": "elsewhere", "isa": "scalar"}}
-        data, dropped = _native_digest.record(same)
-        assert dropped == [] and data["recorded_on"] == same["recorded_on"]
-        assert data["torch"] == ["1.0.0", _native_digest.release(torch.__version__)]
-        changed = {**same, "native_backend": {**same["native_backend"], "training": "0" * 64}}
-        data, dropped = _native_digest.record(changed)
-        assert dropped == ["1.0.0"] and data["torch"] == [_native_digest.release(torch.__version__)]
-        assert data["recorded_on"]["machine"] == bench.cpu_name()
-        assert data["native_backend"] == here["native_backend"]
-    finally:
-        torch.set_num_threads(torch_threads)
+    now = _native_digest.measure()
+    assert now["native_backend"] == widest["digests"]["1"]
+    assert now["kernels"] == bits.digests(build.library(), build.isa(), 1)
+    assert now["torch"] == [backend_bits.release(torch.__version__)]
+
+
+def test_record_adds_a_release_only_where_its_bits_are_the_recorded_ones():
+    """merge() (--record): the same bits under another release add it, in version order, once, and keep
+    the machine the file names (a version string, the file's first form, counts as its release);
+    other bits under a listed release replace the recording and drop the other releases; other bits
+    under an unlisted release are refused, unless replaced on purpose."""
+    from _native_digest import merge
+
+    kernels, backend = {"gemm": "a"}, {"training": "b"}
+    now = {"about": "new", "recorded_on": {"machine": "here", "isa": "avx2"}, "torch": ["2.10.0"], "kernels": kernels,
+           "native_backend": backend}
+    file = {"about": "old", "recorded_on": {"machine": "there", "isa": "scalar"}, "torch": ["2.9.1", "2.11.0"],
+            "kernels": kernels, "native_backend": backend}
+    data, dropped = merge(file, now)
+    assert (data["torch"], data["recorded_on"]["machine"], data["about"], dropped) == (
+        ["2.9.1", "2.10.0", "2.11.0"], "there", "new", [])
+    assert merge({**file, "torch": "2.10.0+cpu"}, now)[0]["torch"] == ["2.10.0"]
+    assert merge({**file, "torch": ["2.10.0+cpu", "2.9.1"]}, now)[0]["torch"] == ["2.9.1", "2.10.0"]
+    assert merge(None, now) == (now, [])
+
+    listed = {**now, "torch": ["2.11.0"], "native_backend": {"training": "c"}}
+    assert merge(file, listed) == (listed, ["2.9.1"])
+    other = {**now, "native_backend": {"training": "c"}}
+    with pytest.raises(ValueError, match=r"^torch 2\.10\.0 gives other bits than the recording \(training\), which "
+                                         r"lists torch 2\.9\.1, 2\.11\.0: .* --replace records these bits"):
+        merge(file, other)
+    assert merge(file, other, replace=True) == (other, ["2.9.1", "2.11.0"])
 
 
 @pytest.mark.parametrize("name", list(build.ISAS))
@@ -797,8 +816,8 @@ def test_lockstep_check_fails_where_the_kernels_are_not_the_recorded_bits(tmp_pa
     from lockstep import cli
 
     argv = ["check", "linear", "--dtype", "fp32", "--no-large"]
-    recorded = bits.recorded()
-    recorded["kernels"] = bits.digests(build.library(), build.isa(), 1)
+    recorded = {**bits.recorded(), "kernels": bits.digests(build.library(), build.isa(), 1),
+                "native_backend": backend_bits.digests(), "torch": [backend_bits.release(torch.__version__)]}
     monkeypatch.setattr(bits, "RECORDED", tmp_path / "recorded_bits.json")
     bits.RECORDED.write_text(json.dumps(recorded))
     assert cli.main([*argv, "--html", str(tmp_path / "same.html")]) == 0
@@ -816,16 +835,69 @@ def test_lockstep_check_fails_where_the_kernels_are_not_the_recorded_bits(tmp_pa
     where = "; ".join(f"{isa}: rope" for isa in build.supported_isas())
     assert line.startswith(f"native bits: FAIL: On this machine ({bench.machine()}) the kernels gave other bits than "
                            f"those recorded on {on['machine']} ({on['isa']}), in {where}. If you changed"), line
-    assert "1 passed, 0 failed" in out and "the kernels' bits are not the recorded ones" in out, out
+    assert "1 passed, 0 failed" in out and "the native bits are not the recorded ones" in out, out
     report = json.loads((tmp_path / "c.json").read_text())["native_bits"]
     assert report["differ"] == {isa: ["rope"] for isa in build.supported_isas()}
     assert f"in {where} (docs/adr/0026)" in (tmp_path / "c.html").read_text()
 
-    for text, says in (("{", "cannot read the recorded bits"), ('{"kernels": {}}', "it lacks recorded_on")):
+    for text, says in (("{", "cannot read the recorded bits"),
+                       ('{"kernels": {}}', "it lacks native_backend, recorded_on, torch"),
+                       (json.dumps({**recorded, "torch": "2.13.0+cpu"}), "torch is not a list of releases")):
         bits.RECORDED.write_text(text)
         assert cli.main(argv) == 2
         err = capsys.readouterr().err
         assert str(bits.RECORDED) in err and says in err and "reinstall lockstep" in err, err
+
+
+def test_lockstep_check_compares_the_whole_native_backend_under_the_torch_releases_recorded(tmp_path, monkeypatch,
+                                                                                           capsys):
+    """After the kernels' line, `lockstep check` compares the whole native backend (backend_bits:
+    ops, attention, the model's arithmetic, training) with the recording: it passes when they agree;
+    where a section differs under a torch release the recording lists, it fails (exit 1) and names
+    the section; under a release it does not list, it says so and does not fail, since torch's
+    generators may draw other inputs there. The reports carry it."""
+    from lockstep import cli
+
+    argv = ["check", "linear", "--dtype", "fp32", "--no-large"]
+    this = backend_bits.release(torch.__version__)
+    recorded = {**bits.recorded(), "kernels": bits.digests(build.library(), build.isa(), 1),
+                "native_backend": backend_bits.digests(), "torch": [this]}
+    monkeypatch.setattr(bits, "RECORDED", tmp_path / "recorded_bits.json")
+    bits.RECORDED.write_text(json.dumps(recorded))
+    assert cli.main([*argv, "--html", str(tmp_path / "same.html")]) == 0
+    n = len(recorded["native_backend"])
+    line = capsys.readouterr().out.splitlines()[2]
+    assert line == (f"native backend bits: the recorded ones in all {n} sections (ops forward and backward, "
+                    f"attention, the model's arithmetic, training) under torch {this}"), line
+    assert f"<p class=pass>Native backend bits: the recorded ones in all {n} sections" in (
+        tmp_path / "same.html").read_text()
+
+    recorded["native_backend"]["training"] = "0" * 64
+    bits.RECORDED.write_text(json.dumps(recorded))
+    assert cli.main([*argv, "--json", str(tmp_path / "c.json"), "--html", str(tmp_path / "c.html")]) == 1
+    out = capsys.readouterr().out
+    line = out.splitlines()[2]
+    on = recorded["recorded_on"]
+    assert line.startswith(f"native backend bits: FAIL: On this machine ({bench.machine()}, torch {this}) the native "
+                           f"backend gave other bits than those recorded on {on['machine']} ({on['isa']}), in "
+                           f"{build.isa_name()}: training. If you changed"), line
+    assert out.splitlines()[1].startswith("native bits: the recorded ones on "), out
+    assert "1 passed, 0 failed" in out and "the native bits are not the recorded ones" in out, out
+    report = json.loads((tmp_path / "c.json").read_text())["native_bits"]
+    assert report["backend"] == {"torch": this, "listed": True, "sections": n, "differ": ["training"]}
+    assert report["failed"] is True
+    assert "<p class=fail>Native backend bits: not the recorded ones, in training.</p>" in (
+        tmp_path / "c.html").read_text()
+
+    recorded["torch"] = ["1.0.0"]
+    bits.RECORDED.write_text(json.dumps(recorded))
+    assert cli.main([*argv, "--html", str(tmp_path / "u.html")]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[2] == (f"native backend bits: other than the recorded ones in training under torch {this}, "
+                                   "which the recording does not list (torch 1.0.0): its generators may draw other "
+                                   "inputs, so this is not counted as a failure"), out
+    assert "the native bits are not the recorded ones" not in out, out
+    assert "a release the recording does not list (not counted as a failure)" in (tmp_path / "u.html").read_text()
 
 
 def test_a_cache_folder_that_cannot_be_written_still_gives_the_native_backend(tmp_path):
@@ -1305,14 +1377,12 @@ def test_a_build_with_fewer_paths_gives_the_same_bits(define, tmp_path, monkeypa
     on x86: an ARM machine itself has not been tried.)"""
     import ctypes
 
-    import _native_digest
-
     so = tmp_path / f"kernels_{define}.so"
     done = subprocess.run([*build.compiler(), *build.FLAGS, f"-D{define}", "-o", str(so), str(build.SOURCE), "-lm"],
                           capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     monkeypatch.setenv("LOCKSTEP_CPU_ISA", "scalar")
-    want = _native_digest.digest()
+    want = backend_bits.digests()
     other = build.declare(ctypes.CDLL(str(so)))
     full = [name in build.supported_isas() for name in build.ISAS]
     expected = [True, False, False, False] if define == "LS_NO_X86" else full[:3] + [False]
@@ -1325,7 +1395,7 @@ def test_a_build_with_fewer_paths_gives_the_same_bits(define, tmp_path, monkeypa
     for module in modules:
         monkeypatch.setattr(module, "library", lambda: other)
     monkeypatch.setenv("LOCKSTEP_CPU_ISA", widest)
-    assert _native_digest.digest() == want
+    assert backend_bits.digests() == want
     missing = [name for name, ok in zip(build.ISAS, expected) if not ok and name in build.supported_isas()]
     if missing:  # the ops did run on `other`: it refuses a path it was built without
         monkeypatch.setenv("LOCKSTEP_CPU_ISA", missing[0])
@@ -1592,7 +1662,7 @@ def test_bf16_gemm_order_is_the_documented_one():
     each by one fma, then the 16 lanes fold. And the flush at the smallest normal that the order
     defines (tininess after rounding with an unbounded exponent): a dot that plain rounding leaves at
     2^-126 is 0."""
-    from _native_digest import BF16_TININESS
+    from lockstep.backends.native.backend_bits import BF16_TININESS
 
     gen = torch.Generator().manual_seed(8)
     k = 75
@@ -1690,7 +1760,7 @@ def _native_workload() -> list:
     from lockstep.harness.specs import SPECS, Sizes
     from lockstep.model import ModelConfig, Transformer
 
-    from _native_digest import ATTN, MASKED, tiny_trainer
+    from lockstep.backends.native.backend_bits import ATTN, MASKED, tiny_trainer
 
     sizes = Sizes(hidden=40, out_features=24, heads=2, head_dim=8, ffn=24, vocab=300, lm_hidden=16, embed_vocab=20,
                   pool=12)

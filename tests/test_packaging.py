@@ -69,11 +69,14 @@ def test_a_wheel_holds_every_file_of_the_package_and_runs_the_native_backend(whe
                                "print(lockstep.__file__)\nprint(registry.cpu_backend())\n"
                                "print(ops.linear(torch.ones(2, 3), torch.ones(4, 3)).sum().item())\n"
                                "from lockstep.backends.native import bits\n"
-                               "print(bits.describe(bits.compare(bits.recorded()['kernels'])) or 'same')\n",
+                               "print(bits.describe(bits.compare(bits.recorded()['kernels'])) or 'same')\n"
+                               "from lockstep.backends.native import backend_bits\n"
+                               "print(', '.join(backend_bits.compare(bits.recorded())['differ']) or 'same')\n",
                          tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    where, backend, total, differ = proc.stdout.split("\n")[:4]
+    where, backend, total, differ, backend_differ = proc.stdout.split("\n")[:5]
     assert differ == "same", f"the installed kernels' bits are not the recorded ones in {differ}"
+    assert backend_differ == "same", f"the installed native backend's bits are not the recorded ones in {backend_differ}"
     assert Path(where).is_relative_to(site), where
     assert backend == "native", proc.stderr
     assert float(total) == 24.0

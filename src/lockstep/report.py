@@ -167,7 +167,8 @@ def heat_map(per_op: list[dict], phase: str) -> str:
 
 
 def _native_bits_note(native_bits: dict | None) -> str:
-    """One paragraph: whether the native kernels gave the recorded bits (lockstep check's comparison)."""
+    """Whether the native kernels, and then the whole native backend, gave the recorded bits (lockstep
+    check's comparison): one paragraph each."""
     if not native_bits:
         return ""
     on = native_bits["recorded_on"]
@@ -175,10 +176,23 @@ def _native_bits_note(native_bits: dict | None) -> str:
     if native_bits["differ"]:
         # Joined here: importing lockstep.backends.native would build the kernels to draw a page.
         where = "; ".join(f"{isa}: {', '.join(names)}" for isa, names in native_bits["differ"].items())
-        return (f"<p class=fail>Native bits: not the recorded ones ({recorded}), in {html.escape(where)} "
-                "(docs/adr/0026).</p>")
-    return (f"<p class=pass>Native bits: the recorded ones on {html.escape(', '.join(native_bits['instruction_sets']))} "
-            f"({recorded}).</p>")
+        out = (f"<p class=fail>Native bits: not the recorded ones ({recorded}), in {html.escape(where)} "
+               "(docs/adr/0026).</p>")
+    else:
+        out = (f"<p class=pass>Native bits: the recorded ones on "
+               f"{html.escape(', '.join(native_bits['instruction_sets']))} ({recorded}).</p>")
+    backend = native_bits.get("backend")  # absent from a check.json written before it was compared
+    if backend is None:
+        return out
+    torch_release = html.escape(backend["torch"])
+    if not backend["differ"]:
+        return out + (f"<p class=pass>Native backend bits: the recorded ones in all {backend['sections']} sections "
+                      f"under torch {torch_release}.</p>")
+    sections = html.escape(", ".join(backend["differ"]))
+    if backend["listed"]:
+        return out + f"<p class=fail>Native backend bits: not the recorded ones, in {sections}.</p>"
+    return out + (f"<p class=note>Native backend bits: other than the recorded ones in {sections} under torch "
+                  f"{torch_release}, a release the recording does not list (not counted as a failure).</p>")
 
 
 def _check_section(reports: list[dict], native_bits: dict | None = None) -> str:

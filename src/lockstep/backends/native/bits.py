@@ -329,19 +329,25 @@ def digests(lib: ctypes.CDLL, isa: int, threads: int) -> dict[str, str]:
 
 
 def recorded() -> dict:
-    """recorded_bits.json: "kernels" ({kernel group: digest}), "recorded_on" (machine, isa, compiler,
-    ...), and for the test suite "native_backend" ({section: digest}) with "torch" (the releases
-    found to give those bits)."""
+    """recorded_bits.json: "kernels" ({kernel group: digest}), "native_backend" ({section: digest},
+    lockstep.backends.native.backend_bits), "torch" (the releases found to give those bits) and
+    "recorded_on" (machine, isa, compiler, ...)."""
     try:
         data = json.loads(RECORDED.read_text())
     except (OSError, ValueError) as e:
         raise ValueError(f"{RECORDED}: cannot read the recorded bits ({e}); reinstall lockstep") from None
-    missing = [key for key in ("kernels", "recorded_on") if not isinstance(data, dict) or key not in data]
-    if missing or not isinstance(data["recorded_on"], dict) or not {"machine", "isa"} <= data["recorded_on"].keys():
-        raise ValueError(f"{RECORDED}: expected a JSON object with \"kernels\" and \"recorded_on\" (machine, isa); "
-                         f"{'it lacks ' + ', '.join(missing) if missing else 'recorded_on lacks machine or isa'}; "
-                         "reinstall lockstep")
-    return data
+    keys = ("kernels", "native_backend", "recorded_on", "torch")
+    missing = [key for key in keys if not isinstance(data, dict) or key not in data]
+    if missing:
+        problem = "it lacks " + ", ".join(missing)
+    elif not isinstance(data["recorded_on"], dict) or not {"machine", "isa"} <= data["recorded_on"].keys():
+        problem = "recorded_on lacks machine or isa"
+    elif not isinstance(data["torch"], list):
+        problem = "torch is not a list of releases"
+    else:
+        return data
+    raise ValueError(f"{RECORDED}: expected a JSON object with \"kernels\", \"native_backend\", \"recorded_on\" "
+                     f"(machine, isa) and \"torch\" (a list of releases); {problem}; reinstall lockstep")
 
 
 def differing(got: dict[str, str], want: dict[str, str]) -> list[str]:

@@ -1,0 +1,196 @@
+"""The native backend's bits as digests, section by section: what recorded_bits.json's
+`native_backend` holds and `lockstep check` compares (docs/adr/0026).
+
+Every op of the check harness (forward and backward, fp32, bf16 and fp16, small sizes), attention
+by packed prefill with gradients and by paged decode, masked attention (left padding) with
+gradients, a bf16 GEMM on inputs that reach every case of the bf16 order, the model's own
+arithmetic around the ops (the rotary tables, the MoE router, exact_math, a random model's
+weights) and two Trainer steps with the optimizer's state. One SHA-256 digest per section (an op
+in a dtype, "training", ...). The inputs come from torch's generators, so the digests hold for the
+torch releases the recording lists; `lockstep.backends.native.bits` is the torch-free part.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+
+from ... import exact_math
+from ...harness.attention_check import AttnCase, AttnSizes, _paged_decode
+from ...harness.check import Pool, run
+from ...harness.masked_attention_check import MaskedCase, MaskedSizes
+from ...harness.specs import SPECS, Sizes
+from ...model import ModelConfig, Transformer
+from ...model.moe import route
+from ...registry import use_backend
+from ...rotary import LinearRopeScaling, Llama3RopeScaling, rope_cos_sin, rope_inv_freq
+from . import bits
+from .gemm import gemm_nt
+
+# Big enough that the GEMMs of linear, the LM head and attention run on several threads (kernels.c
+# keeps products under 2^18 multiply-adds on one), small enough for the scalar path.
+SIZES = Sizes(hidden=264, out_features=100, heads=2, head_dim=16, ffn=40, vocab=4200, lm_hidden=72, embed_vocab=20,
+              pool=40)
+ATTN = AttnSizes(lens=(20, 1, 90), q_heads=4, kv_heads=2, head_dim=40, chunks=(7,))
+MASKED = MaskedSizes(lens=(20, 1, 90), q_heads=4, kv_heads=2, head_dim=40)
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _update(h: "hashlib._Hash", label: str, t: torch.Tensor | None) -> None:
+    h.update(label.encode())
+    if t is not None:
+        h.update(t.detach().contiguous().view(torch.uint8).numpy().tobytes())
+
+
+def bf16_edge_operands(rows: int = 64, k: int = 103) -> tuple[torch.Tensor, torch.Tensor]:
+    """bf16 GEMM operands that reach every case of the bf16 order (kernels.c): rows of tiny values
+    and denormals whose products and partial sums fall at and just below 2^-126 (where the order
+    flushes what plain rounding keeps), rows that cancel their neighbours, rows of ordinary values,
+    Inf and NaN in every 16th row, and row 2 of each operand the constructed tininess case."""
+    gen = torch.Generator().manual_seed(11)
+    tiny = torch.arange(rows)[:, None] % 3 != 2                     # two rows in three
+    exponent = torch.where(tiny, 62 + torch.randint(0, 4, (rows, k), generator=gen),
+                           110 + torch.randint(0, 30, (rows, k), generator=gen))
+    exponent = torch.where(torch.rand(rows, k, generator=gen) < 0.1, 0, exponent)       # zeros and denormals
+    special = (torch.arange(rows)[:, None] % 16 == 6) & (torch.rand(rows, k, generator=gen) < 0.05)
+    exponent = torch.where(special, 255, exponent)                                      # Inf and NaN
+    bits = (torch.randint(0, 2, (rows, k), generator=gen) << 15) | (exponent << 7) | torch.randint(
+        0, 128, (rows, k), generator=gen)
+    x = bits.to(torch.int16).view(torch.bfloat16)
+    x[1::4] = -x[0::4][: x[1::4].shape[0]]                          # rows that cancel their neighbours
+    a, b = x, x.flip(0).roll(3, 1)
+    a[2], b[2] = BF16_TININESS
+    return a, b
+
+
+def _tininess_case(k: int = 103) -> tuple[torch.Tensor, torch.Tensor]:
+    """One row pair whose dot is exactly 0 in the bf16 order and 2^-126 with plain rounding: lane 0
+    reaches 2^-126 + 2^-149, then adds -1.375 x 2^-149; the exact sum, rounded to 24 bits with an
+    unbounded exponent, is 2^-126 - 2^-150, tiny, so it is flushed (kernels.c's header)."""
+    a, b = torch.zeros(k), torch.zeros(k)
+    a[1], b[1] = 2.0 ** -63, 2.0 ** -63             # odd step of chunk 0: 2^-126
+    a[0], b[0] = 2.0 ** -75, 2.0 ** -74             # even step: + 2^-149
+    a[33], b[33] = -1.375 * 2.0 ** -75, 2.0 ** -74  # odd step of chunk 1: - 1.375 x 2^-149
+    return a.bfloat16(), b.bfloat16()
+
+
+BF16_TININESS = _tininess_case()
+
+ROPES = ((128, 1_000_000.0, None), (64, 10_000.0, None), (128, 500_000.0, Llama3RopeScaling()),
+         (256, 1_000_000.0, LinearRopeScaling(8.0)))
+
+
+def _model_arithmetic(h: "hashlib._Hash") -> None:
+    """The rotary tables at positions up to 2^20, the MoE router on logits of a real router's range
+    (fp32 probabilities through exp, 8 of 16 experts, renormalised, and the logits' gradient), and
+    exact_math's float64 functions over float64's positive range (inputs from bit patterns, so
+    they are the same everywhere) and its normal draws in float64 (where a last-bit change shows,
+    unlike in weights rounded to fp32), and a random model's weights (from_config)."""
+    wide = (torch.arange(1, 4002, dtype=torch.int64) * (0x7FEFFFFFFFFFFFFF // 4001)).view(torch.float64)
+    _update(h, "log_float64", exact_math.log_float64(wide))
+    _update(h, "sqrt_float64", exact_math.sqrt_float64(wide))
+    _update(h, "normal", exact_math.normal((20_001,), torch.Generator().manual_seed(3)))
+    for name, p in Transformer.from_config(ModelConfig.tiny("qwen3"), seed=3).state_dict().items():
+        _update(h, f"from_config {name}", p)
+    positions = torch.arange(0, 1 << 20, 97)
+    for head_dim, theta, scaling in ROPES:
+        _update(h, f"inv_freq {head_dim} {theta} {scaling}", rope_inv_freq(head_dim, theta, scaling))
+        for dtype in (torch.float32, torch.bfloat16):
+            for i, t in enumerate(rope_cos_sin(positions, head_dim, theta, scaling, dtype)):
+                _update(h, f"rope table {head_dim} {theta} {scaling} {dtype} {i}", t)
+    gen = torch.Generator().manual_seed(5)
+    logits = (torch.rand(64, 16, generator=gen) * 16 - 8).requires_grad_(True)
+    weights, experts = route(logits, 8, True)
+    weights.backward(torch.rand(64, 8, generator=gen) - 0.5)
+    for label, t in (("weights", weights), ("experts", experts), ("d logits", logits.grad)):
+        _update(h, f"router {label}", t)
+
+
+def tiny_trainer(family: str, dtype: torch.dtype, tokens: list[int], **config):
+    """A Trainer of a random tiny model of `family` (vocabulary 300) in `dtype` (bf16 with fp32
+    master weights) over `tokens`: sequences of 32, micro-batches of 96 tokens, 2 per step."""
+    from ...train import PackedDataset, TrainConfig, Trainer
+
+    cfg = TrainConfig(**{"steps": 1, "seq_len": 32, "micro_batch_tokens": 96, "accum": 2, "lr": 3e-3, "warmup": 1,
+                         "seed": 0, "master_weights": dtype == torch.bfloat16, **config})
+    model = Transformer.from_config(ModelConfig.tiny(family, vocab_size=300), seed=0, dtype=dtype)
+    return Trainer(model, PackedDataset(tokens, cfg.seq_len, cfg.micro_batch_tokens, cfg.seed), cfg)
+
+
+def _training(h: "hashlib._Hash") -> None:
+    """Two Trainer steps of a random Qwen3 (fp32, and bf16 with fp32 master weights): the weights and
+    the optimizer's state after them, AdamW's square root and the gradient norm's included."""
+    tokens = torch.randint(0, 300, (600,), generator=torch.Generator().manual_seed(0)).tolist()
+    for dtype in (torch.float32, torch.bfloat16):
+        trainer = tiny_trainer("qwen3", dtype, tokens, steps=2, grad_clip=0.5)
+        for _ in range(2):
+            trainer.step()
+        for name, t in [*trainer.model.state_dict().items(), *trainer.opt.state_tensors().items()]:
+            _update(h, f"trained {dtype} {name}", t)
+
+
+def digests() -> dict[str, str]:
+    """{section: sha256 hex} over every section named in the module docstring, on the native backend
+    whatever backend the caller selected, at torch's thread count."""
+    with use_backend("native"):
+        return _digests()
+
+
+def _digests() -> dict[str, str]:
+    sections: dict[str, "hashlib._Hash"] = {}
+
+    def section(name: str) -> "hashlib._Hash":
+        return sections.setdefault(name, hashlib.sha256())
+
+    a, b = bf16_edge_operands()
+    _update(section("bf16 edge GEMM"), "bf16 edge GEMM", gemm_nt(a, b))
+    _model_arithmetic(section("model arithmetic"))
+    _training(section("training"))
+    for dtype in DTYPES:
+        kind = str(dtype).removeprefix("torch.")
+        for name, spec in SPECS.items():
+            h = section(f"{name} {kind}")
+            pool = Pool(spec, dtype, SIZES, seed=0, grad=spec.differentiable)
+            r = run(pool, "native", list(range(SIZES.pool)))
+            _update(h, f"{name} {dtype} out", r.out)
+            for key in sorted(r.row_grads):
+                _update(h, f"{name} {dtype} d{key}", r.row_grads[key])
+            for key in sorted(r.param_grads):
+                _update(h, f"{name} {dtype} d{key}", r.param_grads[key])
+        h = section(f"attention {kind}")
+        case = AttnCase(dtype, ATTN, seed=0)
+        per, _ = case.prefill("native", list(range(len(case.seqs))), grad=True)
+        for i, tensors in enumerate(per):
+            for j, t in enumerate(tensors):
+                _update(h, f"attention {dtype} {i} {j}", t)
+        for i, t in enumerate(_paged_decode(case, "native")):
+            _update(section(f"paged_attention {kind}"), f"paged_attention {dtype} {i}", t)
+        masked = MaskedCase(dtype, MASKED, seed=0)
+        h = section(f"masked_attention {kind}")
+        for i, tensors in enumerate(masked.run("native", list(range(len(masked.seqs))), grad=True, left=True)):
+            for j, t in enumerate(tensors):
+                _update(h, f"masked_attention {dtype} {i} {j}", t)
+    return {name: h.hexdigest() for name, h in sections.items()}
+
+
+def release(version: str) -> str:
+    """A torch version without its local part: "2.13.0+cpu" -> "2.13.0". The recording lists releases,
+    taking a CUDA build and the CPU build of one release to run the same CPU code (each release was
+    checked in one build only)."""
+    return version.split("+")[0]
+
+
+def compare(recorded: dict) -> dict:
+    """This machine's digests, on 2 threads, against `recorded` (bits.recorded()): {"torch": this
+    release, "listed": whether the recording was made or checked under it, "sections": how many
+    sections it holds, "differ": the sections whose bits are not the recorded ones}. Under a release
+    it does not list, torch's generators may draw other inputs, so a difference there need not be
+    lockstep's."""
+    from ...harness.check import num_threads
+
+    with num_threads(2):
+        got = digests()
+    this = release(torch.__version__)
+    return {"torch": this, "listed": this in recorded["torch"], "sections": len(recorded["native_backend"]),
+            "differ": bits.differing(got, recorded["native_backend"])}
