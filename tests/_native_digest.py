@@ -1,4 +1,4 @@
-"""Print the native backend's digests (lockstep.backends.native.backend_bits), for tests/test_native.py.
+"""Print the native backend's digests (lockstep.backend_bits), for tests/test_native.py.
 
 One digest per section (an op in a dtype, training, ...) per thread count (1, 2, 3) of one process;
 the instruction set and the BLAS selections come from the environment, which the kernel libraries
@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from lockstep.backends.native.backend_bits import digests, release
+from lockstep.backend_bits import digests, release
 from lockstep.backends.native.build import compiler, compiler_version, isa_name, pool_name
 
 
@@ -94,12 +94,14 @@ def merge(previous: dict | None, now: dict, replace: bool = False) -> tuple[dict
     if earlier and this not in earlier and not replace:
         from lockstep.backends.native import bits
 
-        differ = bits.differing(now["kernels"], previous.get("kernels", {})) + bits.differing(
-            now["native_backend"], previous.get("native_backend", {}))
-        raise ValueError(f"torch {this} gives other bits than the recording ({', '.join(differ)}), which lists torch "
-                         f"{', '.join(earlier)}: another release's generators may draw other inputs, so it is not "
-                         "added. After a change to the arithmetic, record under a listed release; --replace "
-                         "records these bits and drops the listed releases")
+        kernels = bits.differing(now["kernels"], previous.get("kernels", {}))
+        sections = bits.differing(now["native_backend"], previous.get("native_backend", {}))
+        why = (f"the kernels differ ({', '.join(kernels)}), which no torch release touches: the arithmetic changed"
+               if kernels else f"the whole backend differs in {', '.join(sections)}, and another release's "
+                               "generators may draw other inputs")
+        raise ValueError(f"torch {this} is not among the recording's releases (torch {', '.join(earlier)}) and gives "
+                         f"other bits: {why}. After a change to the arithmetic, record under a listed release; "
+                         "--replace records these bits and drops the listed releases")
     return now, [r for r in earlier if r != this]
 
 

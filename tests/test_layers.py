@@ -22,7 +22,7 @@ LAYERS = {
     1: ["lockstep.ops", "lockstep.backends"],
     2: ["lockstep.harness", "lockstep.model", "lockstep.sampling"],
     3: ["lockstep.engine", "lockstep.train", "lockstep.dist", "lockstep.mode", "lockstep.hf"],
-    4: ["lockstep.verify", "lockstep.parity", "lockstep.report", "lockstep.bench", "lockstep.integrations", "lockstep.rl",
+    4: ["lockstep.verify", "lockstep.parity", "lockstep.backend_bits", "lockstep.report", "lockstep.bench", "lockstep.integrations", "lockstep.rl",
         "lockstep.server", "lockstep.batch_experiment", "lockstep.gpu_audit"],
     5: ["lockstep.cli", "lockstep.__main__", "lockstep"],
 }

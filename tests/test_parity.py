@@ -258,6 +258,12 @@ def test_report_of_a_check_run_says_whether_the_native_bits_are_the_recorded_one
     page = (run / "report.html").read_text()
     assert "<h2>Operator contract</h2>" in page and "<p class=pass>Native bits: the recorded ones on " in page
     assert "<p class=pass>Native backend bits: the recorded ones in all " in page
+    # A check.json from before the whole backend was compared draws the kernels' paragraph alone.
+    from lockstep.report import _native_bits_note
+
+    older = json.loads((run / "check.json").read_text())["native_bits"]
+    del older["backend"]
+    assert _native_bits_note(older).count("<p class=") == 1
     assert cli.main(["check", "silu_mul", "--dtype", "fp32", "--no-large", "--backend", "portable",
                      "--json", str(run / "check.json")]) == 0
     assert cli.main(["report", str(run)]) == 0

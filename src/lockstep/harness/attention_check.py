@@ -149,7 +149,7 @@ def _chunked(case: AttnCase, backend: str, chunk: int) -> list[Tensor]:
     return [torch.cat(o) for o in outs]
 
 
-def _paged_decode(case: AttnCase, backend: str, first_chunk: int = 5) -> list[Tensor]:
+def paged_decode(case: AttnCase, backend: str, first_chunk: int = 5) -> list[Tensor]:
     """Sequence i arrives at step i with a prefill of `first_chunk` tokens, then decodes one token a
     step from a paged cache with scattered blocks and NaN in every slot not yet written."""
     s = case.sizes
@@ -271,7 +271,7 @@ def check_attention(dtype: torch.dtype, backend: str | None = None, grad: bool =
         for chunk in sizes.chunks:
             outs = _chunked(case, backend, chunk)
             sweeps.append(compare(f"chunked prefill {chunk}", fwd_only, [(o,) for o in outs], [(i, i) for i in order]))
-        outs = _paged_decode(case, backend)
+        outs = paged_decode(case, backend)
         sweeps.append(compare("paged decode (staggered arrivals)", fwd_only, [(o,) for o in outs],
                                [(i, i) for i in order]))
     with num_threads(1):

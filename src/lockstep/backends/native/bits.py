@@ -330,7 +330,7 @@ def digests(lib: ctypes.CDLL, isa: int, threads: int) -> dict[str, str]:
 
 def recorded() -> dict:
     """recorded_bits.json: "kernels" ({kernel group: digest}), "native_backend" ({section: digest},
-    lockstep.backends.native.backend_bits), "torch" (the releases found to give those bits) and
+    lockstep.backend_bits), "torch" (the releases found to give those bits) and
     "recorded_on" (machine, isa, compiler, ...)."""
     try:
         data = json.loads(RECORDED.read_text())
@@ -342,7 +342,9 @@ def recorded() -> dict:
         problem = "it lacks " + ", ".join(missing)
     elif not isinstance(data["recorded_on"], dict) or not {"machine", "isa"} <= data["recorded_on"].keys():
         problem = "recorded_on lacks machine or isa"
-    elif not isinstance(data["torch"], list):
+    elif not all(isinstance(data[key], dict) for key in ("kernels", "native_backend")):
+        problem = "kernels or native_backend is not an object of digests"
+    elif not isinstance(data["torch"], list) or not all(isinstance(r, str) for r in data["torch"]):
         problem = "torch is not a list of releases"
     else:
         return data

@@ -6,8 +6,9 @@ by packed prefill with gradients and by paged decode, masked attention (left pad
 gradients, a bf16 GEMM on inputs that reach every case of the bf16 order, the model's own
 arithmetic around the ops (the rotary tables, the MoE router, exact_math, a random model's
 weights) and two Trainer steps with the optimizer's state. One SHA-256 digest per section (an op
-in a dtype, "training", ...). The inputs come from torch's generators, so the digests hold for the
-torch releases the recording lists; `lockstep.backends.native.bits` is the torch-free part.
+in a dtype, "training", ...). The inputs come from torch's generators, whose own section says
+whether they drew the recording's; the digests hold for the torch releases the recording lists.
+`lockstep.backends.native.bits` is the torch-free part.
 """
 
 from __future__ import annotations
@@ -16,17 +17,17 @@ import hashlib
 
 import torch
 
-from ... import exact_math
-from ...harness.attention_check import AttnCase, AttnSizes, _paged_decode
-from ...harness.check import Pool, run
-from ...harness.masked_attention_check import MaskedCase, MaskedSizes
-from ...harness.specs import SPECS, Sizes
-from ...model import ModelConfig, Transformer
-from ...model.moe import route
-from ...registry import use_backend
-from ...rotary import LinearRopeScaling, Llama3RopeScaling, rope_cos_sin, rope_inv_freq
-from . import bits
-from .gemm import gemm_nt
+from . import exact_math
+from .harness.attention_check import AttnCase, AttnSizes, paged_decode
+from .harness.check import Pool, num_threads, run
+from .harness.masked_attention_check import MaskedCase, MaskedSizes
+from .harness.specs import SPECS, Sizes
+from .model import ModelConfig, Transformer
+from .model.moe import route
+from .registry import use_backend
+from .rotary import LinearRopeScaling, Llama3RopeScaling, rope_cos_sin, rope_inv_freq
+from .backends.native import bits
+from .backends.native.gemm import gemm_nt
 
 # Big enough that the GEMMs of linear, the LM head and attention run on several threads (kernels.c
 # keeps products under 2^18 multiply-adds on one), small enough for the scalar path.
@@ -110,7 +111,7 @@ def _model_arithmetic(h: "hashlib._Hash") -> None:
 def tiny_trainer(family: str, dtype: torch.dtype, tokens: list[int], **config):
     """A Trainer of a random tiny model of `family` (vocabulary 300) in `dtype` (bf16 with fp32
     master weights) over `tokens`: sequences of 32, micro-batches of 96 tokens, 2 per step."""
-    from ...train import PackedDataset, TrainConfig, Trainer
+    from .train import PackedDataset, TrainConfig, Trainer
 
     cfg = TrainConfig(**{"steps": 1, "seq_len": 32, "micro_batch_tokens": 96, "accum": 2, "lr": 3e-3, "warmup": 1,
                          "seed": 0, "master_weights": dtype == torch.bfloat16, **config})
@@ -130,10 +131,32 @@ def _training(h: "hashlib._Hash") -> None:
             _update(h, f"trained {dtype} {name}", t)
 
 
+# The section that holds torch's samplers alone: where it differs, the inputs of every other do too.
+GENERATORS = "torch generators"
+
+
+def _generators(h: "hashlib._Hash") -> None:
+    """torch's samplers as the inputs of the other sections take them, from seeded generators, on a
+    few values and on enough for any vector path: randn in float64 rounded to float32 (the harness
+    rounds its float64 normals to the dtype under test), rand, randint and randperm. Not randn's
+    float64 bits themselves: its sampler takes the C library's log and cos, whose FMA and plain
+    variants differ in the last bit (QEMU's Sandy Bridge), which rounding to fp32 hides. Not randn
+    in float32 either, which no input here uses: its vector sampler gives other bits than its scalar
+    one (ATen's default capability), which is why exact_math.normal exists."""
+    for n in (7, 4099):
+        gen = torch.Generator().manual_seed(n)
+        for label, t in (("randn float64 as float32", torch.randn(n, generator=gen, dtype=torch.float64).float()),
+                         ("rand float64", torch.rand(n, generator=gen, dtype=torch.float64)),
+                         ("rand float32", torch.rand(n, generator=gen)),
+                         ("randint", torch.randint(0, 1 << 30, (n,), generator=gen)),
+                         ("randperm", torch.randperm(n, generator=gen))):
+            _update(h, f"{label} {n}", t)
+
+
 def digests() -> dict[str, str]:
-    """{section: sha256 hex} over every section named in the module docstring, on the native backend
-    whatever backend the caller selected, at torch's thread count."""
-    with use_backend("native"):
+    """{section: sha256 hex} over every section named in the module docstring and GENERATORS, on the
+    native backend whatever backend the caller selected, with gradients on, at torch's thread count."""
+    with use_backend("native"), torch.enable_grad():
         return _digests()
 
 
@@ -143,6 +166,7 @@ def _digests() -> dict[str, str]:
     def section(name: str) -> "hashlib._Hash":
         return sections.setdefault(name, hashlib.sha256())
 
+    _generators(section(GENERATORS))
     a, b = bf16_edge_operands()
     _update(section("bf16 edge GEMM"), "bf16 edge GEMM", gemm_nt(a, b))
     _model_arithmetic(section("model arithmetic"))
@@ -164,7 +188,7 @@ def _digests() -> dict[str, str]:
         for i, tensors in enumerate(per):
             for j, t in enumerate(tensors):
                 _update(h, f"attention {dtype} {i} {j}", t)
-        for i, t in enumerate(_paged_decode(case, "native")):
+        for i, t in enumerate(paged_decode(case, "native")):
             _update(section(f"paged_attention {kind}"), f"paged_attention {dtype} {i}", t)
         masked = MaskedCase(dtype, MASKED, seed=0)
         h = section(f"masked_attention {kind}")
@@ -184,13 +208,14 @@ def release(version: str) -> str:
 def compare(recorded: dict) -> dict:
     """This machine's digests, on 2 threads, against `recorded` (bits.recorded()): {"torch": this
     release, "listed": whether the recording was made or checked under it, "sections": how many
-    sections it holds, "differ": the sections whose bits are not the recorded ones}. Under a release
-    it does not list, torch's generators may draw other inputs, so a difference there need not be
-    lockstep's."""
-    from ...harness.check import num_threads
-
+    sections it holds, "differ": the sections whose bits are not the recorded ones, "counted":
+    whether that is a failure}. It is not where torch's generators draw other inputs than the
+    recording's (another release or C library), nor under a release the recording does not list,
+    whose generators may."""
     with num_threads(2):
         got = digests()
     this = release(torch.__version__)
-    return {"torch": this, "listed": this in recorded["torch"], "sections": len(recorded["native_backend"]),
-            "differ": bits.differing(got, recorded["native_backend"])}
+    differ = bits.differing(got, recorded["native_backend"])
+    listed = this in recorded["torch"]
+    return {"torch": this, "listed": listed, "sections": len(recorded["native_backend"]), "differ": differ,
+            "counted": bool(differ) and listed and GENERATORS not in differ}
