@@ -6,6 +6,7 @@ the native backend in each op's own test file, since it is the CPU's default bac
 
 from __future__ import annotations
 
+import decimal
 import itertools
 import json
 import math
@@ -18,14 +19,16 @@ import subprocess
 import sys
 import time
 import traceback
+from fractions import Fraction
 from pathlib import Path
 
 import pytest
 import torch
 
-from lockstep import bench, ops, registry
+from lockstep import bench, exact_math, fixed_order, ops, registry
 from lockstep import backend_bits
 from lockstep.backends.native import bits, build, gemm, masked_attention, unary
+from lockstep.backends.native.cpu import native_kernels
 from lockstep.harness.check import num_threads
 
 from test_cpu_kernels import ATEN_CAPABILITIES, MKL_ISAS, ONEDNN_ISAS, cpu_flags, require
@@ -476,6 +479,70 @@ def test_gemm_order_is_the_documented_one(dtype, rows):
             assert torch.equal(got[m, n], v[0] + v[1]), (m, n)
 
 
+def _fma64(a: float, b: float, s: float) -> float:
+    """float64 fma: the exact a * b + s (Fractions), rounded once (float() of a Fraction rounds to nearest even)."""
+    return float(Fraction(a) * Fraction(b) + Fraction(s))
+
+
+def test_float64_gemm_order_is_the_documented_one(monkeypatch):
+    """float64 takes the fp32 order in double precision (docs/adr/0027), restated in Python: 16
+    lanes over K, each one float64 FMA chain from k = 0 (emulated exactly with Fractions), folded by
+    the fixed tree, the bias added once after it. K = 45 leaves a tail; 3 x 5 outputs leave partial
+    micro-tiles; in every instruction set, with one row or one column alone."""
+    gen = torch.Generator().manual_seed(1)
+    a = torch.randn(3, 45, generator=gen, dtype=torch.float64)
+    b = torch.randn(5, 45, generator=gen, dtype=torch.float64)
+    bias = torch.randn(5, generator=gen, dtype=torch.float64)
+    got = gemm.gemm_nt(a, b, bias, out_dtype=torch.float64)
+    for m in range(3):
+        for n in range(5):
+            lanes = [0.0] * 16
+            for k in range(45):
+                lanes[k % 16] = _fma64(a[m, k].item(), b[n, k].item(), lanes[k % 16])
+            t = [lanes[j] + lanes[j + 8] for j in range(8)]
+            u = [t[j] + t[j + 4] for j in range(4)]
+            v = [u[j] + u[j + 2] for j in range(2)]
+            assert got[m, n].item() == (v[0] + v[1]) + bias[n].item(), (m, n)
+    for name in build.supported_isas():
+        monkeypatch.setenv("LOCKSTEP_CPU_ISA", name)
+        assert torch.equal(gemm.gemm_nt(a, b, bias, out_dtype=torch.float64), got), name
+        assert torch.equal(gemm.gemm_nt(a[1:2], b, bias, out_dtype=torch.float64), got[1:2]), name
+        assert torch.equal(gemm.gemm_nt(a, b[3:4], bias[3:4], out_dtype=torch.float64), got[:, 3:4]), name
+
+
+@pytest.mark.parametrize("k", [1029, 4133], ids=lambda k: f"K={k}")
+def test_float64_gemm_bits_across_instruction_sets_threads_and_rows(k, isa):
+    """The float64 products linear and weight gradients make (through fixed_order, which takes
+    float64 to the kernels), batched too: the same bits in every instruction set and on 1, 2 and 3
+    threads, a row's and a column's bits those of the whole call, within rounding of float64's own
+    matmul. On QEMU's Haswell, MKL's float64 GEMM gave other bits on 1 and 2 threads and for the
+    first 8 rows alone (docs/adr/0027)."""
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(37, k, generator=gen, dtype=torch.float64)
+    b = torch.randn(301, k, generator=gen, dtype=torch.float64)
+    bias = torch.randn(301, generator=gen, dtype=torch.float64)
+    g = torch.randn(37, 40, generator=gen, dtype=torch.float64)
+    batched = torch.randn(3, 9, k, generator=gen, dtype=torch.float64)
+    outs = []
+    for name in build.ISAS:
+        isa(name)
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            with native_kernels():
+                outs.append((fixed_order.matmul_rows(a, b.t(), bias), fixed_order.weight_grad(g, a),
+                             fixed_order.matmul_rows(batched, batched.transpose(-1, -2))))
+    for other in outs[1:]:
+        assert all(torch.equal(x, y) for x, y in zip(outs[0], other))
+    y = outs[0][0]
+    with native_kernels():
+        assert torch.equal(fixed_order.matmul_rows(a[5:6], b.t(), bias), y[5:6])
+        assert torch.equal(fixed_order.matmul_rows(a[:8], b.t(), bias), y[:8])
+        assert torch.equal(fixed_order.matmul_rows(a, b[7:9].t(), bias[7:9]), y[:, 7:9])
+    assert y.dtype == torch.float64 and (y - (a @ b.t() + bias)).abs().max() < 1e-12 * k
+    assert (outs[0][1] - g.t() @ a).abs().max() < 1e-12 * k
+    assert (outs[0][2] - batched @ batched.transpose(-1, -2)).abs().max() < 1e-12 * k
+
+
 @pytest.mark.parametrize("dtype, k", [(torch.float32, 2048 * 2 + 37), (torch.bfloat16, 4096 * 2 + 75)], ids=str)
 def test_a_long_k_in_blocks_keeps_the_documented_order(dtype, k):
     """Rows of 8 KB or more run in blocks of K, each tile's lanes carried from block to block: the
@@ -627,6 +694,88 @@ def test_sqrt_is_the_ieee_root_in_every_instruction_set(monkeypatch):
     with pytest.raises(ValueError, match=r"out: expected a float32 CPU tensor of shape \(5,\), got "
                                          r"torch.bfloat16 on cpu of shape \(5,\)"):
         unary.sqrt(torch.ones(5), out=torch.empty(5, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match=r"out: expected a float64 CPU tensor of shape \(5,\), got "
+                                         r"torch.float32 on cpu of shape \(5,\)"):
+        unary.sqrt(torch.ones(5, dtype=torch.float64), out=torch.empty(5))
+
+
+# 1 / i!, correctly rounded: the Taylor coefficients of kernels.c's float64 exp.
+_EXP_TAYLOR = [float(Fraction(1, math.factorial(i))) for i in range(14)]
+
+
+def _exp64(x: float) -> float:
+    """kernels.c's float64 exp restated in Python's float64 arithmetic (each operation IEEE-rounded
+    once): n = x log2 e rounded to nearest even; r = x - n ln2 in two parts; Taylor to r^13 by
+    Horner's rule; times 2^n in two exact-exponent steps."""
+    if x != x:
+        return x
+    if x > float.fromhex("0x1.62e42fefa39efp+9"):
+        return math.inf
+    if x < -float.fromhex("0x1.74910d52d3051p+9"):
+        return 0.0
+    n = (x * 1.4426950408889634 + 6755399441055744.0) - 6755399441055744.0     # + 1.5 x 2^52: rint
+    r = (x - n * 6.93147180369123816490e-01) - n * 1.90821492927058770002e-10
+    p = _EXP_TAYLOR[13]
+    for c in reversed(_EXP_TAYLOR[:13]):
+        p = p * r + c
+    n1 = int(n / 2)
+    return (p * 2.0 ** n1) * 2.0 ** (int(n) - n1)
+
+
+def test_float64_exp_log_and_sqrt_are_the_documented_arithmetic_in_every_instruction_set(monkeypatch):
+    """float64 exp and log are one C code on every path (docs/adr/0027): exp is `_exp64` bit for
+    bit; log is exact_math.log_float64 (the sampler's) bit for bit; sqrt is the IEEE root. Against
+    exact values (50-digit decimals) exp is within 1 ulp and log within 2; the special values and
+    the overflow and underflow edges are IEEE's; the bits are the same in every instruction set
+    and on 3 threads."""
+    gen = torch.Generator().manual_seed(7)
+    top, bottom = float.fromhex("0x1.62e42fefa39efp+9"), -float.fromhex("0x1.74910d52d3051p+9")
+    edges = [top, math.nextafter(top, math.inf), bottom, math.nextafter(bottom, -math.inf), -708.4, 0.0, -0.0,
+             math.inf, -math.inf, math.nan]
+    x = torch.cat([torch.rand(40_000, generator=gen, dtype=torch.float64) * 1500 - 750,
+                   torch.randn(40_000, generator=gen, dtype=torch.float64), torch.tensor(edges, dtype=torch.float64)])
+    pos = torch.cat([torch.exp(torch.rand(40_000, generator=gen, dtype=torch.float64) * 1400 - 700),
+                     torch.tensor([5e-324, 2.2250738585072014e-308, 1.0 + 2 ** -52, 1.0 - 2 ** -53, 2 ** 0.5,
+                                   1.7976931348623157e308], dtype=torch.float64)])
+    results = []
+    for name in build.supported_isas():
+        monkeypatch.setenv("LOCKSTEP_CPU_ISA", name)
+        results.append((unary.exp(x), unary.log(pos), unary.log(x), unary.sqrt(x)))
+    with num_threads(3):
+        results.append((unary.exp(x), unary.log(pos), unary.log(x), unary.sqrt(x)))
+    for other in results[1:]:
+        for u, v in zip(results[0], other):
+            assert torch.equal(u.view(torch.int64), v.view(torch.int64))
+    e, lg, lgx, root = results[0]
+    assert e.dtype == lg.dtype == lgx.dtype == root.dtype == torch.float64
+    want = torch.tensor([_exp64(v) for v in x.tolist()], dtype=torch.float64)
+    assert torch.equal(e.view(torch.int64), want.view(torch.int64))
+    assert torch.equal(lg, exact_math.log_float64(pos))
+    real = x >= 0
+    assert torch.equal(root[real], torch.tensor([math.sqrt(v) for v in x[real].tolist()], dtype=torch.float64))
+    assert root[x < 0].isnan().all() and root[-1].isnan() and math.copysign(1.0, root[-4].item()) == -1.0
+
+    context = decimal.Context(prec=50)
+
+    def exact(f, v: float) -> float:
+        return float(f(decimal.Decimal(v)))
+
+    def ulps(got: float, exact_value: float) -> float:
+        return abs(got - exact_value) / math.ulp(exact_value)
+
+    for v, got in zip(x[::97].tolist(), e[::97].tolist()):
+        if 2.3e-308 < got < 1.7e308:
+            assert ulps(got, exact(context.exp, v)) <= 1, v
+    for v, got in zip(pos[::97].tolist() + pos[-6:].tolist(), lg[::97].tolist() + lg[-6:].tolist()):
+        assert ulps(got, exact(context.ln, v)) <= 2, v
+    tail = e[-len(edges):].tolist()
+    assert tail[0] < math.inf and tail[1] == math.inf                  # the overflow edge
+    assert tail[2] == exact(context.exp, bottom) > 0 and tail[3] == 0.0    # the underflow edge
+    assert tail[4] == exact(context.exp, -708.4)                       # a subnormal result
+    assert tail[5:9] == [1.0, 1.0, math.inf, 0.0] and math.isnan(tail[9])
+    tail = lgx[-len(edges):].tolist()
+    assert tail[5:8] == [-math.inf, -math.inf, math.inf] and math.isnan(tail[8]) and math.isnan(tail[9])
+    assert lgx[x < 0].isnan().all()
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -675,10 +824,18 @@ def test_gemm_argument_errors_name_the_argument():
         gemm.gemm_nt(torch.ones(3, 4), torch.ones(2, 4), out=torch.empty(3, 2, dtype=torch.float64))
     with pytest.raises(ValueError, match="out: expected a torch.bfloat16 tensor of shape"):
         gemm.gemm_nt(torch.ones(3, 4), torch.ones(2, 4), out=torch.empty(3, 2), out_dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="out_dtype: expected torch.float32 or torch.bfloat16, got torch.float16"):
+    with pytest.raises(ValueError, match=r"out_dtype: expected torch.float32 or torch.bfloat16 \(torch.float64 for "
+                                         r"float64 operands\), got torch.float16"):
         gemm.gemm_nt(torch.ones(3, 4), torch.ones(2, 4), out_dtype=torch.float16)
     with pytest.raises(ValueError, match="out: expected a contiguous torch.float32 tensor of shape"):
         gemm.weight_grad(torch.ones(3, 4), torch.ones(3, 5), out=torch.empty(5, 4))
+    with pytest.raises(ValueError, match="out: expected a contiguous torch.float64 tensor of shape"):
+        gemm.weight_grad(torch.ones(3, 4, dtype=torch.float64), torch.ones(3, 5), out=torch.empty(4, 5))
+    with pytest.raises(ValueError, match="out_dtype, parts: float64 operands give a float64 product in one part, got "
+                                         "torch.float32 in 1"):
+        gemm.gemm_nt(torch.ones(3, 4, dtype=torch.float64), torch.ones(2, 4))
+    with pytest.raises(ValueError, match="got torch.float64 in 2"):
+        gemm.gemm_nt(torch.ones(3, 4, dtype=torch.float64), torch.ones(2, 4), out_dtype=torch.float64, parts=2)
 
 
 def test_a_forced_instruction_set_must_be_known_and_runnable(monkeypatch):
@@ -1778,9 +1935,9 @@ class _AtenAudit(torch.utils._python_dispatch.TorchDispatchMode):
 def _native_workload() -> list:
     """What lockstep runs on a CPU, as calls whose inputs and models are built beforehand (random
     inputs are the workload's, not lockstep's arithmetic): every op forward and backward (fp32, bf16,
-    fp16), attention by prefill and paged decode and masked attention, a training step of a dense, a
-    Gemma 3 and an MoE model (fp32, and bf16 with fp32 master weights), and the engine sampling an
-    MoE model with top-k and top-p."""
+    fp16, float64), attention by prefill and paged decode and masked attention, a training step of a
+    dense, a Gemma 3 and an MoE model (fp32, bf16 with fp32 master weights, float64), and the engine
+    sampling an MoE model with top-k and top-p."""
     from lockstep import Engine, SamplingParams
     from lockstep.harness.attention_check import AttnCase, paged_decode
     from lockstep.harness.check import Pool, run
@@ -1793,7 +1950,7 @@ def _native_workload() -> list:
     sizes = Sizes(hidden=40, out_features=24, heads=2, head_dim=8, ffn=24, vocab=300, lm_hidden=16, embed_vocab=20,
                   pool=12)
     calls = []
-    for dtype in DTYPES:
+    for dtype in DTYPES + [torch.float64]:
         for spec in SPECS.values():
             pool = Pool(spec, dtype, sizes, seed=0, grad=spec.differentiable)
             calls.append(lambda pool=pool: run(pool, "native", list(range(sizes.pool))))
@@ -1803,7 +1960,7 @@ def _native_workload() -> list:
         calls.append(lambda masked=masked: masked.run("native", list(range(len(masked.seqs))), grad=True, left=True))
     tokens = torch.randint(0, 300, (2000,), generator=torch.Generator().manual_seed(0)).tolist()
     for family in ("qwen3", "gemma3_text", "qwen3_moe"):
-        for dtype in (torch.float32, torch.bfloat16):
+        for dtype in (torch.float32, torch.bfloat16, torch.float64):
             calls.append(tiny_trainer(family, dtype, tokens).step)
     for family, sampling in (
             ("qwen3_moe", SamplingParams(temperature=0.7, top_k=30, top_p=0.9, max_new_tokens=6, seed=1)),

@@ -1,9 +1,9 @@
 """The native backend's bits as digests, section by section: what recorded_bits.json's
 `native_backend` holds and `lockstep check` compares (docs/adr/0026).
 
-Every op of the check harness (forward and backward, fp32, bf16 and fp16, small sizes), attention
-by packed prefill with gradients and by paged decode, masked attention (left padding) with
-gradients, a bf16 GEMM on inputs that reach every case of the bf16 order, the model's own
+Every op of the check harness (forward and backward, fp32, bf16, fp16 and float64, small sizes),
+attention by packed prefill with gradients and by paged decode, masked attention (left padding)
+with gradients, a bf16 GEMM on inputs that reach every case of the bf16 order, the model's own
 arithmetic around the ops (the rotary tables, the MoE router, exact_math, a random model's
 weights) and two Trainer steps with the optimizer's state. One SHA-256 digest per section (an op
 in a dtype, "training", ...). The inputs come from torch's generators, whose own section says
@@ -35,7 +35,7 @@ SIZES = Sizes(hidden=264, out_features=100, heads=2, head_dim=16, ffn=40, vocab=
               pool=40)
 ATTN = AttnSizes(lens=(20, 1, 90), q_heads=4, kv_heads=2, head_dim=40, chunks=(7,))
 MASKED = MaskedSizes(lens=(20, 1, 90), q_heads=4, kv_heads=2, head_dim=40)
-DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
 def _update(h: "hashlib._Hash", label: str, t: torch.Tensor | None) -> None:
@@ -153,6 +153,33 @@ def _generators(h: "hashlib._Hash") -> None:
             _update(h, f"{label} {n}", t)
 
 
+def _fp32_valued(tensors) -> None:
+    """Round float64 inputs to fp32 values in place. The harness draws float64 normals, whose last
+    bits follow the C library (`_generators`); rounded to fp32 they are the same everywhere, and
+    products and sums of them still round in float64."""
+    for t in tensors:
+        if t.is_floating_point():
+            t.copy_(t.float())
+
+
+class _Fp32ValuedMasked(MaskedCase):
+    """MaskedCase whose float64 draws (its padding's too) have fp32 values."""
+
+    def _randn(self, heads: int, n: int) -> torch.Tensor:
+        x = super()._randn(heads, n)
+        _fp32_valued([x])
+        return x
+
+
+def _cases(dtype: torch.dtype, spec) -> Pool:
+    """The check pool of `spec` in `dtype`, its float64 inputs with fp32 values (`_fp32_valued`)."""
+    pool = Pool(spec, dtype, SIZES, seed=0, grad=spec.differentiable)
+    if dtype == torch.float64:
+        _fp32_valued([*pool.rows.values(), *pool.params.values(), pool.dy, *pool.garbage_dy.values(),
+                      *(t for rows in pool.garbage.values() for t in rows.values())])
+    return pool
+
+
 def digests() -> dict[str, str]:
     """{section: sha256 hex} over every section named in the module docstring and GENERATORS, on the
     native backend whatever backend the caller selected, with gradients on, at torch's thread count."""
@@ -175,8 +202,7 @@ def _digests() -> dict[str, str]:
         kind = str(dtype).removeprefix("torch.")
         for name, spec in SPECS.items():
             h = section(f"{name} {kind}")
-            pool = Pool(spec, dtype, SIZES, seed=0, grad=spec.differentiable)
-            r = run(pool, "native", list(range(SIZES.pool)))
+            r = run(_cases(dtype, spec), "native", list(range(SIZES.pool)))
             _update(h, f"{name} {dtype} out", r.out)
             for key in sorted(r.row_grads):
                 _update(h, f"{name} {dtype} d{key}", r.row_grads[key])
@@ -184,13 +210,15 @@ def _digests() -> dict[str, str]:
                 _update(h, f"{name} {dtype} d{key}", r.param_grads[key])
         h = section(f"attention {kind}")
         case = AttnCase(dtype, ATTN, seed=0)
+        if dtype == torch.float64:
+            _fp32_valued([t for seq in case.seqs + case.garbage for t in (seq.q, seq.k, seq.v, seq.do)])
         per, _ = case.prefill("native", list(range(len(case.seqs))), grad=True)
         for i, tensors in enumerate(per):
             for j, t in enumerate(tensors):
                 _update(h, f"attention {dtype} {i} {j}", t)
         for i, t in enumerate(paged_decode(case, "native")):
             _update(section(f"paged_attention {kind}"), f"paged_attention {dtype} {i}", t)
-        masked = MaskedCase(dtype, MASKED, seed=0)
+        masked = (_Fp32ValuedMasked if dtype == torch.float64 else MaskedCase)(dtype, MASKED, seed=0)
         h = section(f"masked_attention {kind}")
         for i, tensors in enumerate(masked.run("native", list(range(len(masked.seqs))), grad=True, left=True)):
             for j, t in enumerate(tensors):

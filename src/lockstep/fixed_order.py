@@ -115,7 +115,8 @@ def row_max(x: Tensor) -> Tensor:
 class CpuKernels(NamedTuple):
     """A set of CPU kernels for the arithmetic whose bits a library may choose: the GEMMs of
     `matmul_rows` and `weight_grad` (same signatures), and `exp` and `log` (fp32 in, fp32 out; MKL's
-    vector math gives them other bits under another instruction set). Optionally, faster forms of
+    vector math gives them other bits under another instruction set). These, and `sqrt`, also take
+    float64 (float64 out); the other forms are called for 16- and 32-bit floats alone. Optionally, faster forms of
     compositions whose bits are fixed here, which must give those bits: `row_sum` (fp32 [M, L] ->
     [M]), and `log_softmax` (fp32 [M, V] -> y) with its `log_softmax_backward` (g, y -> dx), the
     arithmetic of `log_softmax_rows` and `log_softmax_rows_backward` on their own exp and log;
@@ -124,7 +125,7 @@ class CpuKernels(NamedTuple):
     `matmul_rows` computes it; `silu` and `silu_backward` (same signatures); and `weight_grad_node`
     (grad_out, inp, bounds, out), `weight_grad_node`'s unit tree in one call, or None where it
     declines (then the composition runs); and `sqrt` (x, out=None), a correctly rounded square
-    root, fp32 (MKL's vector math, which torch.sqrt takes, is not)."""
+    root, fp32 or float64 (MKL's vector math, which torch.sqrt takes, is not)."""
     name: str
     matmul_rows: Callable[..., Tensor]
     weight_grad: Callable[..., Tensor]
@@ -195,32 +196,32 @@ def restores_cpu_kernels(backward: Callable) -> Callable:
     return wrapped
 
 
-def _kernels_for(t: Tensor) -> CpuKernels | None:
-    """The selected kernels that take `t`, or None for PyTorch's own (any device but the CPU,
-    float64, or none selected)."""
+def _kernels_for(t: Tensor, float64: bool = False) -> CpuKernels | None:
+    """The selected kernels that take `t`, or None for PyTorch's own (any device but the CPU, none
+    selected, or float64 where the caller's form is not one of the five that take it)."""
     name = current_cpu_kernels()
-    if name == "torch" or t.device.type != "cpu" or t.dtype == torch.float64:
+    if name == "torch" or t.device.type != "cpu" or (t.dtype == torch.float64 and not float64):
         return None
     return _CPU_KERNELS[name]
 
 
 def exp(x: Tensor) -> Tensor:
     """torch.exp, on the selected CPU kernels when there are some for `x` (same dtype out)."""
-    kernels = _kernels_for(x)
+    kernels = _kernels_for(x, float64=True)
     return torch.exp(x) if kernels is None else kernels.exp(x)
 
 
 def log(x: Tensor) -> Tensor:
     """torch.log, on the selected CPU kernels when there are some for `x` (same dtype out)."""
-    kernels = _kernels_for(x)
+    kernels = _kernels_for(x, float64=True)
     return torch.log(x) if kernels is None else kernels.log(x)
 
 
 def sqrt(x: Tensor, out: Tensor | None = None) -> Tensor:
     """torch.sqrt (into `out` when given), on the selected CPU kernels when there are some for `x`:
-    then the correctly rounded fp32 root, and `out` must be float32 of x's shape. float64 and
-    other devices take torch.sqrt (on the CPU, MKL's vector math)."""
-    kernels = _kernels_for(x)
+    then the correctly rounded root in float64 for float64 x and in fp32 otherwise, and `out` must
+    be of that dtype and x's shape. Other devices take torch.sqrt (on the CPU, MKL's vector math)."""
+    kernels = _kernels_for(x, float64=True)
     if kernels is None or kernels.sqrt is None:
         return torch.sqrt(x, out=out)
     return kernels.sqrt(x, out=out)
@@ -229,7 +230,7 @@ def sqrt(x: Tensor, out: Tensor | None = None) -> Tensor:
 def rsqrt(x: Tensor) -> Tensor:
     """torch.rsqrt; on the selected CPU kernels, 1 / their correctly rounded root (what a kernel's
     1.0f / sqrtf gives), since ATen's float64 rsqrt follows the CPU's maker."""
-    kernels = _kernels_for(x)
+    kernels = _kernels_for(x, float64=True)
     if kernels is None or kernels.sqrt is None:
         return torch.rsqrt(x)
     return torch.reciprocal(kernels.sqrt(x))
@@ -342,7 +343,7 @@ def matmul_rows(a: Tensor, b: Tensor, bias: Tensor | None = None) -> Tensor:
     """a @ b (+ bias), row-invariant: a [M, K], b [K, N] (may be a transposed view), bias [N];
     or batched: a [B, M, K], b [B, K, N]. Returns [(B,) M, N] in a's dtype. On the selected CPU
     kernels (`cpu_kernels`) when there are some for `a`, else by `torch_matmul_rows`."""
-    kernels = _kernels_for(a)
+    kernels = _kernels_for(a, float64=True)
     if kernels is not None:
         return kernels.matmul_rows(a, b, bias)
     return torch_matmul_rows(a, b, bias)
@@ -473,7 +474,7 @@ def weight_grad(grad_out: Tensor, inp: Tensor, out: Tensor | None = None) -> Ten
     """sum over rows r of grad_out[r]^T inp[r]: [M, N], [M, K] -> [N, K]; batched: [B, M, N],
     [B, M, K] -> [B, N, K]; in the accumulation dtype, into `out` when given. On the selected CPU
     kernels when there are some for `grad_out`, else by `torch_weight_grad`."""
-    kernels = _kernels_for(grad_out)
+    kernels = _kernels_for(grad_out, float64=True)
     if kernels is not None:
         return kernels.weight_grad(grad_out, inp, out)
     return torch_weight_grad(grad_out, inp, out)

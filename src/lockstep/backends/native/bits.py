@@ -98,10 +98,13 @@ def bf16_edges(rng: Stream, n: int) -> np.ndarray:
 
 
 def canonical(out: np.ndarray) -> bytes:
-    """out's bytes with every NaN as the one quiet NaN of its width (fp32 or bf16 bits)."""
+    """out's bytes with every NaN as the one quiet NaN of its width (fp32, float64 or bf16 bits)."""
     if out.dtype == np.float32:
         bits = out.view(np.uint32).copy()
         bits[np.isnan(out)] = 0x7FC00000
+    elif out.dtype == np.float64:
+        bits = out.view(np.uint64).copy()
+        bits[np.isnan(out)] = 0x7FF8000000000000
     else:
         bits = out.copy()
         bits[(bits & 0x7FFF) > 0x7F80] = 0x7FC0
@@ -167,6 +170,25 @@ class Run:
         for fn in (0, 1):
             y = np.zeros_like(x)
             self.check(self.lib.ls_unary(ptr(x), ptr(y), x.size, fn, self.isa, self.threads), "ls_unary")
+            h.update(canonical(y))
+
+    def float64(self, h) -> None:
+        """ls_gemm_nt_f64 (a tail in every lane width, a bias, a batch) and ls_unary_f64's exp, log and
+        sqrt over fp32's SPECIALS widened, ordinary values and the float64 range."""
+        for batch, m, n, k in ((1, 37, 19, 1029), (2, 5, 7, 45)):
+            a = values(self.rng, batch * m * k, F32).astype(np.float64)
+            b = values(self.rng, batch * n * k, F32).astype(np.float64)
+            bias = values(self.rng, n, F32).astype(np.float64)
+            out = np.zeros(batch * m * n, dtype=np.float64)
+            self.check(self.lib.ls_gemm_nt_f64(batch, m, n, k, ptr(a), k, m * k, ptr(b), k, n * k, ptr(out), n, m * n,
+                                               ptr(bias), self.isa, self.threads), "ls_gemm_nt_f64")
+            h.update(canonical(out))
+        wide = (self.rng.integers(1, 2**62, 40000).astype(np.uint64) * np.uint64(2) - np.uint64(1)).view(np.float64)
+        x = np.concatenate([SPECIALS.view(np.float32).astype(np.float64), values(self.rng, 40000, F32, 1024.0)
+                            .astype(np.float64), np.abs(wide[np.isfinite(wide)])])
+        for fn in (0, 1, 2):
+            y = np.zeros_like(x)
+            self.check(self.lib.ls_unary_f64(ptr(x), ptr(y), x.size, fn, self.isa, self.threads), "ls_unary_f64")
             h.update(canonical(y))
 
     def silu(self, h) -> None:
@@ -314,7 +336,7 @@ class Run:
             h.update(canonical(out) + canonical(row_max) + canonical(row_sum))
 
 
-OPS = ("gemm", "gemm_tree", "unary", "silu", "rms_norm", "rope", "rows", "logit_rows", "attention", "masked_attention")
+OPS = ("gemm", "gemm_tree", "unary", "float64", "silu", "rms_norm", "rope", "rows", "logit_rows", "attention", "masked_attention")
 
 
 def digests(lib: ctypes.CDLL, isa: int, threads: int) -> dict[str, str]:

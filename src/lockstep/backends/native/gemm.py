@@ -5,6 +5,8 @@ contiguous, which kernels.c computes in one fixed order per output (16 lanes ove
 chain from k = 0, folded by a fixed tree). Operands in another layout are copied into that one
 first: a copy moves values and changes no bit. bf16 and fp16 operands go to the kernel as they are
 and are widened exactly there; other mixes are widened to fp32 here, which gives the same values.
+float64 operands (either one) make a float64 product, in the same order in double precision
+(`ls_gemm_nt_f64`, docs/adr/0027).
 """
 
 from __future__ import annotations
@@ -98,12 +100,20 @@ def gemm_nt(a: Tensor, b: Tensor, bias: Tensor | None = None, out: Tensor | None
     kernel to the bits `.to(torch.bfloat16)` gives, without an fp32 copy. `out`: a tensor of that
     shape and dtype with unit column stride, written in place. parts > 1: each dot cut into that
     many slices of K, each stored in out_dtype and summed by the canonical tree in it (kernels.c's
-    gemm_split_tile); `split_parts_supported` says where the kernel takes that."""
+    gemm_split_tile); `split_parts_supported` says where the kernel takes that. float64 operands
+    (either one; the other is widened exactly) need out_dtype float64 and parts 1, and take a
+    float64 bias."""
     if a.dim() != b.dim() or a.dim() not in (2, 3) or a.shape[-1] != b.shape[-1] or a.shape[:-2] != b.shape[:-2]:
         raise ValueError(f"a, b: expected [(B,) M, K] and [(B,) N, K], got {tuple(a.shape)} and {tuple(b.shape)}")
-    if out_dtype not in OUT_CODES:
-        raise ValueError(f"out_dtype: expected torch.float32 or torch.bfloat16, got {out_dtype}")
-    if a.dtype != b.dtype or a.dtype not in DTYPE_CODES:
+    if torch.float64 in (a.dtype, b.dtype):
+        if out_dtype != torch.float64 or parts != 1:
+            raise ValueError(f"out_dtype, parts: float64 operands give a float64 product in one part, got "
+                             f"{out_dtype} in {parts}")
+        a, b = a.double(), b.double()
+    elif out_dtype not in OUT_CODES:
+        raise ValueError(f"out_dtype: expected torch.float32 or torch.bfloat16 (torch.float64 for float64 operands), "
+                         f"got {out_dtype}")
+    elif a.dtype != b.dtype or a.dtype not in DTYPE_CODES:
         a, b = a.float(), b.float()
     if _rows_are_contiguous(a) and _rows_are_contiguous(b):  # the usual case: no copy, no bookkeeping
         if _kept:
@@ -126,11 +136,21 @@ def _gemm_nt(a: Tensor, b: Tensor, bias: Tensor | None, out: Tensor | None, out_
         raise ValueError(f"out: expected a {out_dtype} tensor of shape {tuple(shape)} with unit column stride, got "
                          f"{out.dtype} {tuple(out.shape)} strides {out.stride()}")
     if bias is not None:
-        bias = bias.float().contiguous()
+        bias = bias.to(torch.float64 if out_dtype == torch.float64 else torch.float32).contiguous()
     batched = a.dim() == 3
     bsz = a.shape[0] if batched else 1
     m, k = a.shape[-2], a.shape[-1]
     n = b.shape[-2]
+    if out_dtype == torch.float64:
+        status = library().ls_gemm_nt_f64(
+            bsz, m, n, k,
+            a.data_ptr(), a.stride(-2) if m > 1 else k, a.stride(0) if batched else 0,
+            b.data_ptr(), b.stride(-2) if n > 1 else k, b.stride(0) if batched else 0,
+            out.data_ptr(), out.stride(-2) if m > 1 else n, out.stride(0) if batched else 0,
+            None if bias is None else bias.data_ptr(), isa(), torch.get_num_threads())
+        if status != 0:
+            raise RuntimeError(f"ls_gemm_nt_f64 refused a [{bsz}, {m}, {k}] x [{n}, {k}] product")
+        return out
     status = library().ls_gemm_nt(
         bsz, m, n, k,
         a.data_ptr(), a.stride(-2) if m > 1 else k, a.stride(0) if batched else 0,
@@ -144,10 +164,15 @@ def _gemm_nt(a: Tensor, b: Tensor, bias: Tensor | None, out: Tensor | None, out_
     return out
 
 
+def _product_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype gemm_nt computes a product of `dtype` operands in: float64 for float64, else fp32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 def matmul_rows(a: Tensor, b: Tensor, bias: Tensor | None = None) -> Tensor:
     """a @ b (+ bias): a [(B,) M, K], b [(B,) K, N] (a transposed view is free) -> a's dtype. A bf16
     result is rounded in the kernel (the bits of the fp32 result's `.to(torch.bfloat16)`)."""
-    out_dtype = torch.bfloat16 if a.dtype == torch.bfloat16 else torch.float32
+    out_dtype = torch.bfloat16 if a.dtype == torch.bfloat16 else _product_dtype(a.dtype)
     return gemm_nt(a, b.transpose(-1, -2), bias, out_dtype=out_dtype).to(a.dtype)
 
 
@@ -178,14 +203,16 @@ def split_matmul_rows(a: Tensor, b: Tensor, parts: int) -> Tensor:
 
 
 def weight_grad(grad_out: Tensor, inp: Tensor, out: Tensor | None = None) -> Tensor:
-    """sum over rows r of grad_out[r]^T inp[r]: [(B,) M, N], [(B,) M, K] -> fp32 [(B,) N, K] (into
-    `out`, a contiguous fp32 tensor, when given). The rows are the reduction axis, so both operands
-    are transposed into row-contiguous copies first."""
+    """sum over rows r of grad_out[r]^T inp[r]: [(B,) M, N], [(B,) M, K] -> fp32 [(B,) N, K], float64
+    for float64 grad_out (into `out`, a contiguous tensor of that dtype, when given). The rows are
+    the reduction axis, so both operands are transposed into row-contiguous copies first."""
     shape = tuple(grad_out.shape[:-2]) + (grad_out.shape[-1], inp.shape[-1])
-    if out is not None and (tuple(out.shape) != shape or out.dtype != torch.float32 or not out.is_contiguous()):
-        raise ValueError(f"out: expected a contiguous torch.float32 tensor of shape {shape}, got {out.dtype} "
+    dtype = _product_dtype(grad_out.dtype)
+    if out is not None and (tuple(out.shape) != shape or out.dtype != dtype or not out.is_contiguous()):
+        raise ValueError(f"out: expected a contiguous {dtype} tensor of shape {shape}, got {out.dtype} "
                          f"{tuple(out.shape)}")
-    return gemm_nt(_rows_contiguous(grad_out.transpose(-1, -2)), _rows_contiguous(inp.transpose(-1, -2)), out=out)
+    return gemm_nt(_rows_contiguous(grad_out.transpose(-1, -2)), _rows_contiguous(inp.transpose(-1, -2)), out=out,
+                   out_dtype=dtype)
 
 
 # Units of up to this many bytes of a row go in one call. Past it the separate GEMMs win: each works
@@ -202,7 +229,10 @@ def weight_grad_node(grad_out: Tensor, inp: Tensor, bounds: list[int], out: Tens
     the rows, which are the GEMM's K, so both operands are transposed into row-contiguous copies
     once for all of them. None (nothing written) where a unit is longer than _NODE_UNIT_BYTES: the
     caller's separate GEMMs are faster there. The bits are the separate GEMMs' and adds', a NaN's
-    sign and payload aside (each GEMM stores a bf16 dot's NaN as one pattern; here the node does)."""
+    sign and payload aside (each GEMM stores a bf16 dot's NaN as one pattern; here the node does).
+    None for float64 operands, whose node the composition computes."""
+    if torch.float64 in (grad_out.dtype, inp.dtype):
+        return None
     element = 4 if grad_out.dtype != inp.dtype or grad_out.dtype not in DTYPE_CODES else grad_out.element_size()
     if max(b - a for a, b in zip(bounds, bounds[1:])) * element > _NODE_UNIT_BYTES:
         return None
