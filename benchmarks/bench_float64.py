@@ -27,7 +27,8 @@ def main():
         stock = best_of(lambda: torch.nn.functional.linear(x, w), repeats=5)
         print(f"| linear {rows} x 3072 x 1024 | {native * 1e3:.2f} | {stock * 1e3:.2f} | {native / stock:.2f} |")
     x = torch.randn(1 << 20, generator=gen, dtype=torch.float64)
-    for name, ours, theirs, arg in (("exp", fixed_order.exp, torch.exp, x), ("log", fixed_order.log, torch.log, x.abs())):
+    for name, ours, theirs, arg in (("exp", fixed_order.exp, torch.exp, x),
+                                    ("log", fixed_order.log, torch.log, x.abs())):
         with native_kernels():
             native = best_of(lambda: ours(arg), repeats=5)
         stock = best_of(lambda: theirs(arg), repeats=5)

@@ -54,7 +54,9 @@ def widest() -> dict:
 
 @pytest.fixture
 def isa(monkeypatch):
-    """Force an instruction set in this process (build.isa reads LOCKSTEP_CPU_ISA at every call)."""
+    """Force an instruction set in this process (build.isa reads LOCKSTEP_CPU_ISA at every call).
+    Tests loop over build.supported_isas(), so a CPU without some path (AVX512_BF16 on most Intel
+    Xeons) compares the paths it has instead of skipping the test."""
     def force(name: str) -> None:
         require(ISA_FLAGS[name])
         monkeypatch.setenv("LOCKSTEP_CPU_ISA", name)
@@ -443,7 +445,7 @@ def test_gemm_bits_across_instruction_sets_threads_rows_and_tails(dtype, k, isa)
     b = torch.randn(301, k, generator=gen).to(dtype)
     bias = torch.randn(301, generator=gen)
     outs = []
-    for name in build.ISAS:
+    for name in build.supported_isas():
         isa(name)
         for threads in (1, 2, 3):
             torch.set_num_threads(threads)
@@ -508,6 +510,35 @@ def test_float64_gemm_order_is_the_documented_one(monkeypatch):
         assert torch.equal(gemm.gemm_nt(a, b, bias, out_dtype=torch.float64), got), name
         assert torch.equal(gemm.gemm_nt(a[1:2], b, bias, out_dtype=torch.float64), got[1:2]), name
         assert torch.equal(gemm.gemm_nt(a, b[3:4], bias[3:4], out_dtype=torch.float64), got[:, 3:4]), name
+    # Row and batch strides other than K and M K, and an output wider than N, as the kernel reads them.
+    spaced = torch.zeros(2, 4, 50, dtype=torch.float64)
+    spaced[:, :3, :45] = a
+    out = torch.full((2, 3, 9), math.nan, dtype=torch.float64)
+    gemm.gemm_nt(spaced[:, :3, :45], torch.stack([b, b]), out=out[:, :, 2:7], out_dtype=torch.float64)
+    unbiased = gemm.gemm_nt(a, b, out_dtype=torch.float64)
+    assert torch.equal(out[:, :, 2:7], torch.stack([unbiased, unbiased]))
+    assert out[:, :, :2].isnan().all() and out[:, :, 7:].isnan().all()
+    lib, code = build.library(), build.isa()
+    x = torch.ones(4, dtype=torch.float64)
+    assert lib.ls_unary_f64(x.data_ptr(), x.data_ptr(), 4, 3, code, 1) == -1            # no function 3
+    assert lib.ls_unary_f64(x.data_ptr(), x.data_ptr(), -1, 0, code, 1) == -1
+    assert lib.ls_gemm_nt_f64(1, -1, 1, 1, x.data_ptr(), 1, 0, x.data_ptr(), 1, 0, x.data_ptr(), 1, 0, None, code,
+                              1) == -1
+
+
+def test_a_products_dtype_follows_its_first_operand():
+    """A float64 operand beside a 16- or 32-bit first one is rounded to fp32, as torch_weight_grad
+    rounds it; a float64 first operand makes a float64 product, the other widened exactly."""
+    gen = torch.Generator().manual_seed(2)
+    a, b = torch.randn(6, 40, generator=gen), torch.randn(40, 5, generator=gen, dtype=torch.float64)
+    g, x = torch.randn(6, 3, generator=gen), torch.randn(6, 7, generator=gen, dtype=torch.float64)
+    with native_kernels():
+        assert torch.equal(fixed_order.matmul_rows(a, b), fixed_order.matmul_rows(a, b.float()))
+        assert torch.equal(fixed_order.weight_grad(g, x), fixed_order.weight_grad(g, x.float()))
+        wide = fixed_order.matmul_rows(b.t(), a.t())
+        assert wide.dtype == torch.float64 and torch.equal(wide, fixed_order.matmul_rows(b.t(), a.t().double()))
+        wide = fixed_order.weight_grad(x, g)
+        assert wide.dtype == torch.float64 and torch.equal(wide, fixed_order.weight_grad(x, g.double()))
 
 
 @pytest.mark.parametrize("k", [1029, 4133], ids=lambda k: f"K={k}")
@@ -524,7 +555,7 @@ def test_float64_gemm_bits_across_instruction_sets_threads_and_rows(k, isa):
     g = torch.randn(37, 40, generator=gen, dtype=torch.float64)
     batched = torch.randn(3, 9, k, generator=gen, dtype=torch.float64)
     outs = []
-    for name in build.ISAS:
+    for name in build.supported_isas():
         isa(name)
         for threads in (1, 2, 3):
             torch.set_num_threads(threads)
@@ -645,7 +676,7 @@ def test_exp_and_log_bits_across_instruction_sets_and_their_accuracy(isa):
     pos = torch.cat([torch.rand(50_001, generator=gen) * 1e3, torch.tensor([1e-45, 1e-40, 1.17549435e-38, 1.0,
                                                                             2.0 ** 0.5, 3e38])])
     results = []
-    for name in build.ISAS:
+    for name in build.supported_isas():
         isa(name)
         results.append((unary.exp(x), unary.log(pos), unary.log(x)))
     for other in results[1:]:
@@ -776,6 +807,30 @@ def test_float64_exp_log_and_sqrt_are_the_documented_arithmetic_in_every_instruc
     tail = lgx[-len(edges):].tolist()
     assert tail[5:8] == [-math.inf, -math.inf, math.inf] and math.isnan(tail[8]) and math.isnan(tail[9])
     assert lgx[x < 0].isnan().all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_exp_log_and_roots_on_the_kernels_are_differentiable_as_torchs(dtype):
+    """fixed_order's exp, log, sqrt and rsqrt on the native kernels, called where autograd records
+    (softcap's tanh, Transformer.logits under the mode), give torch's formulas' gradients on their
+    own values; where autograd does not record, the kernels' result carries no graph."""
+    gen = torch.Generator().manual_seed(4)
+    x = (torch.rand(1000, generator=gen, dtype=torch.float64) * 4 + 0.1).to(dtype).requires_grad_(True)
+    g = torch.randn(1000, generator=gen, dtype=torch.float64).to(dtype)
+    with native_kernels():
+        for fn, dydx in ((fixed_order.exp, lambda y: g * y), (fixed_order.log, lambda y: g / x.detach()),
+                         (fixed_order.sqrt, lambda y: g / (2 * y))):
+            y = fn(x)
+            assert torch.equal(y.detach(), getattr(unary, fn.__name__)(x.detach()))
+            (dx,) = torch.autograd.grad(y, x, g)
+            assert torch.equal(dx, dydx(y.detach())), fn.__name__
+        y = fixed_order.rsqrt(x)
+        (dx,) = torch.autograd.grad(y, x, g)
+        root = unary.sqrt(x.detach())
+        r = 1 / root
+        assert torch.equal(y.detach(), r) and torch.equal(dx, (-g * (r * r)) / (2 * root))
+        with torch.no_grad():
+            assert not fixed_order.exp(x).requires_grad
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -1503,7 +1558,7 @@ def test_rope_and_silu_mul_in_c_are_the_compositions_bit_for_bit(dtype, isa):
     in their elements. NaN is compared as NaN (`_bits`): the composition's final rounding to bf16
     gives a NaN other bits in torch's vector loop than in its tail. fp16 takes the composition."""
     gen = torch.Generator().manual_seed(8)
-    for name in build.ISAS:
+    for name in build.supported_isas():
         isa(name)
         for threads in (1, 2, 3):
             with num_threads(threads):
@@ -1693,7 +1748,7 @@ def test_a_split_product_in_one_call_is_the_composition_bit_for_bit(unfused, dty
 
     gen = torch.Generator().manual_seed(9)
     cases = ((1, 100, 3072, 4, 2), (5, 6, 64, 2, 2), (9, 36, 512, 8, 4), (32, 40, 2048, 16, 8), (3, 8, 16384, 4, 2))
-    for name in build.ISAS:
+    for name in build.supported_isas():
         isa(name)
         for threads, (rows, n, k, split_k, split_n) in itertools.product((1, 2, 3), cases):
             x = torch.randn(rows, k, generator=gen).to(dtype)
@@ -1724,7 +1779,7 @@ def test_silu_alone_in_c_is_the_composition_bit_for_bit(unfused, dtype, isa):
     from lockstep.backends.native.cpu import KERNELS
 
     gen = torch.Generator().manual_seed(10)
-    for name in build.ISAS:
+    for name in build.supported_isas():
         isa(name)
         for threads, shape in itertools.product((1, 2, 3), ((3, 7), (2, 37, 1000), (1, 513))):
             x = (torch.randn(*shape, generator=gen) * 6).to(dtype)
@@ -1818,7 +1873,7 @@ def test_a_row_max_is_the_first_of_its_value_on_every_instruction_set(isa):
     x[4, 50] = float("nan")
     x[5] = float("-inf")
     want = torch.tensor([-0.0, 0.0, -0.0, -0.0, float("nan"), float("-inf")])
-    for name in build.ISAS:
+    for name in build.supported_isas():
         isa(name)
         for threads in (1, 2):
             with num_threads(threads):

@@ -4,7 +4,7 @@ import os
 import pytest
 import torch
 
-from lockstep import contract, train
+from lockstep import contract, exact_math, train
 from lockstep.model import ModelConfig, Transformer, packed_logprobs
 from lockstep.train import AdamW, AdamWConfig, PackedDataset, PolicyLoss, TrainConfig, Trainer
 
@@ -154,6 +154,27 @@ def test_adamw_matches_torch_adamw():
         ours.step(1e-2)
         ref.step()
     torch.testing.assert_close(p1, p2, atol=1e-6, rtol=1e-5)
+
+
+def test_adamw_keeps_a_float64_parameter_in_float64():
+    """A float64 parameter's state and update are float64 (docs/adr/0027): one step is the update
+    restated in float64, one IEEE operation at a time, with the IEEE root. Computed in fp32, as it
+    was, the weights after a step would be fp32 values."""
+    gen = torch.Generator().manual_seed(0)
+    w0 = torch.randn(1000, generator=gen, dtype=torch.float64)
+    g = torch.randn(1000, generator=gen, dtype=torch.float64) * 1e-3
+    p = torch.nn.Parameter(w0.clone())
+    p.grad = g.clone()
+    lr, (b1, b2), eps, wd = 1e-3, (0.9, 0.95), 1e-8, 0.1
+    opt = AdamW([("w", p)], AdamWConfig(lr, (b1, b2), eps, wd))
+    opt.step(lr)
+    assert opt.exp_avg["w"].dtype == opt.exp_avg_sq["w"].dtype == torch.float64
+    bc1, bc2_sqrt = 1 - exact_math.power(b1, 1), math.sqrt(1 - exact_math.power(b2, 1))
+    m, v = g * (1 - b1), (g * g) * (1 - b2)
+    root = torch.tensor([math.sqrt(x) for x in v.tolist()], dtype=torch.float64)
+    want = w0 * (1 - lr * wd) - (m / (root / bc2_sqrt + eps)) * (lr / bc1)
+    assert torch.equal(p.detach(), want)
+    assert not torch.equal(want, want.float().double())
 
 
 @pytest.mark.parametrize("kw, message", [

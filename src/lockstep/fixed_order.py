@@ -116,7 +116,8 @@ class CpuKernels(NamedTuple):
     """A set of CPU kernels for the arithmetic whose bits a library may choose: the GEMMs of
     `matmul_rows` and `weight_grad` (same signatures), and `exp` and `log` (fp32 in, fp32 out; MKL's
     vector math gives them other bits under another instruction set). These, and `sqrt`, also take
-    float64 (float64 out); the other forms are called for 16- and 32-bit floats alone. Optionally, faster forms of
+    float64 (float64 out); the other forms are called for 16- and 32-bit floats alone.
+    Optionally, faster forms of
     compositions whose bits are fixed here, which must give those bits: `row_sum` (fp32 [M, L] ->
     [M]), and `log_softmax` (fp32 [M, V] -> y) with its `log_softmax_backward` (g, y -> dx), the
     arithmetic of `log_softmax_rows` and `log_softmax_rows_backward` on their own exp and log;
@@ -205,26 +206,58 @@ def _kernels_for(t: Tensor, float64: bool = False) -> CpuKernels | None:
     return _CPU_KERNELS[name]
 
 
+class _OnKernels(torch.autograd.Function):
+    """A CPU kernel's exp, log or sqrt, differentiable as torch's own: autograd's formulas for
+    torch.exp, torch.log and torch.sqrt (grad * e^x, grad / x, grad / (2 sqrt x)), each an IEEE
+    operation, so the gradient's bits are the machine's no more than the value's."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, name: str, kernel: Callable[[Tensor], Tensor]) -> Tensor:
+        y = kernel(x)
+        ctx.name = name
+        ctx.save_for_backward(x, y)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        x, y = ctx.saved_tensors
+        if ctx.name == "exp":
+            return grad * y, None, None
+        if ctx.name == "log":
+            return grad / x, None, None
+        return grad / (2 * y), None, None
+
+
+def _on_kernels(name: str, kernel: Callable[[Tensor], Tensor], x: Tensor) -> Tensor:
+    """kernel(x), through `_OnKernels` where autograd records it (the kernels see plain data)."""
+    if torch.is_grad_enabled() and x.requires_grad:
+        return _OnKernels.apply(x, name, kernel)
+    return kernel(x)
+
+
 def exp(x: Tensor) -> Tensor:
-    """torch.exp, on the selected CPU kernels when there are some for `x` (same dtype out)."""
+    """torch.exp, on the selected CPU kernels when there are some for `x` (same dtype out;
+    differentiable either way)."""
     kernels = _kernels_for(x, float64=True)
-    return torch.exp(x) if kernels is None else kernels.exp(x)
+    return torch.exp(x) if kernels is None else _on_kernels("exp", kernels.exp, x)
 
 
 def log(x: Tensor) -> Tensor:
-    """torch.log, on the selected CPU kernels when there are some for `x` (same dtype out)."""
+    """torch.log, on the selected CPU kernels when there are some for `x` (same dtype out;
+    differentiable either way)."""
     kernels = _kernels_for(x, float64=True)
-    return torch.log(x) if kernels is None else kernels.log(x)
+    return torch.log(x) if kernels is None else _on_kernels("log", kernels.log, x)
 
 
 def sqrt(x: Tensor, out: Tensor | None = None) -> Tensor:
     """torch.sqrt (into `out` when given), on the selected CPU kernels when there are some for `x`:
     then the correctly rounded root in float64 for float64 x and in fp32 otherwise, and `out` must
-    be of that dtype and x's shape. Other devices take torch.sqrt (on the CPU, MKL's vector math)."""
+    be of that dtype and x's shape. Other devices take torch.sqrt (on the CPU, MKL's vector math).
+    Differentiable either way, without `out`."""
     kernels = _kernels_for(x, float64=True)
     if kernels is None or kernels.sqrt is None:
         return torch.sqrt(x, out=out)
-    return kernels.sqrt(x, out=out)
+    return kernels.sqrt(x, out=out) if out is not None else _on_kernels("sqrt", kernels.sqrt, x)
 
 
 def rsqrt(x: Tensor) -> Tensor:
@@ -233,7 +266,7 @@ def rsqrt(x: Tensor) -> Tensor:
     kernels = _kernels_for(x, float64=True)
     if kernels is None or kernels.sqrt is None:
         return torch.rsqrt(x)
-    return torch.reciprocal(kernels.sqrt(x))
+    return torch.reciprocal(_on_kernels("sqrt", kernels.sqrt, x))
 
 
 def silu(x: Tensor) -> Tensor:

@@ -78,7 +78,7 @@ def router_probs(logits: Tensor) -> Tensor:
 
 
 class _Exp(torch.autograd.Function):
-    """e^x: fp32 and lower on a CPU by the CPU backend's kernels (fixed_order.exp: the native
+    """e^x: on a CPU by the CPU backend's kernels, float64 included (fixed_order.exp: the native
     backend's own exp, where PyTorch's may take MKL's vector math, whose bits follow the
     instruction set; ADR 0010), else torch.exp. The backward is autograd's for torch.exp,
     grad * e^x."""

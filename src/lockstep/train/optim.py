@@ -17,7 +17,7 @@ from torch import Tensor
 
 from ..chunks import row_chunks
 from ..exact_math import cos, power
-from ..fixed_order import row_sum, sqrt, tree_sum
+from ..fixed_order import accumulate_dtype, row_sum, sqrt, tree_sum
 from ..registry import cpu_backend_kernels
 
 
@@ -43,16 +43,21 @@ def check_betas_and_eps(betas: tuple[float, float], eps: float) -> None:
 class AdamW:
     """AdamW in a fixed order of elementwise ops, over named parameters in name order.
 
-    With `master_weights`, the optimizer keeps fp32 copies and writes rounded values back into the
-    (bf16) model after every step."""
+    The state and the arithmetic are in the accumulation dtype: fp32, float64 for a float64
+    parameter (whose update rounded to fp32 would lose the precision it is kept for). With
+    `master_weights`, the optimizer keeps copies in that dtype and writes rounded values back into
+    the (bf16) model after every step."""
 
     def __init__(self, named_params: list[tuple[str, torch.nn.Parameter]], cfg: AdamWConfig, master_weights: bool = False):
         self.cfg = cfg
         self.params = sorted(named_params, key=lambda kv: kv[0])
         self.step_count = 0
-        self.master = {n: p.detach().to(torch.float32).clone() for n, p in self.params} if master_weights else None
-        self.exp_avg = {n: torch.zeros(p.shape, dtype=torch.float32, device=p.device) for n, p in self.params}
-        self.exp_avg_sq = {n: torch.zeros(p.shape, dtype=torch.float32, device=p.device) for n, p in self.params}
+        self.master = ({n: p.detach().to(accumulate_dtype(p.dtype)).clone() for n, p in self.params}
+                       if master_weights else None)
+        self.exp_avg = {n: torch.zeros(p.shape, dtype=accumulate_dtype(p.dtype), device=p.device)
+                        for n, p in self.params}
+        self.exp_avg_sq = {n: torch.zeros(p.shape, dtype=accumulate_dtype(p.dtype), device=p.device)
+                           for n, p in self.params}
 
     @torch.no_grad()
     def step(self, lr: float, grad_scale: float = 1.0, grads: dict[str, Tensor] | None = None) -> None:
@@ -86,19 +91,21 @@ class AdamW:
 
     def _update(self, grad: Tensor, m: Tensor, v: Tensor, w: Tensor, model: Tensor | None, lr: float,
                 grad_scale: float, bc1: float, bc2_sqrt: float) -> None:
-        """The AdamW update of one tensor or chunk, in place on m and v (fp32) and on the weights w
-        (the model's, or fp32 master weights whose rounded values are then written into `model`)."""
+        """The AdamW update of one tensor or chunk, in place on m and v (the accumulation dtype) and on
+        the weights w (the model's, or master weights whose rounded values are then written into
+        `model`)."""
         b1, b2 = self.cfg.betas
+        acc = m.dtype
         # One IEEE op per line, in place where the result is not needed twice: the same bits as the
         # expression form, without an allocation for every op.
-        g = grad.to(torch.float32)
+        g = grad.to(acc)
         if grad_scale != 1.0:
             g = g * grad_scale
         tmp = g * (1 - b1)
         m.mul_(b1).add_(tmp)                                       # m * b1 + g * (1 - b1)
         torch.mul(g, g, out=tmp).mul_(1 - b2)
         v.mul_(b2).add_(tmp)                                       # v * b2 + (g * g) * (1 - b2)
-        wf = w if w.dtype == torch.float32 else w.to(torch.float32)
+        wf = w if w.dtype == acc else w.to(acc)
         if self.cfg.weight_decay:
             wf.mul_(1 - lr * self.cfg.weight_decay)
         sqrt(v, out=tmp).div_(bc2_sqrt).add_(self.cfg.eps)        # denom

@@ -172,13 +172,20 @@ class Run:
             self.check(self.lib.ls_unary(ptr(x), ptr(y), x.size, fn, self.isa, self.threads), "ls_unary")
             h.update(canonical(y))
 
+    def _float64_values(self, n: int) -> np.ndarray:
+        """n float64 values with full 53-bit significands over 2^-8 .. 2^8, signs mixed: their products
+        round, so an FMA, a plain multiply-add or another order would give other sums."""
+        significand = self.rng.integers(2**52, 2**53, n).astype(np.float64) * 2.0**-52
+        sign = np.where(self.rng.integers(0, 2, n) == 1, -1.0, 1.0)
+        return sign * np.ldexp(significand, self.rng.integers(-8, 9, n).astype(np.int32))
+
     def float64(self, h) -> None:
         """ls_gemm_nt_f64 (a tail in every lane width, a bias, a batch) and ls_unary_f64's exp, log and
         sqrt over fp32's SPECIALS widened, ordinary values and the float64 range."""
         for batch, m, n, k in ((1, 37, 19, 1029), (2, 5, 7, 45)):
-            a = values(self.rng, batch * m * k, F32).astype(np.float64)
-            b = values(self.rng, batch * n * k, F32).astype(np.float64)
-            bias = values(self.rng, n, F32).astype(np.float64)
+            a = self._float64_values(batch * m * k)
+            b = self._float64_values(batch * n * k)
+            bias = self._float64_values(n)
             out = np.zeros(batch * m * n, dtype=np.float64)
             self.check(self.lib.ls_gemm_nt_f64(batch, m, n, k, ptr(a), k, m * k, ptr(b), k, n * k, ptr(out), n, m * n,
                                                ptr(bias), self.isa, self.threads), "ls_gemm_nt_f64")
@@ -336,7 +343,8 @@ class Run:
             h.update(canonical(out) + canonical(row_max) + canonical(row_sum))
 
 
-OPS = ("gemm", "gemm_tree", "unary", "float64", "silu", "rms_norm", "rope", "rows", "logit_rows", "attention", "masked_attention")
+OPS = ("gemm", "gemm_tree", "unary", "silu", "rms_norm", "rope", "rows", "logit_rows", "attention", "masked_attention",
+       "float64")
 
 
 def digests(lib: ctypes.CDLL, isa: int, threads: int) -> dict[str, str]:

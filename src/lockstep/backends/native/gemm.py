@@ -169,9 +169,18 @@ def _product_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def _like_first(first: Tensor, other: Tensor) -> Tensor:
+    """`other` as the product with `first` takes it: a float64 `other` beside a 16- or 32-bit `first`
+    is rounded to fp32 (as torch_weight_grad rounds it, and these kernels did before they took
+    float64), so the product's dtype follows `first`; gemm_nt makes any product with a float64
+    operand a float64 one."""
+    return other.float() if other.dtype == torch.float64 and first.dtype != torch.float64 else other
+
+
 def matmul_rows(a: Tensor, b: Tensor, bias: Tensor | None = None) -> Tensor:
     """a @ b (+ bias): a [(B,) M, K], b [(B,) K, N] (a transposed view is free) -> a's dtype. A bf16
     result is rounded in the kernel (the bits of the fp32 result's `.to(torch.bfloat16)`)."""
+    b = _like_first(a, b)
     out_dtype = torch.bfloat16 if a.dtype == torch.bfloat16 else _product_dtype(a.dtype)
     return gemm_nt(a, b.transpose(-1, -2), bias, out_dtype=out_dtype).to(a.dtype)
 
@@ -208,6 +217,7 @@ def weight_grad(grad_out: Tensor, inp: Tensor, out: Tensor | None = None) -> Ten
     the reduction axis, so both operands are transposed into row-contiguous copies first."""
     shape = tuple(grad_out.shape[:-2]) + (grad_out.shape[-1], inp.shape[-1])
     dtype = _product_dtype(grad_out.dtype)
+    inp = _like_first(grad_out, inp)
     if out is not None and (tuple(out.shape) != shape or out.dtype != dtype or not out.is_contiguous()):
         raise ValueError(f"out: expected a contiguous {dtype} tensor of shape {shape}, got {out.dtype} "
                          f"{tuple(out.shape)}")
@@ -230,9 +240,10 @@ def weight_grad_node(grad_out: Tensor, inp: Tensor, bounds: list[int], out: Tens
     once for all of them. None (nothing written) where a unit is longer than _NODE_UNIT_BYTES: the
     caller's separate GEMMs are faster there. The bits are the separate GEMMs' and adds', a NaN's
     sign and payload aside (each GEMM stores a bf16 dot's NaN as one pattern; here the node does).
-    None for float64 operands, whose node the composition computes."""
-    if torch.float64 in (grad_out.dtype, inp.dtype):
+    None for a float64 grad_out, whose node the composition computes."""
+    if grad_out.dtype == torch.float64:
         return None
+    inp = _like_first(grad_out, inp)
     element = 4 if grad_out.dtype != inp.dtype or grad_out.dtype not in DTYPE_CODES else grad_out.element_size()
     if max(b - a for a, b in zip(bounds, bounds[1:])) * element > _NODE_UNIT_BYTES:
         return None

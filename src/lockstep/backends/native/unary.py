@@ -19,16 +19,17 @@ def _unary(fn: str, x: Tensor, out: Tensor | None = None) -> Tensor:
     dtype; written in place when contiguous and not a shifted view of x) when given."""
     work = torch.float64 if x.dtype == torch.float64 else torch.float32
     if out is not None and (out.dtype != work or out.shape != x.shape or out.device.type != "cpu"):
-        raise ValueError(f"out: expected a {str(work).removeprefix('torch.')} CPU tensor of shape {tuple(x.shape)}, got {out.dtype} on "
-                         f"{out.device} of shape {tuple(out.shape)}")
+        raise ValueError(f"out: expected a {str(work).removeprefix('torch.')} CPU tensor of shape {tuple(x.shape)}, "
+                         f"got {out.dtype} on {out.device} of shape {tuple(out.shape)}")
     xf = x.to(work).contiguous()
     # The kernel may write over its input element by element (out is x), not over a shifted copy of it.
     shares = out is not None and out.untyped_storage().data_ptr() == xf.untyped_storage().data_ptr()
     direct = out is not None and out.is_contiguous() and (not shares or out.data_ptr() == xf.data_ptr())
     result = out if direct else torch.empty_like(xf)
-    kernel = library().ls_unary_f64 if work == torch.float64 else library().ls_unary
-    if kernel(xf.data_ptr(), result.data_ptr(), xf.numel(), _FUNCTIONS[fn], isa(), torch.get_num_threads()) != 0:
-        raise RuntimeError(f"ls_unary refused {fn} of {xf.numel()} {work} elements")
+    name = "ls_unary_f64" if work == torch.float64 else "ls_unary"
+    if getattr(library(), name)(xf.data_ptr(), result.data_ptr(), xf.numel(), _FUNCTIONS[fn], isa(),
+                                torch.get_num_threads()) != 0:
+        raise RuntimeError(f"{name} refused {fn} of {xf.numel()} elements")
     if out is None:
         return result.to(x.dtype)
     return out if direct else out.copy_(result)
