@@ -6,6 +6,7 @@ the native backend in each op's own test file, since it is the CPU's default bac
 
 from __future__ import annotations
 
+import contextlib
 import decimal
 import itertools
 import json
@@ -29,6 +30,7 @@ from lockstep import bench, exact_math, fixed_order, ops, registry
 from lockstep import backend_bits
 from lockstep.backends.native import bits, build, gemm, masked_attention, unary
 from lockstep.backends.native.cpu import native_kernels
+from lockstep.model import ModelConfig, Transformer
 from lockstep.harness.check import num_threads
 
 from test_cpu_kernels import ATEN_CAPABILITIES, MKL_ISAS, ONEDNN_ISAS, cpu_flags, require
@@ -511,12 +513,13 @@ def test_float64_gemm_order_is_the_documented_one(monkeypatch):
         assert torch.equal(gemm.gemm_nt(a[1:2], b, bias, out_dtype=torch.float64), got[1:2]), name
         assert torch.equal(gemm.gemm_nt(a, b[3:4], bias[3:4], out_dtype=torch.float64), got[:, 3:4]), name
     # Row and batch strides other than K and M K, and an output wider than N, as the kernel reads them.
-    spaced = torch.zeros(2, 4, 50, dtype=torch.float64)
-    spaced[:, :3, :45] = a
+    a2, b2 = torch.randn(3, 45, generator=gen, dtype=torch.float64), torch.randn(5, 45, generator=gen, dtype=torch.float64)
+    spaced_a, spaced_b = torch.zeros(2, 4, 50, dtype=torch.float64), torch.zeros(2, 6, 47, dtype=torch.float64)
+    spaced_a[0, :3, :45], spaced_a[1, :3, :45], spaced_b[0, :5, :45], spaced_b[1, :5, :45] = a, a2, b, b2
     out = torch.full((2, 3, 9), math.nan, dtype=torch.float64)
-    gemm.gemm_nt(spaced[:, :3, :45], torch.stack([b, b]), out=out[:, :, 2:7], out_dtype=torch.float64)
-    unbiased = gemm.gemm_nt(a, b, out_dtype=torch.float64)
-    assert torch.equal(out[:, :, 2:7], torch.stack([unbiased, unbiased]))
+    gemm.gemm_nt(spaced_a[:, :3, :45], spaced_b[:, :5, :45], out=out[:, :, 2:7], out_dtype=torch.float64)
+    assert torch.equal(out[0, :, 2:7], gemm.gemm_nt(a, b, out_dtype=torch.float64))
+    assert torch.equal(out[1, :, 2:7], gemm.gemm_nt(a2, b2, out_dtype=torch.float64))
     assert out[:, :, :2].isnan().all() and out[:, :, 7:].isnan().all()
     lib, code = build.library(), build.isa()
     x = torch.ones(4, dtype=torch.float64)
@@ -829,8 +832,29 @@ def test_exp_log_and_roots_on_the_kernels_are_differentiable_as_torchs(dtype):
         root = unary.sqrt(x.detach())
         r = 1 / root
         assert torch.equal(y.detach(), r) and torch.equal(dx, (-g * (r * r)) / (2 * root))
-        with torch.no_grad():
-            assert not fixed_order.exp(x).requires_grad
+        assert type(fixed_order.exp(x).grad_fn).__name__ == "_OnKernelsBackward"
+        assert fixed_order.exp(x.detach()).grad_fn is None
+        with pytest.raises(RuntimeError, match="out: sqrt into out= does not support automatic differentiation"):
+            fixed_order.sqrt(x, out=torch.empty_like(x.detach()))
+
+
+def test_softcapped_logits_on_the_kernels_keep_their_gradient():
+    """Transformer.logits softcaps through fixed_order.exp, which runs on the native kernels under
+    them (the mode enters them): its gradient reaches the weights, as it does on torch's exp (before
+    ADR 0027 the backward raised: the capped logits carried no graph). The two exps differ in last
+    bits, which the backward of a random model spreads, so the gradients agree to 1e-3 of their
+    largest value, not bit for bit."""
+    model = Transformer.from_config(ModelConfig.tiny("gemma3_text", vocab_size=300, final_logit_softcapping=30.0),
+                                    seed=0)
+    ids, cu = torch.randint(0, 300, (12,), generator=torch.Generator().manual_seed(0)), torch.tensor([0, 12])
+    grads = []
+    for kernels in (native_kernels, contextlib.nullcontext):
+        model.zero_grad()
+        with kernels():
+            model.logits(ids, cu).square().sum().backward()
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+    assert grads[0].abs().max() > 0
+    assert (grads[0] - grads[1]).abs().max() <= 1e-3 * grads[1].abs().max()
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -1458,7 +1482,7 @@ def test_rms_norm_forward_is_the_portable_arithmetic(dtype, isa):
     backends give the same bits, forward and backward, on every instruction set, at row lengths
     above, below and between the sum's 512 lanes; with NaN and Inf rows staying in their rows."""
     gen = torch.Generator().manual_seed(5)
-    for name, hidden in itertools.product(build.ISAS, (1024, 576, 513, 80, 7)):
+    for name, hidden in itertools.product(build.supported_isas(), (1024, 576, 513, 80, 7)):
         isa(name)
         x = (torch.randn(37, hidden, generator=gen) * 3).to(dtype)
         x[3, 1] = float("nan")
@@ -1511,7 +1535,7 @@ def test_rms_norm_backward_in_c_is_the_portable_arithmetic_unit_by_unit(dtype, i
     partial and its own row of d x."""
     gen = torch.Generator().manual_seed(9)
     offsets = [0, 130, 130, 131, 431]   # unit 1 is empty
-    for name, threads, heads, hidden in itertools.product(build.ISAS, (1, 2, 3), (1, 3), (72, 1024)):
+    for name, threads, heads, hidden in itertools.product(build.supported_isas(), (1, 2, 3), (1, 3), (72, 1024)):
         if heads == 3 and hidden == 1024 or (name, threads) != ("scalar", 1) and hidden == 72 and heads == 1:
             continue
         isa(name)
@@ -1708,7 +1732,7 @@ def test_a_unit_trees_weight_gradient_in_one_call_is_the_composition_bit_for_bit
     monkeypatch.setattr(gemm, "_NODE_UNIT_BYTES", 1 << 40)
     cases = (([0, 5, 5, 37, 40], 70, 33), (list(range(0, 1025, 64)), 300, 64),
              ([0, 0, 0, 1, 9, 9, 20, 21, 300], 40, 130), ([0, 4100, 4101], 8, 12))
-    for name, threads, (bounds, n, k) in itertools.product(build.ISAS, (1, 2, 3), cases):
+    for name, threads, (bounds, n, k) in itertools.product(build.supported_isas(), (1, 2, 3), cases):
         isa(name)
         rows = bounds[-1]
         g = (torch.randn(rows, n, generator=gen) * 10.0 ** torch.randint(-3, 3, (rows, 1), generator=gen)).to(dtype)

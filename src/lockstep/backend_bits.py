@@ -160,7 +160,7 @@ def _machine_independent(tensors, low_bits: torch.Generator) -> None:
     draw from `low_bits`, and one float64 rounding fills it out to 53 bits, so that products round,
     as they do in use. Inf and NaN stay as they are."""
     for t in tensors:
-        if t.is_floating_point():
+        if t.dtype == torch.float64:
             high = t.float().double()
             low = torch.randn(t.shape, generator=low_bits, dtype=torch.float64).float().double()
             t.copy_(torch.where(high.isfinite(), high + high * low * 2.0 ** -26, high))

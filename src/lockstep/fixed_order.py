@@ -116,9 +116,8 @@ class CpuKernels(NamedTuple):
     """A set of CPU kernels for the arithmetic whose bits a library may choose: the GEMMs of
     `matmul_rows` and `weight_grad` (same signatures), and `exp` and `log` (fp32 in, fp32 out; MKL's
     vector math gives them other bits under another instruction set). These, and `sqrt`, also take
-    float64 (float64 out); the other forms are called for 16- and 32-bit floats alone.
-    Optionally, faster forms of
-    compositions whose bits are fixed here, which must give those bits: `row_sum` (fp32 [M, L] ->
+    float64 (float64 out); the other forms are called for 16- and 32-bit floats alone. Optionally,
+    faster forms of compositions whose bits are fixed here, which must give those bits: `row_sum` (fp32 [M, L] ->
     [M]), and `log_softmax` (fp32 [M, V] -> y) with its `log_softmax_backward` (g, y -> dx), the
     arithmetic of `log_softmax_rows` and `log_softmax_rows_backward` on their own exp and log;
     `lse_fold` and `logit_grad`, the LM head's per-chunk row arithmetic (same signatures);
@@ -215,17 +214,17 @@ class _OnKernels(torch.autograd.Function):
     def forward(ctx, x: Tensor, name: str, kernel: Callable[[Tensor], Tensor]) -> Tensor:
         y = kernel(x)
         ctx.name = name
-        ctx.save_for_backward(x, y)
+        ctx.save_for_backward(x if name == "log" else y)      # what the formula needs, as torch keeps
         return y
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        x, y = ctx.saved_tensors
+        (saved,) = ctx.saved_tensors
         if ctx.name == "exp":
-            return grad * y, None, None
+            return grad * saved, None, None
         if ctx.name == "log":
-            return grad / x, None, None
-        return grad / (2 * y), None, None
+            return grad / saved, None, None
+        return grad / (2 * saved), None, None
 
 
 def _on_kernels(name: str, kernel: Callable[[Tensor], Tensor], x: Tensor) -> Tensor:
@@ -253,11 +252,15 @@ def sqrt(x: Tensor, out: Tensor | None = None) -> Tensor:
     """torch.sqrt (into `out` when given), on the selected CPU kernels when there are some for `x`:
     then the correctly rounded root in float64 for float64 x and in fp32 otherwise, and `out` must
     be of that dtype and x's shape. Other devices take torch.sqrt (on the CPU, MKL's vector math).
-    Differentiable either way, without `out`."""
+    Differentiable either way; with `out`, x must not need a gradient (as torch.sqrt refuses it)."""
     kernels = _kernels_for(x, float64=True)
     if kernels is None or kernels.sqrt is None:
         return torch.sqrt(x, out=out)
-    return kernels.sqrt(x, out=out) if out is not None else _on_kernels("sqrt", kernels.sqrt, x)
+    if out is None:
+        return _on_kernels("sqrt", kernels.sqrt, x)
+    if torch.is_grad_enabled() and x.requires_grad:
+        raise RuntimeError("out: sqrt into out= does not support automatic differentiation, and x requires grad")
+    return kernels.sqrt(x, out=out)
 
 
 def rsqrt(x: Tensor) -> Tensor:

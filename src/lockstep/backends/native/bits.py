@@ -173,7 +173,7 @@ class Run:
             h.update(canonical(y))
 
     def _float64_values(self, n: int) -> np.ndarray:
-        """n float64 values with full 53-bit significands over 2^-8 .. 2^8, signs mixed: their products
+        """n float64 values with full 53-bit significands in [2^-8, 2^9), signs mixed: their products
         round, so an FMA, a plain multiply-add or another order would give other sums."""
         significand = self.rng.integers(2**52, 2**53, n).astype(np.float64) * 2.0**-52
         sign = np.where(self.rng.integers(0, 2, n) == 1, -1.0, 1.0)
