@@ -529,6 +529,32 @@ def test_float64_gemm_order_is_the_documented_one(monkeypatch):
                               1) == -1
 
 
+def test_float64_on_the_native_backend_keeps_every_invariance():
+    """Section 2 for float64 on the native backend (docs/adr/0027), bitwise: every op's layout sweeps
+    (other batches, padding and NaN rows, strided, repeat, 1 vs 2 threads), attention's (alone,
+    reversed, beside NaN sequences, padding, chunked prefill, paged decode) and masked attention's.
+    On PyTorch's float64 GEMMs these follow the BLAS (under QEMU's Haswell: the thread count and the
+    row count). The contract has no float64 tolerance, so the sweeps alone."""
+    from lockstep.harness.attention_check import AttnSizes, check_attention
+    from lockstep.harness.check import Pool, invariance
+    from lockstep.harness.masked_attention_check import MaskedSizes, check_masked_attention
+    from lockstep.harness.specs import SPECS, Sizes
+
+    sizes = Sizes(hidden=40, out_features=24, heads=2, head_dim=8, ffn=24, vocab=300, lm_hidden=16, embed_vocab=20,
+                  pool=12)
+    failed = []
+    for name, spec in SPECS.items():
+        sweeps, _ = invariance(Pool(spec, torch.float64, sizes, seed=0, grad=spec.differentiable), "native", 0)
+        failed += [f"{name}: {s.sweep}: {s.detail}" for s in sweeps if not s.passed]
+    for report in (check_attention(torch.float64, "native", with_accuracy=False,
+                                   sizes=AttnSizes(lens=(20, 1, 70), head_dim=16, chunks=(7,))),
+                   check_masked_attention(torch.float64, "native", with_accuracy=False,
+                                          sizes=MaskedSizes(lens=(20, 1, 70), head_dim=16))):
+        failed += [f"{report.op}: {s.sweep}: {s.detail}" for s in report.sweeps if not s.passed]
+        assert len(report.sweeps) > 5
+    assert not failed, failed
+
+
 def test_a_products_dtype_follows_its_first_operand():
     """A float64 operand beside a 16- or 32-bit first one is rounded to fp32, as torch_weight_grad
     rounds it; a float64 first operand makes a float64 product, the other widened exactly."""
