@@ -164,11 +164,6 @@ def _gemm_nt(a: Tensor, b: Tensor, bias: Tensor | None, out: Tensor | None, out_
     return out
 
 
-def _product_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype gemm_nt computes a product of `dtype` operands in: float64 for float64, else fp32."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 def _like_first(first: Tensor, other: Tensor) -> Tensor:
     """`other` as the product with `first` takes it: a float64 `other` beside a 16- or 32-bit `first`
     is rounded to fp32 (as torch_weight_grad rounds it, and these kernels did before they took
@@ -181,7 +176,7 @@ def matmul_rows(a: Tensor, b: Tensor, bias: Tensor | None = None) -> Tensor:
     """a @ b (+ bias): a [(B,) M, K], b [(B,) K, N] (a transposed view is free) -> a's dtype. A bf16
     result is rounded in the kernel (the bits of the fp32 result's `.to(torch.bfloat16)`)."""
     b = _like_first(a, b)
-    out_dtype = torch.bfloat16 if a.dtype == torch.bfloat16 else _product_dtype(a.dtype)
+    out_dtype = torch.bfloat16 if a.dtype == torch.bfloat16 else fixed_order.accumulate_dtype(a.dtype)
     return gemm_nt(a, b.transpose(-1, -2), bias, out_dtype=out_dtype).to(a.dtype)
 
 
@@ -216,7 +211,7 @@ def weight_grad(grad_out: Tensor, inp: Tensor, out: Tensor | None = None) -> Ten
     for float64 grad_out (into `out`, a contiguous tensor of that dtype, when given). The rows are
     the reduction axis, so both operands are transposed into row-contiguous copies first."""
     shape = tuple(grad_out.shape[:-2]) + (grad_out.shape[-1], inp.shape[-1])
-    dtype = _product_dtype(grad_out.dtype)
+    dtype = fixed_order.accumulate_dtype(grad_out.dtype)
     inp = _like_first(grad_out, inp)
     if out is not None and (tuple(out.shape) != shape or out.dtype != dtype or not out.is_contiguous()):
         raise ValueError(f"out: expected a contiguous {dtype} tensor of shape {shape}, got {out.dtype} "
