@@ -26,6 +26,16 @@ def pytest_collection_modifyitems(config, items):
         config._lockstep_gpu_deselected = len(gpu)
 
 
+def pytest_runtest_logreport(report):
+    """With LOCKSTEP_FAILURE_LOG set, each failure's report is appended to that file as it happens
+    (by the controller under xdist, once), so that a run stopped by a time limit, as on the GPU
+    machine, still says why its failures failed."""
+    path = os.environ.get("LOCKSTEP_FAILURE_LOG")
+    if path and report.failed and not os.environ.get("PYTEST_XDIST_WORKER"):
+        with open(path, "a") as log:
+            log.write(f"==== {report.nodeid} ({report.when})\n{report.longreprtext}\n")
+
+
 def pytest_report_header(config):
     return f"lockstep: torch {torch.__version__}, CUDA available: {torch.cuda.is_available()}"
 

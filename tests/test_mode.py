@@ -101,6 +101,33 @@ def test_nesting_and_enable_disable():
     assert _one_row_differs()
 
 
+def test_the_mode_goes_over_another_librarys_override_and_gives_it_back():
+    """Another Python override of a covered op (here aten::mv, counting its calls) does not stop the
+    mode (torch 2.11 refused the mode's registration over it): inside, the mode's kernel runs and
+    not the other; after, the other is back."""
+    calls = []
+    stock = torch.library.get_kernel("aten::mv", "CPU")
+
+    def counting(keyset, *args, **kwargs):
+        calls.append(1)
+        return stock.call_boxed(keyset, *args, **kwargs)
+
+    other = torch.library.Library("aten", "IMPL")
+    other.impl("mv", counting, "CPU", with_keyset=True)
+    try:
+        v = _W[:, 0].contiguous()
+        torch.mv(_A, v)
+        assert len(calls) == 1
+        with lockstep.batch_invariant():
+            few, all_rows = torch.mv(_A[:3], v), torch.mv(_A, v)
+        assert len(calls) == 1 and torch.equal(few, all_rows[:3])
+        torch.mv(_A, v)
+        assert len(calls) == 2
+    finally:
+        other._destroy()
+    torch.mv(_A, v)
+    assert len(calls) == 2
+
 def test_a_second_thread_is_refused_clearly():
     errors = []
     with lockstep.batch_invariant():

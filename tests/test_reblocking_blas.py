@@ -66,6 +66,7 @@ checks["portable_moves"] = all(moved["portable"])
 # the library's probe of the portable backend's premises sees the row term, and nothing else new
 torch.set_num_threads(2)
 seen = set(fixed_order.torch_gemm_broken_premises())
+print("premises: stock", sorted(stock_premises), "under the stand-in", sorted(seen), file=sys.stderr)
 checks["probe_names_only_the_row_term"] = seen == stock_premises | ({"row tiles"} if mode == "rows" else set())
 checks["native_stays"] = not any(moved["native"])
 try:

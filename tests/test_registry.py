@@ -3,7 +3,10 @@ truth: which ops each backend implements, and the numbers docs/contract.md shows
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -88,3 +91,29 @@ def test_check_of_a_backend_covers_exactly_its_ops():
                                              "masked_attention"]
     assert "masked_attention" not in harness.checks_of("triton"), "no Triton masked attention: CUDA runs portable's"
     assert "attention" not in harness.checks_of("reference"), "attention's check needs paged_attention too"
+
+
+def test_triton_interpreter_refusal_follows_the_measured_releases():
+    from lockstep.backends import triton_interpreter_refusal as interpreter_refusal
+
+    refused = interpreter_refusal("3.6.0", "2.4.6")
+    assert refused == ("Triton 3.6.0's interpreter (TRITON_INTERPRET=1, the Triton backend without a GPU) cannot run "
+                       "with numpy 2.4.6: its loops fail with 'only 0-dimensional arrays can be converted to Python "
+                       "scalars'; install triton>=3.7 or numpy<2.4")
+    assert interpreter_refusal("3.6.0", "2.3.5") is None
+    assert interpreter_refusal("3.7.0", "2.4.6") is None and interpreter_refusal("3.9.0", "2.4.6") is None
+    assert interpreter_refusal("3.6.0+git1234", "2.5.0rc1") is not None
+
+
+def test_loading_triton_where_its_interpreter_cannot_run_names_the_releases():
+    """Triton 3.6 with numpy 2.4 under the interpreter: loading the backend says why and what to
+    install (not "pip install lockstep[triton]", which is installed), before any kernel fails."""
+    child = ("import numpy, triton\nnumpy.__version__, triton.__version__ = '2.4.6', '3.6.0'\n"
+             "from lockstep import registry\nregistry.load('triton')\n")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
+    out = subprocess.run([sys.executable, "-c", child], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1
+    assert out.stderr.splitlines()[-1] == (
+        "lockstep.registry.BackendUnavailable: backend: 'triton' cannot be loaded: Triton 3.6.0's interpreter "
+        "(TRITON_INTERPRET=1, the Triton backend without a GPU) cannot run with numpy 2.4.6: its loops fail with "
+        "'only 0-dimensional arrays can be converted to Python scalars'; install triton>=3.7 or numpy<2.4")

@@ -87,7 +87,8 @@ def load(backend: str) -> None:
     try:
         importlib.import_module(BACKENDS[backend])
     except ImportError as e:
-        hint = " (pip install 'lockstep[triton]')" if backend == "triton" else ""
+        missing = isinstance(e, ModuleNotFoundError) and e.name == "triton"
+        hint = " (pip install 'lockstep[triton]')" if missing else ""
         raise BackendUnavailable(f"backend: {backend!r} cannot be loaded: {e}{hint}") from e
     _loaded.add(backend)
 

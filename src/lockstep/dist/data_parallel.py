@@ -118,7 +118,8 @@ class ParallelSync:
                 tree.add(start, size, recv[offset:offset + shard])
                 offset += shard
         done = torch.empty(self.dp_size * shard, dtype=dtype)
-        dist.all_gather_single(done, tree.total().contiguous(), group=self.dp_group)
+        # all_gather_into_tensor, not all_gather_single, which torch 2.11 lacks (the GPU machine's torch).
+        dist.all_gather_into_tensor(done, tree.total().contiguous(), group=self.dp_group)
         parts = done[:total].split(sizes)
         totals = {k: parts[i].view(shapes[i]) for i, k in enumerate(keys)}
         return totals, parts[-1].view(shapes[-1])

@@ -5,6 +5,7 @@ kernels. One thread at a time may hold the mode; nesting in that thread is fine.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import threading
 from typing import Iterator
 
@@ -21,6 +22,11 @@ _depth = 0
 _libs: list = []
 _kernels = contextlib.ExitStack()   # the CPU kernels the mode selected, left on its exit
 OVERRIDES = {**kernels.OVERRIDES, **attention.OVERRIDES}
+# Where another Python library already overrides a covered op (another batch-invariant library, a test's
+# BLAS stand-in), the mode's kernel goes over it for the block and the other comes back on exit. torch
+# 2.13 allows that by default; torch 2.11 refuses it unless asked (releases without the flag keep their rule).
+_OVER_OTHERS = ({"allow_override": True}
+                if "allow_override" in inspect.signature(torch.library.Library.impl).parameters else {})
 
 
 def _make(name: str, fn, original):
@@ -80,13 +86,13 @@ def _register_into(lib, keys: list[str], strict: bool) -> None:
                 original = torch.library.get_kernel(f"aten::{name}", key)
             except (RuntimeError, AttributeError):
                 continue              # not in this torch build, or composite (it decomposes into covered ops)
-            lib.impl(name, _make(name, fn, original), key, with_keyset=True)
+            lib.impl(name, _make(name, fn, original), key, with_keyset=True, **_OVER_OTHERS)
         if strict:
             for full in UNSUPPORTED:
                 name = full.removeprefix("aten::")
                 try:
                     original = torch.library.get_kernel(full, key)
-                    lib.impl(name, _raising(full, original), key, with_keyset=True)
+                    lib.impl(name, _raising(full, original), key, with_keyset=True, **_OVER_OTHERS)
                 except (RuntimeError, AttributeError):
                     continue          # composite ops without a backend kernel of their own
 

@@ -8,6 +8,17 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    import numpy
+    import triton
+
+    from .. import triton_interpreter_refusal
+
+    _refusal = triton_interpreter_refusal(triton.__version__, numpy.__version__)
+    if _refusal:
+        raise ImportError(_refusal)
+
 from . import (  # noqa: E402,F401
     attention,
     cross_entropy,
