@@ -1,4 +1,5 @@
 import os
+import warnings
 
 import pytest
 import torch
@@ -32,8 +33,11 @@ def pytest_runtest_logreport(report):
     machine, still says why its failures failed."""
     path = os.environ.get("LOCKSTEP_FAILURE_LOG")
     if path and report.failed and not os.environ.get("PYTEST_XDIST_WORKER"):
-        with open(path, "a") as log:
-            log.write(f"==== {report.nodeid} ({report.when})\n{report.longreprtext}\n")
+        try:
+            with open(path, "a", encoding="utf-8") as log:
+                log.write(f"==== {report.nodeid} ({report.when})\n{report.longreprtext}\n")
+        except OSError as e:        # the log is a convenience: the run goes on without it
+            warnings.warn(f"LOCKSTEP_FAILURE_LOG: cannot append to {path}: {e}")
 
 
 def pytest_report_header(config):

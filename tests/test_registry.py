@@ -94,15 +94,15 @@ def test_check_of_a_backend_covers_exactly_its_ops():
 
 
 def test_triton_interpreter_refusal_follows_the_measured_releases():
-    from lockstep.backends import triton_interpreter_refusal as interpreter_refusal
+    from lockstep.backends import triton_interpreter_refusal
 
-    refused = interpreter_refusal("3.6.0", "2.4.6")
+    refused = triton_interpreter_refusal("3.6.0", "2.4.6")
     assert refused == ("Triton 3.6.0's interpreter (TRITON_INTERPRET=1, the Triton backend without a GPU) cannot run "
                        "with numpy 2.4.6: its loops fail with 'only 0-dimensional arrays can be converted to Python "
                        "scalars'; install triton>=3.7 or numpy<2.4")
-    assert interpreter_refusal("3.6.0", "2.3.5") is None
-    assert interpreter_refusal("3.7.0", "2.4.6") is None and interpreter_refusal("3.9.0", "2.4.6") is None
-    assert interpreter_refusal("3.6.0+git1234", "2.5.0rc1") is not None
+    assert triton_interpreter_refusal("3.6.0", "2.3.5") is None
+    assert triton_interpreter_refusal("3.7.0", "2.4.6") is None and triton_interpreter_refusal("3.9.0", "2.4.6") is None
+    assert triton_interpreter_refusal("3.6.0+git1234", "2.5.0rc1") is not None
 
 
 def test_loading_triton_where_its_interpreter_cannot_run_names_the_releases():
@@ -117,3 +117,13 @@ def test_loading_triton_where_its_interpreter_cannot_run_names_the_releases():
         "lockstep.registry.BackendUnavailable: backend: 'triton' cannot be loaded: Triton 3.6.0's interpreter "
         "(TRITON_INTERPRET=1, the Triton backend without a GPU) cannot run with numpy 2.4.6: its loops fail with "
         "'only 0-dimensional arrays can be converted to Python scalars'; install triton>=3.7 or numpy<2.4")
+
+
+def test_loading_triton_where_it_is_not_installed_says_how_to_install_it():
+    child = "import sys\nsys.modules['triton'] = None\nfrom lockstep import registry\nregistry.load('triton')\n"
+    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
+    out = subprocess.run([sys.executable, "-c", child], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1
+    last = out.stderr.splitlines()[-1]
+    assert last.startswith("lockstep.registry.BackendUnavailable: backend: 'triton' cannot be loaded: ")
+    assert last.endswith(" (pip install 'lockstep[triton]')")

@@ -17,6 +17,10 @@ from ..grad_tree import UnitTrees, dense
 from .tensor_parallel import head_norms, model_parallel_groups, reduction_parts, tensor_parallel_size
 
 
+# torch 2.11 and older lack all_gather_single; 2.13 deprecates all_gather_into_tensor in its favour.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 def share_of(units: int, rank: int, ranks: int) -> tuple[int, int]:
     """The contiguous run [start, stop) of `units` that data-parallel rank `rank` of `ranks` holds:
     the first units % ranks ranks hold one more."""
@@ -118,8 +122,7 @@ class ParallelSync:
                 tree.add(start, size, recv[offset:offset + shard])
                 offset += shard
         done = torch.empty(self.dp_size * shard, dtype=dtype)
-        # all_gather_into_tensor, not all_gather_single, which torch 2.11 lacks (the GPU machine's torch).
-        dist.all_gather_into_tensor(done, tree.total().contiguous(), group=self.dp_group)
+        _all_gather_single(done, tree.total().contiguous(), group=self.dp_group)
         parts = done[:total].split(sizes)
         totals = {k: parts[i].view(shapes[i]) for i, k in enumerate(keys)}
         return totals, parts[-1].view(shapes[-1])

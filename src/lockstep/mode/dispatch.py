@@ -73,9 +73,13 @@ def _register(strict: bool) -> None:
 
     keys = ["CPU"] + (["CUDA"] if torch.cuda.is_available() else [])
     lib = torch.library.Library("aten", "IMPL")
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="Warning only once for all operators")
-        _register_into(lib, keys, strict)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Warning only once for all operators")
+            _register_into(lib, keys, strict)
+    except BaseException:
+        lib._destroy()              # no op keeps half of the mode
+        raise
     _libs.append(lib)
 
 
@@ -92,9 +96,9 @@ def _register_into(lib, keys: list[str], strict: bool) -> None:
                 name = full.removeprefix("aten::")
                 try:
                     original = torch.library.get_kernel(full, key)
-                    lib.impl(name, _raising(full, original), key, with_keyset=True, **_OVER_OTHERS)
                 except (RuntimeError, AttributeError):
                     continue          # composite ops without a backend kernel of their own
+                lib.impl(name, _raising(full, original), key, with_keyset=True, **_OVER_OTHERS)
 
 
 def enable(strict: bool = False) -> None:
