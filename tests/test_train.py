@@ -1,5 +1,6 @@
 import math
 import os
+from fractions import Fraction
 
 import pytest
 import torch
@@ -175,6 +176,22 @@ def test_adamw_keeps_a_float64_parameter_in_float64():
     want = w0 * (1 - lr * wd) - (m / (root / bc2_sqrt + eps)) * (lr / bc1)
     assert torch.equal(p.detach(), want)
     assert not torch.equal(want, want.float().double())
+
+
+def test_the_gradient_norm_of_float64_gradients_is_float64():
+    """Gradients of 1e-30 square to 1e-60, below fp32's smallest number: summed in fp32, as they were,
+    the norm was 0 and clipping saw nothing. In float64 it is their norm to within the rounding of a
+    sum of n positive terms (n units in the last place, halved by the root); fp32 gradients keep an
+    fp32 norm."""
+    gen = torch.Generator().manual_seed(0)
+    grads = {"w": torch.randn(40, 30, generator=gen, dtype=torch.float64) * 1e-30,
+             "b": torch.randn(30, generator=gen, dtype=torch.float64) * 1e-30}
+    norm = train.grad_norm(grads)
+    assert norm.dtype == torch.float64
+    exact = sum(Fraction(x) ** 2 for g in grads.values() for x in g.reshape(-1).tolist())
+    n = sum(g.numel() for g in grads.values())
+    assert abs(Fraction(norm.item()) ** 2 - exact) <= exact * n * Fraction(2) ** -52
+    assert train.grad_norm({k: g.float() for k, g in grads.items()}).dtype == torch.float32
 
 
 @pytest.mark.parametrize("kw, message", [

@@ -1,8 +1,8 @@
 """lockstep.train.optim: AdamW, the global gradient norm, clipping and the learning-rate schedule.
 
 AdamW with decoupled weight decay and bias correction, built from basic elementwise ops in a fixed
-order. The global gradient norm is computed in fp32: each tensor's sum of squares by the fixed-order
-`row_sum`, then the tensors in parameter order. Warmup then cosine schedule. fp32 master weights
+order. The global gradient norm is computed in fp32 (float64 where a gradient is float64): each
+tensor's sum of squares by the fixed-order `row_sum`, then the tensors in parameter order. Warmup then cosine schedule. fp32 master weights
 are optional when the model computes in bf16.
 """
 
@@ -134,8 +134,8 @@ class AdamW:
 
 def grad_norm(grads: dict[str, Tensor], parts: dict[str, tuple[int, int]] | None = None,
               gather: Callable[[Tensor], Tensor] | None = None) -> Tensor:
-    """Global L2 norm of gradients {name: tensor}, fp32, in a fixed order: parameters by name, each
-    one's sum of squares by `square_sum`.
+    """Global L2 norm of gradients {name: tensor}, a 0-d fp32 tensor (float64 where any gradient is
+    float64), in a fixed order: parameters by name, each one's sum of squares by `square_sum`.
 
     parts[name] = (dim, k) sums a parameter's squares in k slices along dim, combined by the
     canonical tree: the slices tensor parallelism shards, so that every tensor-parallel size sums
@@ -143,17 +143,18 @@ def grad_norm(grads: dict[str, Tensor], parts: dict[str, tuple[int, int]] | None
     rank's ([tp, n], rank order); replicated parameters are counted once."""
     parts = parts or {}
     names = sorted(n for n, g in grads.items() if g is not None)
+    acc = torch.float64 if any(grads[n].dtype == torch.float64 for n in names) else torch.float32
     split = [n for n in names if n in parts]
     local = []
     for n in split:
         dim, k = parts[n]
         size = grads[n].shape[dim] // k
-        local += [square_sum(grads[n].narrow(dim, i * size, size)) for i in range(k)]
+        local += [square_sum(grads[n].narrow(dim, i * size, size)).to(acc) for i in range(k)]
     gathered = None
     if local:
         mine = torch.stack(local).cpu()
         gathered = gather(mine) if gather is not None else mine[None]
-    total = torch.zeros((), dtype=torch.float32)
+    total = torch.zeros((), dtype=acc)
     offset = 0
     for n in names:
         if n in parts:
@@ -161,24 +162,26 @@ def grad_norm(grads: dict[str, Tensor], parts: dict[str, tuple[int, int]] | None
             total = total + tree_sum(list(gathered[:, offset:offset + k].reshape(-1)))
             offset += k
         else:
-            total = total + square_sum(grads[n]).cpu()
+            total = total + square_sum(grads[n]).cpu().to(acc)
     with cpu_backend_kernels():
         return sqrt(total)
 
 
 def square_sum(grad: Tensor) -> Tensor:
-    """The sum of squares of a gradient (any float dtype), fp32 scalar: each square in fp32, `row_sum`
-    over the last dimension, then over the row sums (for 0-d and 1-d tensors, one row_sum). A fixed
-    order that depends on the shape alone, vectorised over rows (a flat row_sum of a
-    vocabulary-sized table is a Python loop of its length / SUM_WIDTH steps), and squared in
-    cache-sized row chunks (lockstep.chunks), which changes no bit."""
+    """The sum of squares of a gradient (any float dtype), a 0-d tensor of its accumulation dtype
+    (fp32; float64 for float64): each square in that dtype, `row_sum` over the last dimension, then
+    over the row sums (for 0-d and 1-d tensors, one row_sum). A fixed order that depends on the shape
+    alone, vectorised over rows (a flat row_sum of a vocabulary-sized table is a Python loop of its
+    length / SUM_WIDTH steps), and squared in cache-sized row chunks (lockstep.chunks), which changes
+    no bit."""
     grad = grad.detach()
+    acc = accumulate_dtype(grad.dtype)
     if grad.dim() < 2:
-        return row_sum(grad.to(torch.float32).square().reshape(1, -1))[0]
+        return row_sum(grad.to(acc).square().reshape(1, -1))[0]
     rows = grad.reshape(-1, grad.shape[-1])
-    sums = torch.empty(rows.shape[0], dtype=torch.float32, device=grad.device)
+    sums = torch.empty(rows.shape[0], dtype=acc, device=grad.device)
     for s, e in row_chunks(rows.shape[0], rows.shape[1]):
-        sums[s:e] = row_sum(rows[s:e].to(torch.float32).square())
+        sums[s:e] = row_sum(rows[s:e].to(acc).square())
     return row_sum(sums[None])[0]
 
 
