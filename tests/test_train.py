@@ -187,10 +187,12 @@ def test_the_gradient_norm_of_float64_gradients_is_float64():
     grads = {"w": torch.randn(40, 30, generator=gen, dtype=torch.float64) * 1e-30,
              "b": torch.randn(30, generator=gen, dtype=torch.float64) * 1e-30}
     norm = train.grad_norm(grads)
-    assert norm.dtype == torch.float64
     exact = sum(Fraction(x) ** 2 for g in grads.values() for x in g.reshape(-1).tolist())
     n = sum(g.numel() for g in grads.values())
-    assert abs(Fraction(norm.item()) ** 2 - exact) <= exact * n * Fraction(2) ** -52
+    sliced = train.grad_norm(grads, parts={"w": (0, 2)})      # tensor parallelism's slices: another tree
+    for got in (norm, sliced):
+        assert got.dtype == torch.float64
+        assert abs(Fraction(got.item()) ** 2 - exact) <= exact * n * Fraction(2) ** -52
     assert train.grad_norm({k: g.float() for k, g in grads.items()}).dtype == torch.float32
 
 

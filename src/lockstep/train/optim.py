@@ -1,9 +1,10 @@
 """lockstep.train.optim: AdamW, the global gradient norm, clipping and the learning-rate schedule.
 
 AdamW with decoupled weight decay and bias correction, built from basic elementwise ops in a fixed
-order. The global gradient norm is computed in fp32 (float64 where a gradient is float64): each
-tensor's sum of squares by the fixed-order `row_sum`, then the tensors in parameter order. Warmup then cosine schedule. fp32 master weights
-are optional when the model computes in bf16.
+order. The global gradient norm: each tensor's sum of squares in its accumulation dtype (fp32;
+float64 for float64) by the fixed-order `row_sum`, then the tensors in parameter order, totalled in
+float64 where any gradient is float64. Warmup then cosine schedule. fp32 master weights are optional
+when the model computes in bf16.
 """
 
 from __future__ import annotations
