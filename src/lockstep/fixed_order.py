@@ -459,22 +459,29 @@ def torch_gemm_broken_premises() -> tuple[str, ...]:
 
 @functools.lru_cache(maxsize=None)
 def _gemm_broken_premises(threads: int) -> tuple[str, ...]:
+    return gemm_broken_premises(torch.mm)
+
+
+def gemm_broken_premises(mm: Callable[[Tensor, Tensor], Tensor]) -> tuple[str, ...]:
+    """`torch_gemm_broken_premises`'s probe of a given fp32 GEMM mm(a [M, K], b [K, N]) -> [M, N],
+    at the current thread count: so a test can ask what the probe should see of an arithmetic it
+    spells out."""
     gen = torch.Generator().manual_seed(0)
 
     def products(m: int, k: int, n: int) -> tuple[Tensor, Tensor, Tensor]:
         a, b = torch.randn(m, k, generator=gen), (torch.randn(n, k, generator=gen) / 32).t()
-        return a, b, torch.mm(a, b)
+        return a, b, mm(a, b)
 
     rows = columns = True
     # The probe may first run inside an op under autocast; its answer is about fp32 GEMMs.
     with torch.autocast("cpu", enabled=False):
         for k, n in ((300, 77), (1024, 1024)):
             a, b, full = products(ROW_TILE, k, n)
-            rows = rows and all(torch.equal(torch.mm(a[:t], b), full[:t]) for t in TAIL_TILES)
+            rows = rows and all(torch.equal(mm(a[:t], b), full[:t]) for t in TAIL_TILES)
         for k, n in ((300, 77), (1024, COLUMN_CHUNK + 1904)):
             a, b, full = products(TAIL_TILE, k, n)
             parts = [(0, n // 2), (n // 2, n)] + ([(0, COLUMN_CHUNK), (COLUMN_CHUNK, n)] if n > COLUMN_CHUNK else [])
-            columns = columns and all(torch.equal(torch.mm(a, b[:, lo:hi]), full[:, lo:hi]) for lo, hi in parts)
+            columns = columns and all(torch.equal(mm(a, b[:, lo:hi]), full[:, lo:hi]) for lo, hi in parts)
     return tuple(name for name, kept in (("row tiles", rows), ("column widths", columns)) if not kept)
 
 
