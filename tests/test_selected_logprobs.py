@@ -129,3 +129,62 @@ def test_a_bf16_weight_gradient_outside_a_unit_tree_is_its_fp32_sum_rounded_once
     (total,) = [trees.trees[key].total() for key in trees.keys()]
     assert outside.dtype == torch.bfloat16 and total.dtype == torch.float32
     assert torch.equal(outside.view(torch.int16), total.to(torch.bfloat16).view(torch.int16))
+
+
+def _logprobs_and_grads(backend, hidden, table, targets, softcap=None):
+    """Outputs, d(hidden) and the weight's unit-tree total over two units (rows 0-19 and 20-36)."""
+    from lockstep import grad_tree
+
+    with lockstep.use_backend(backend):
+        h, weight = hidden.clone().requires_grad_(), torch.nn.Parameter(table.clone())
+        trees = grad_tree.UnitTrees([("w", weight)])
+        with trees.active():
+            trees.next_micro_batch()
+            with grad_tree.unit_rows([0, 20, 37], 0):
+                y = ops.selected_logprobs(h, weight, targets, 0.7, softcap=softcap)
+                (y * torch.linspace(-1, 1, 37)).sum().backward()
+    (total,) = [trees.trees[key].total() for key in trees.keys()]
+    return y.detach(), h.grad, total
+
+
+@pytest.mark.parametrize("backend", ["portable", "native"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+def test_kept_logits_give_the_recomputed_bits_and_spare_the_backward_its_gemms(monkeypatch, backend, dtype):
+    """Within LOCKSTEP_KEEP_LOGITS_BYTES the backward takes the forward's logits instead of
+    recomputing them (one vocabulary GEMM per chunk in all, not two), with the same bits of the
+    output, d(hidden) and the weight's unit tree (the rows of a piece are a slice of the forward's)."""
+    calls = []
+    real = portable_slp._chunk_logits
+    monkeypatch.setattr(portable_slp, "_chunk_logits", lambda *a: calls.append(1) or real(*a))
+    gen = torch.Generator().manual_seed(5)
+    hidden = torch.randn(37, 64, generator=gen).to(dtype)
+    table = (torch.randn(2 * portable_slp.VOCAB_CHUNK + 5, 64, generator=gen) / 8).to(dtype)
+    targets = torch.randint(0, table.shape[0], (37,), generator=gen)
+    runs = {}
+    for budget in ("0", str(37 * table.shape[0] * hidden.element_size() - 1), "", str(37 * table.shape[0] * 2 * 4)):
+        monkeypatch.setenv("LOCKSTEP_KEEP_LOGITS_BYTES", budget)
+        calls.clear()
+        runs[budget] = _logprobs_and_grads(backend, hidden, table, targets)
+        runs[budget] += (len(calls),)
+    recomputed = runs["0"]
+    assert recomputed[-1] == 2 * 3 and runs[str(37 * table.shape[0] * hidden.element_size() - 1)][-1] == 2 * 3
+    for budget in ("", str(37 * table.shape[0] * 2 * 4)):
+        kept = runs[budget]
+        assert kept[-1] == 3, budget
+        assert all(torch.equal(a, b) for a, b in zip(kept[:3], recomputed[:3])), budget
+
+
+def test_capped_logits_are_recomputed_and_a_bad_budget_is_named(monkeypatch):
+    calls = []
+    real = portable_slp._chunk_logits
+    monkeypatch.setattr(portable_slp, "_chunk_logits", lambda *a: calls.append(1) or real(*a))
+    gen = torch.Generator().manual_seed(6)
+    hidden, table = torch.randn(37, 16, generator=gen), torch.randn(300, 16, generator=gen)
+    targets = torch.randint(0, 300, (37,), generator=gen)
+    _logprobs_and_grads("native", hidden, table, targets, softcap=3.0)
+    assert len(calls) == 2           # the cap's slope is not kept: forward and backward each compute the chunk
+    for bad in ("-1", "1GB", "1.5"):
+        monkeypatch.setenv("LOCKSTEP_KEEP_LOGITS_BYTES", bad)
+        with pytest.raises(ValueError, match=r"LOCKSTEP_KEEP_LOGITS_BYTES: expected a whole number of bytes "
+                                             rf"\(0 or more\), got '{bad}'"):
+            ops.selected_logprobs(hidden.clone().requires_grad_(), table, targets)

@@ -1,13 +1,16 @@
 """Portable selected_logprobs: LM head + log p(target) over fixed vocabulary chunks.
 
 Forward: for each chunk of VOCAB_CHUNK rows of the head (in vocabulary order), logits of the
-chunk by the row-tiled GEMM, then an online log-sum-exp update per row. Backward recomputes each
-chunk's logits; d(hidden) accumulates the chunks in vocabulary order, and each chunk's weight
-gradient reduces over rows in fixed row blocks. Memory is O(tokens x VOCAB_CHUNK).
+chunk by the row-tiled GEMM, then an online log-sum-exp update per row. Backward takes each
+chunk's logits again: kept from the forward where all of them fit in `keep_logits_bytes()`,
+recomputed otherwise (the same bits: a row's logits do not depend on the rows beside it); d(hidden)
+accumulates the chunks in vocabulary order, and each chunk's weight gradient reduces over rows in
+fixed row blocks. Memory is O(tokens x VOCAB_CHUNK) beyond the kept logits.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Callable
 
 import torch
@@ -36,6 +39,25 @@ from ...softcap import softcap as capped
 VOCAB_CHUNK = 4096
 # Rows x vocabulary up to which online_lse folds all chunks at once (32 MiB of fp32 logits).
 BATCHED_LSE_ELEMENTS = 1 << 23
+# The forward's logits are kept for the backward up to this many bytes (1 GiB: 1,700 tokens of a
+# 151,936-token vocabulary in fp32), which spares the backward one of the LM head's three GEMMs
+# (docs/adr/0028). LOCKSTEP_KEEP_LOGITS_BYTES overrides it; 0 always recomputes.
+KEEP_LOGITS_BYTES = 1 << 30
+
+
+def keep_logits_bytes() -> int:
+    """How many bytes of logits a selected_logprobs forward may keep for its backward:
+    LOCKSTEP_KEEP_LOGITS_BYTES where set, else KEEP_LOGITS_BYTES."""
+    value = os.environ.get("LOCKSTEP_KEEP_LOGITS_BYTES")
+    if value is None or value == "":
+        return KEEP_LOGITS_BYTES
+    try:
+        limit = int(value)
+    except ValueError:
+        limit = -1
+    if limit < 0:
+        raise ValueError(f"LOCKSTEP_KEEP_LOGITS_BYTES: expected a whole number of bytes (0 or more), got {value!r}")
+    return limit
 
 
 def _chunk_logits(hidden: Tensor, weight: Tensor, start: int, acc: torch.dtype,
@@ -103,12 +125,16 @@ def _lse_of_chunks(chunks: list[Tensor]) -> Tensor:
 
 
 def selected_logprobs_forward(hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float = 1.0,
-                              cap: float | None = None) -> tuple[Tensor, Tensor]:
-    """Returns (log p(target) [T], log-sum-exp [T]), both in the accumulation dtype."""
+                              cap: float | None = None, keep: list[Tensor] | None = None) -> tuple[Tensor, Tensor]:
+    """Returns (log p(target) [T], log-sum-exp [T]), both in the accumulation dtype. `keep`, when
+    given, receives each chunk's logits [T, <= VOCAB_CHUNK] as `_chunk_logits` gives them (capped
+    where `cap` is given), in vocabulary order."""
     target_logit = torch.zeros(hidden.shape[0], dtype=accumulate_dtype(hidden.dtype), device=hidden.device)
 
     def pick(start: int, logits: Tensor) -> None:
         nonlocal target_logit
+        if keep is not None:
+            keep.append(logits)
         inside, picked = _select(logits, targets, start)
         target_logit = torch.where(inside, scaled_logits(picked[:, None], temperature)[:, 0], target_logit)
 
@@ -120,7 +146,12 @@ class _SelectedLogprobs(torch.autograd.Function):
     @staticmethod
     @records_cpu_kernels
     def forward(ctx, hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float, cap: float | None) -> Tensor:
-        out, lse = selected_logprobs_forward(hidden, weight, targets, temperature, cap)
+        # A capped chunk's slope is not kept, so capped logits are recomputed.
+        needs_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        keeps = (needs_grad and cap is None
+                 and hidden.shape[0] * weight.shape[0] * hidden.element_size() <= keep_logits_bytes())
+        ctx.kept = [] if keeps else None
+        out, lse = selected_logprobs_forward(hidden, weight, targets, temperature, cap, ctx.kept)
         ctx.save_for_backward(hidden, weight, targets, lse)
         ctx.temperature, ctx.cap = temperature, cap
         ctx.use = grad_tree.capture("selected_logprobs", weight, hidden.shape[0], ctx.needs_input_grad[1])
@@ -157,8 +188,11 @@ class _SelectedLogprobs(torch.autograd.Function):
                   if need_w else None)
             spare: list[Tensor] = []
             scale = g[first:stop] / ctx.temperature
-            for start in range(0, weight.shape[0], VOCAB_CHUNK):
-                logits, slope = _chunk_logits(h, weight, start, acc, ctx.cap)
+            for chunk, start in enumerate(range(0, weight.shape[0], VOCAB_CHUNK)):
+                if ctx.kept is not None:
+                    logits, slope = ctx.kept[chunk][first:stop], None
+                else:
+                    logits, slope = _chunk_logits(h, weight, start, acc, ctx.cap)
                 # d log p(t) / d logit_j = [j == t] - p_j
                 inside, _ = _select(logits, targets[first:stop], start)
                 local = (targets[first:stop] - start).clamp(0, logits.shape[1] - 1)
@@ -179,6 +213,7 @@ class _SelectedLogprobs(torch.autograd.Function):
         # A piece of units at a time inside a unit tree: its logits and d(hidden) over all its rows,
         # its units' weight gradients combined chunk by chunk, one vocabulary-sized tensor per piece.
         dw = grad_tree.per_piece(ctx.use, hidden.shape[0], piece_backward)
+        ctx.kept = None    # a vocabulary of logits; a second backward (retain_graph) recomputes them
         return (dh.to(hidden.dtype) if need_h else None), (None if dw is None else dw.to(weight.dtype)), None, None, None
 
 
