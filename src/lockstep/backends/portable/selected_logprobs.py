@@ -39,9 +39,9 @@ from ...softcap import softcap as capped
 VOCAB_CHUNK = 4096
 # Rows x vocabulary up to which online_lse folds all chunks at once (32 MiB of fp32 logits).
 BATCHED_LSE_ELEMENTS = 1 << 23
-# The forward's logits are kept for the backward up to this many bytes (1 GiB: 1,700 tokens of a
-# 151,936-token vocabulary in fp32), which spares the backward one of the LM head's three GEMMs
-# (docs/adr/0028). LOCKSTEP_KEEP_LOGITS_BYTES overrides it; 0 always recomputes.
+# A training forward keeps its logits for the backward up to this many bytes per call (1 GiB: 1,700
+# tokens of a 151,936-token vocabulary in fp32), which spares the backward one of the LM head's
+# three GEMMs (docs/adr/0028). LOCKSTEP_KEEP_LOGITS_BYTES overrides it; 0 always recomputes.
 KEEP_LOGITS_BYTES = 1 << 30
 
 
@@ -145,14 +145,13 @@ def selected_logprobs_forward(hidden: Tensor, weight: Tensor, targets: Tensor, t
 class _SelectedLogprobs(torch.autograd.Function):
     @staticmethod
     @records_cpu_kernels
-    def forward(ctx, hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float, cap: float | None) -> Tensor:
-        # A capped chunk's slope is not kept, so capped logits are recomputed.
-        needs_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
-        keeps = (needs_grad and cap is None
-                 and hidden.shape[0] * weight.shape[0] * hidden.element_size() <= keep_logits_bytes())
-        ctx.kept = [] if keeps else None
-        out, lse = selected_logprobs_forward(hidden, weight, targets, temperature, cap, ctx.kept)
-        ctx.save_for_backward(hidden, weight, targets, lse)
+    def forward(ctx, hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float, cap: float | None,
+                keeps: bool) -> Tensor:
+        kept = [] if keeps else None
+        out, lse = selected_logprobs_forward(hidden, weight, targets, temperature, cap, kept)
+        # Saved as tensors, so that saved-tensor hooks (offloading, checkpointing) see them and
+        # autograd frees them with the graph.
+        ctx.save_for_backward(hidden, weight, targets, lse, *(kept or []))
         ctx.temperature, ctx.cap = temperature, cap
         ctx.use = grad_tree.capture("selected_logprobs", weight, hidden.shape[0], ctx.needs_input_grad[1])
         return out    # float32, or float64 for float64 inputs
@@ -161,7 +160,7 @@ class _SelectedLogprobs(torch.autograd.Function):
     @first_order_only("selected_logprobs")
     @restores_cpu_kernels
     def backward(ctx, grad_out: Tensor):
-        hidden, weight, targets, lse = ctx.saved_tensors
+        hidden, weight, targets, lse, *kept = ctx.saved_tensors
         acc = lse.dtype
         g = grad_out.contiguous().to(acc)
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
@@ -189,8 +188,8 @@ class _SelectedLogprobs(torch.autograd.Function):
             spare: list[Tensor] = []
             scale = g[first:stop] / ctx.temperature
             for chunk, start in enumerate(range(0, weight.shape[0], VOCAB_CHUNK)):
-                if ctx.kept is not None:
-                    logits, slope = ctx.kept[chunk][first:stop], None
+                if kept:
+                    logits, slope = kept[chunk][first:stop], None
                 else:
                     logits, slope = _chunk_logits(h, weight, start, acc, ctx.cap)
                 # d log p(t) / d logit_j = [j == t] - p_j
@@ -213,11 +212,22 @@ class _SelectedLogprobs(torch.autograd.Function):
         # A piece of units at a time inside a unit tree: its logits and d(hidden) over all its rows,
         # its units' weight gradients combined chunk by chunk, one vocabulary-sized tensor per piece.
         dw = grad_tree.per_piece(ctx.use, hidden.shape[0], piece_backward)
-        ctx.kept = None    # a vocabulary of logits; a second backward (retain_graph) recomputes them
-        return (dh.to(hidden.dtype) if need_h else None), (None if dw is None else dw.to(weight.dtype)), None, None, None
+        return (dh.to(hidden.dtype) if need_h else None), (None if dw is None else dw.to(weight.dtype)), None, None, None, None
 
 
 @register("portable", "selected_logprobs")
 def selected_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float,
                       softcap: float | None = None) -> Tensor:
-    return _SelectedLogprobs.apply(hidden.contiguous(), weight, targets, temperature, softcap)
+    return _SelectedLogprobs.apply(hidden.contiguous(), weight, targets, temperature, softcap,
+                                   keeps_logits(hidden, weight, softcap))
+
+
+def keeps_logits(hidden: Tensor, weight: Tensor, softcap: float | None) -> bool:
+    """Whether the forward keeps its logits for the backward (docs/adr/0028): a backward will be
+    asked for (gradients on, hidden or weight requiring one), on a CPU (elsewhere memory is the
+    scarce side), without a cap (its slope is not kept), and tokens x vocabulary x the element size
+    within keep_logits_bytes()."""
+    limit = keep_logits_bytes()     # a bad setting is refused whether or not it would apply
+    return (torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+            and hidden.device.type == "cpu" and softcap is None
+            and hidden.shape[0] * weight.shape[0] * hidden.element_size() <= limit)
