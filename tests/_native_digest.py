@@ -11,6 +11,8 @@ re-blocks with the thread count, those differ.
                                           "digests": {"1": {"training": "...", ...}, ...},
                                           "stock_linear": {"1": "...", ...}}
 
+    python tests/_native_digest.py --threads 2   the same for those thread counts alone
+
     python tests/_native_digest.py --record   writes this machine's bits, the whole backend's and
                                               the kernels' (lockstep.backends.native.bits), into
                                               that package's recorded_bits.json (ADR 0026); under
@@ -128,10 +130,13 @@ def main() -> int:
                   f"{'each' if len(dropped) > 1 else 'it'} to add {'them' if len(dropped) > 1 else 'it'} back where "
                   "the new bits hold")
         return 0
+    counts = (1, 2, 3)
+    if len(args) == 2 and args[0] == "--threads" and all(n.isdigit() and int(n) > 0 for n in args[1].split(",")):
+        counts, args = tuple(int(n) for n in args[1].split(",")), []
     if args:
-        raise SystemExit(f"usage: python {sys.argv[0]} [--record [--replace]]; got {args}")
+        raise SystemExit(f"usage: python {sys.argv[0]} [--record [--replace] | --threads N[,N...]]; got {args}")
     out, stock = {}, {}
-    for threads in (1, 2, 3):
+    for threads in counts:
         torch.set_num_threads(threads)
         out[str(threads)] = digests()
         stock[str(threads)] = stock_linear()

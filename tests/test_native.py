@@ -347,8 +347,11 @@ def _qemu_x86() -> str:
 
 
 # QEMU's models of Intel CPUs (GenuineIntel in CPUID, so MKL takes its Intel code paths) that TCG can
-# run: Haswell (AVX2 and FMA, no AVX-512) and Sandy Bridge (AVX alone, below what the AVX2 path needs).
-INTEL_CPUS = {"Haswell-v4": ("avx2", "AVX2"), "SandyBridge": ("scalar", "DEFAULT")}
+# run: Haswell (AVX2 and FMA, no AVX-512) and Sandy Bridge (AVX alone, below what the AVX2 path needs),
+# with the thread counts each runs. Haswell's MKL re-blocks with the thread count (the Xeon's fault),
+# so it runs three; Sandy Bridge adds the scalar path and ATen's default kernels, on 2 threads, since
+# TCG runs scalar arithmetic one helper call an element (about 95 s a thread count on CI's 2 cores).
+INTEL_CPUS = {"Haswell-v4": ("avx2", "AVX2", "1,2,3"), "SandyBridge": ("scalar", "DEFAULT", "2")}
 
 
 @pytest.mark.skipif(platform.machine() != "x86_64", reason="emulates x86-64 CPUs in user mode; CI runs x86-64")
@@ -360,16 +363,18 @@ def test_an_emulated_intel_cpu_gives_the_bits_of_this_one(model, widest):
     (checked first, so the emulation is known to reach them). The native backend, whose instruction
     set is the one it finds in that CPUID (AVX2; scalar on Sandy Bridge, with ATen's default
     kernels), gives this machine's digest: every op, forward and backward, fp32, bf16 and fp16, two
-    trainer steps (AdamW's root included) and a random model's weights, on 1, 2 and 3 threads. TCG
-    has no AVX-512, so the AVX-512 paths on Intel run only on hardware."""
-    proc = subprocess.run([_qemu_x86(), "-cpu", model, sys.executable, "-W", "ignore", str(DIGEST)],
-                          capture_output=True, text=True, timeout=900, cwd=ROOT)
+    trainer steps (AdamW's root included) and a random model's weights, on 1, 2 and 3 threads
+    (Sandy Bridge on 2: INTEL_CPUS). TCG has no AVX-512, so the AVX-512 paths on Intel run only on
+    hardware."""
+    isa, aten, threads = INTEL_CPUS[model]
+    proc = subprocess.run([_qemu_x86(), "-cpu", model, sys.executable, "-W", "ignore", str(DIGEST), "--threads",
+                           threads], capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert (got["isa"], got["aten"]) == INTEL_CPUS[model]
+    assert (got["isa"], got["aten"]) == (isa, aten)
     if model == "Haswell-v4":
         assert got["stock_linear"]["1"] != got["stock_linear"]["2"], "MKL's Intel path did not re-block"
-    assert got["digests"] == widest["digests"]
+    assert got["digests"] == {n: widest["digests"][n] for n in threads.split(",")}
 
 
 @pytest.mark.skipif(platform.machine() != "x86_64", reason="emulates x86-64 CPUs in user mode; CI runs x86-64")
@@ -980,27 +985,63 @@ def test_without_a_working_compiler_the_portable_backend_runs_and_one_line_says_
     assert _fallback_lines(tmp_path) == [FALLBACK_LINE + (f"; {caveat}" if caveat else "")]
 
 
-def _old_compiler(tmp_path: Path, builds: str, fails_with: str = "kernels.c:212:5: error: unknown type name "
-                  "'__m512'") -> str:
-    """A CC that stands in for a compiler too old for some of kernels.c's intrinsics: it builds the
-    file only with the define `builds` (as the machine's cc), and otherwise fails as GCC 4.8 fails
-    on AVX-512 code, its error after the line that names the function."""
-    script = tmp_path / "old-cc"
-    real = build.compiler()
+def _stand_in_compiler(tmp_path: Path, library: Path | None, builds: str = "", delay: float = 0.0,
+                       fails_with: str = "kernels.c:212:5: error: unknown type name '__m512'") -> str:
+    """A CC for the tests of how a build is found, cached, locked, repaired and cut down, not of
+    what the compiler makes of kernels.c: it answers --version and names its assembler as the real
+    compiler (both are part of the cache key), and a build copies `library`, a build of kernels.c
+    that the real compiler made once, to the -o file after `delay` seconds, where compiling would
+    take about 27 s of a core (None: the real compiler compiles). With `builds`, it stands in for a
+    compiler too old for some of kernels.c's intrinsics (named old-cc): it builds only when the
+    define `builds` is among its arguments, and otherwise fails as GCC 4.8 fails on AVX-512 code,
+    its error after the line that names the function."""
+    real = shlex.join(build.compiler())
+    script = tmp_path / ("old-cc" if builds else "copying-cc")
+    refuse = f"""case " $* " in
+  *" {builds} "*) ;;
+  *) echo "kernels.c: In function 'tile_z':" >&2; echo {shlex.quote(fails_with)} >&2; exit 1 ;;
+esac
+""" if builds else ""
+    make = f"""out=
+prev=
+for arg in "$@"; do [ "$prev" = -o ] && out=$arg; prev=$arg; done
+sleep {delay}
+exec cp {shlex.quote(str(library))} "$out"
+""" if library is not None else f'exec {real} "$@"\n'
     script.write_text(f"""#!/bin/sh
 case " $* " in
-  *" --version "*|*" {builds} "*) exec {shlex.join(real)} "$@" ;;
+  *" --version "*|*" -print-prog-name="*) exec {real} "$@" ;;
 esac
-echo "kernels.c: In function 'tile_z':" >&2
-echo {shlex.quote(fails_with)} >&2
-exit 1
-""")
+{refuse}{make}""")
     script.chmod(0o755)
     return str(script)
 
 
+@pytest.fixture(scope="module")
+def reduced_build(tmp_path_factory):
+    """kernels.c as the real compiler builds it with a define (-DLS_NO_DPBF16, -DLS_NO_X86), compiled
+    on first use and shared by the tests that need that build."""
+    folder, made = tmp_path_factory.mktemp("reduced-builds"), {}
+
+    def get(define: str) -> Path:
+        if define not in made:
+            so = folder / f"kernels{define}.so"
+            done = subprocess.run([*build.compiler(), *build.FLAGS, define, "-o", str(so), str(build.SOURCE), "-lm"],
+                                  capture_output=True, text=True)
+            assert done.returncode == 0, done.stderr
+            made[define] = so
+        return made[define]
+    return get
+
+
+@pytest.fixture(scope="module")
+def this_build() -> Path:
+    """The file of the kernel library this process runs (the real compiler's whole build)."""
+    return Path(build.library()._name)
+
+
 @pytest.mark.parametrize("define", ["-DLS_NO_DPBF16", "-DLS_NO_X86"])
-def test_a_compiler_that_cannot_build_every_path_still_gives_the_native_bits(define, tmp_path):
+def test_a_compiler_that_cannot_build_every_path_still_gives_the_native_bits(define, tmp_path, reduced_build):
     """A compiler that fails on part of kernels.c (too old for AVX-512's or AVX512_BF16's
     intrinsics) must not send the machine to the portable backend, whose bits differ: the kernels
     are built without the paths it cannot compile, one line says which and why, and ops give the
@@ -1011,7 +1052,8 @@ def test_a_compiler_that_cannot_build_every_path_still_gives_the_native_bits(def
             "torch.manual_seed(0)\nx, w = torch.randn(5, 300), torch.randn(7, 300)\n"
             "y = [ops.linear(x.to(d), w.to(d)).float().flatten().tolist() for d in (torch.float32, torch.bfloat16)]\n"
             "print(json.dumps([registry.cpu_backend(), build.supported_isas(), build.unbuilt_isas(), y]))\n")
-    env = {**os.environ, "CC": _old_compiler(tmp_path, define), "LOCKSTEP_CACHE_DIR": str(tmp_path / "cache")}
+    env = {**os.environ, "CC": _stand_in_compiler(tmp_path, reduced_build(define), define),
+           "LOCKSTEP_CACHE_DIR": str(tmp_path / "cache")}
     env.pop("LOCKSTEP_CPU_ISA", None)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(os, "environ", env)
@@ -1057,7 +1099,7 @@ def test_a_compile_that_fails_for_the_machines_sake_is_not_cached_with_fewer_pat
     """A compile killed for memory, out of disk or crashed inside the compiler says nothing about
     which paths the compiler can build: nothing is cached (a build without paths would stay), and
     the error names what happened."""
-    monkeypatch.setenv("CC", _old_compiler(tmp_path, "-DLS_NO_X86", fails_with))
+    monkeypatch.setenv("CC", _stand_in_compiler(tmp_path, None, "-DLS_NO_X86", fails_with=fails_with))
     monkeypatch.setenv("LOCKSTEP_CACHE_DIR", str(tmp_path / "cache"))
     with pytest.raises(build.NativeUnavailable) as e:
         build._compile(build.compiler())
@@ -1189,7 +1231,7 @@ def test_lockstep_check_compares_the_whole_native_backend_under_the_torch_releas
         tmp_path / "u.html").read_text()
 
 
-def test_a_cache_folder_that_cannot_be_written_still_gives_the_native_backend(tmp_path):
+def test_a_cache_folder_that_cannot_be_written_still_gives_the_native_backend(tmp_path, this_build):
     """A cache folder that cannot be created (here a file stands in its way; a read-only home is the
     usual case) must not send the process to the portable backend, whose bits differ: the kernels
     are compiled into a temporary folder, one line says so, and the folder goes at exit."""
@@ -1197,7 +1239,7 @@ def test_a_cache_folder_that_cannot_be_written_still_gives_the_native_backend(tm
     cache = tmp_path / "file" / "cache"
     code = ("from lockstep import registry\nfrom lockstep.backends.native import build\n"
             "print(registry.cpu_backend())\nprint(build.library()._name)\n")
-    env = {**os.environ, "LOCKSTEP_CACHE_DIR": str(cache)}
+    env = {**os.environ, "LOCKSTEP_CACHE_DIR": str(cache), "CC": _stand_in_compiler(tmp_path, this_build)}
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     backend, loaded = proc.stdout.split()
@@ -1211,31 +1253,38 @@ def test_a_cache_folder_that_cannot_be_written_still_gives_the_native_backend(tm
     assert not scratch.exists()
 
 
-def test_processes_starting_together_compile_the_kernels_once(tmp_path):
+def test_processes_starting_together_compile_the_kernels_once(tmp_path, this_build):
     """Two processes on a fresh cache folder (torchrun's ranks, say): one compiles, the other waits
-    for its file under a lock, and both run the native backend."""
+    for its file under a lock, and both run the native backend. (The build takes 8 s here, longer
+    than the second process needs to start, so that it finds the first one compiling.)"""
     code = "from lockstep import registry\nprint(registry.cpu_backend())\n"
-    env = {**os.environ, "LOCKSTEP_CACHE_DIR": str(tmp_path)}
+    cache = tmp_path / "cache"
+    env = {**os.environ, "LOCKSTEP_CACHE_DIR": str(cache),
+           "CC": _stand_in_compiler(tmp_path, this_build, delay=8)}
     procs = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True) for _ in range(2)]
     outs = [p.communicate(timeout=300) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs
     assert [out.strip() for out, _ in outs] == ["native", "native"], outs
-    compiled = [line for _, err in outs for line in err.splitlines() if "compiling" in line]
-    assert compiled == [f"lockstep: compiling the native CPU kernels into {tmp_path} (kept for this kernel source "
-                        "and compiler)"], outs
-    assert len(list(tmp_path.glob("native-*.so"))) == 1
+    lines = sorted(line for _, err in outs for line in err.splitlines())
+    assert lines == [f"lockstep: compiling the native CPU kernels into {cache} (kept for this kernel source and "
+                     "compiler)",
+                     f"lockstep: waiting for another process to compile the native CPU kernels into {cache}"], outs
+    assert len(list(cache.glob("native-*.so"))) == 1
 
 
-def test_a_cached_library_that_does_not_load_is_compiled_again(tmp_path):
+def test_a_cached_library_that_does_not_load_is_compiled_again(tmp_path, this_build):
     """A cached file cut short (a crash mid-write, a full disk) must not send every later process to
     the portable backend: the one that finds it says so, compiles over it, and runs native; the
     next process loads the repaired file without a word."""
     code = "from lockstep import registry\nprint(registry.cpu_backend())\n"
-    env = {**os.environ, "LOCKSTEP_CACHE_DIR": str(tmp_path)}
+    cache = tmp_path / "cache"
+    env = {**os.environ, "LOCKSTEP_CACHE_DIR": str(cache), "CC": _stand_in_compiler(tmp_path, this_build)}
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("LOCKSTEP_CACHE_DIR", str(tmp_path))
+        mp.setenv("LOCKSTEP_CACHE_DIR", str(cache))
+        mp.setenv("CC", env["CC"])
         cached = build.cached_library(build.compiler())
+    cache.mkdir()
     cached.write_bytes(b"cut short")
     first = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert first.returncode == 0 and first.stdout.strip() == "native", first.stderr
@@ -1247,7 +1296,7 @@ def test_a_cached_library_that_does_not_load_is_compiled_again(tmp_path):
     assert (again.returncode, again.stdout.strip(), again.stderr) == (0, "native", "")
 
 
-def test_without_file_locks_the_kernels_still_compile_readable_to_every_user(tmp_path, monkeypatch):
+def test_without_file_locks_the_kernels_still_compile_readable_to_every_user(tmp_path, monkeypatch, this_build):
     """A file system that refuses locks (some network ones) only costs the lock: the kernels still
     compile, and the file is readable and executable by every user of a shared cache (mkstemp
     alone would leave it to its owner)."""
@@ -1260,9 +1309,10 @@ def test_without_file_locks_the_kernels_still_compile_readable_to_every_user(tmp
         raise OSError(errno.ENOLCK, "No locks available")
 
     monkeypatch.setattr(fcntl, "flock", refuse)
-    monkeypatch.setenv("LOCKSTEP_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("LOCKSTEP_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("CC", _stand_in_compiler(tmp_path, this_build))
     path = build._compile(build.compiler())
-    assert path.parent == tmp_path and stat.S_IMODE(path.stat().st_mode) == 0o755
+    assert path.parent == tmp_path / "cache" and stat.S_IMODE(path.stat().st_mode) == 0o755
     assert build.declare(ctypes.CDLL(str(path))).ls_abi_version() == build.ABI_VERSION
 
 
@@ -1658,7 +1708,7 @@ def test_rope_and_silu_mul_in_c_are_the_compositions_bit_for_bit(dtype, isa):
 
 
 @pytest.mark.parametrize("define", ["LS_NO_X86", "LS_NO_DPBF16"])
-def test_a_build_with_fewer_paths_gives_the_same_bits(define, tmp_path, monkeypatch):
+def test_a_build_with_fewer_paths_gives_the_same_bits(define, monkeypatch, reduced_build):
     """kernels.c built without its x86 paths (-DLS_NO_X86), as it builds on ARM, or without the
     VDPBF16PS path (-DLS_NO_DPBF16), as a compiler older than AVX512_BF16 builds it: every op of
     the digest, forward and backward, in fp32, bf16 and fp16, on the widest path that build has,
@@ -1666,10 +1716,7 @@ def test_a_build_with_fewer_paths_gives_the_same_bits(define, tmp_path, monkeypa
     on x86: an ARM machine itself has not been tried.)"""
     import ctypes
 
-    so = tmp_path / f"kernels_{define}.so"
-    done = subprocess.run([*build.compiler(), *build.FLAGS, f"-D{define}", "-o", str(so), str(build.SOURCE), "-lm"],
-                          capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr
+    so = reduced_build(f"-D{define}")
     monkeypatch.setenv("LOCKSTEP_CPU_ISA", "scalar")
     want = backend_bits.digests()
     other = build.declare(ctypes.CDLL(str(so)))

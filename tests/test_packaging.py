@@ -43,11 +43,16 @@ def wheel_install(tmp_path_factory) -> tuple[Path, Path]:
     return wheel, site
 
 
-def run_installed(site: Path, code: str, tmp_path: Path, blocked: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+def run_installed(site: Path, code: str, tmp_path: Path, blocked: tuple[str, ...] = (),
+                  fresh_cache: bool = True) -> subprocess.CompletedProcess:
     """`code` in a fresh interpreter that imports lockstep from `site`, with the `blocked` modules
-    unimportable (a None in sys.modules is how Python marks one)."""
+    unimportable (a None in sys.modules is how Python marks one). `fresh_cache`: the native kernels
+    are compiled from the installed source into an empty cache folder; otherwise the suite's cache
+    folder serves them (the installed kernels.c is the clone's, so its key is the same)."""
     prelude = "".join(f"import sys; sys.modules[{name!r}] = None\n" for name in blocked)
-    env = {**os.environ, "PYTHONPATH": str(site), "LOCKSTEP_CACHE_DIR": str(tmp_path / "cache")}
+    env = {**os.environ, "PYTHONPATH": str(site)}
+    if fresh_cache:
+        env["LOCKSTEP_CACHE_DIR"] = str(tmp_path / "cache")
     return subprocess.run([sys.executable, "-c", prelude + code], env=env, capture_output=True, text=True,
                           timeout=600, cwd=tmp_path)
 
@@ -102,7 +107,7 @@ def test_the_core_jobs_run_without_any_extra(wheel_install, tmp_path):
             "    assert cli.main(argv) == 0, argv\n"
             "print('integrations:', sorted(m for m in sys.modules if m.startswith(('lockstep.server', 'lockstep.hf', "
             "'lockstep.integrations'))))\n")
-    proc = run_installed(site, code, tmp_path, blocked=OPTIONAL)
+    proc = run_installed(site, code, tmp_path, blocked=OPTIONAL, fresh_cache=False)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "lockstep: 0 / 0 / 0 and identical tokens in every setting" in proc.stdout
     assert "(no batch experiment: it runs stock transformers beside lockstep" in proc.stdout
