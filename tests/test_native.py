@@ -985,36 +985,44 @@ def test_without_a_working_compiler_the_portable_backend_runs_and_one_line_says_
     assert _fallback_lines(tmp_path) == [FALLBACK_LINE + (f"; {caveat}" if caveat else "")]
 
 
-def _stand_in_compiler(tmp_path: Path, library: Path | None, builds: str = "", delay: float = 0.0,
+def _stand_in_compiler(tmp_path: Path, library: Path | None, builds: str = "", processes: int = 1,
                        fails_with: str = "kernels.c:212:5: error: unknown type name '__m512'") -> str:
     """A CC for the tests of how a build is found, cached, locked, repaired and cut down, not of
     what the compiler makes of kernels.c: it answers --version and names its assembler as the real
     compiler (both are part of the cache key), and a build copies `library`, a build of kernels.c
-    that the real compiler made once, to the -o file after `delay` seconds, where compiling would
-    take about 27 s of a core (None: the real compiler compiles). With `builds`, it stands in for a
-    compiler too old for some of kernels.c's intrinsics (named old-cc): it builds only when the
-    define `builds` is among its arguments, and otherwise fails as GCC 4.8 fails on AVX-512 code,
-    its error after the line that names the function."""
+    that the real compiler made once, to the -o file, where compiling would take about 27 s of a
+    core (None: the real compiler compiles). With `processes` > 1 a build first waits (up to 120 s)
+    until that many processes have asked for the version, which each does just before it takes the
+    build's lock, and then 2 s more: the others find it compiling, however far apart they started.
+    With `builds`, it stands in for a compiler too old for some of kernels.c's intrinsics (named
+    old-cc): it builds only when the define `builds` is among its arguments, and otherwise fails as
+    GCC 4.8 fails on AVX-512 code, its error after the line that names the function. Returns CC's
+    value, quoted as a shell would need it."""
     real = shlex.join(build.compiler())
     script = tmp_path / ("old-cc" if builds else "copying-cc")
+    asked = shlex.quote(str(tmp_path / "asked-for-the-version"))
     refuse = f"""case " $* " in
   *" {builds} "*) ;;
   *) echo "kernels.c: In function 'tile_z':" >&2; echo {shlex.quote(fails_with)} >&2; exit 1 ;;
 esac
 """ if builds else ""
+    wait = f"""i=0
+while [ "$(sort -u {asked} 2>/dev/null | wc -l)" -lt {processes} ] && [ $i -lt 1200 ]; do sleep 0.1; i=$((i + 1)); done
+sleep 2
+""" if processes > 1 else ""
     make = f"""out=
 prev=
-for arg in "$@"; do [ "$prev" = -o ] && out=$arg; prev=$arg; done
-sleep {delay}
-exec cp {shlex.quote(str(library))} "$out"
+for arg in "$@"; do case $prev in -o) out=$arg ;; esac; prev=$arg; done
+{wait}exec cp {shlex.quote(str(library))} "$out"
 """ if library is not None else f'exec {real} "$@"\n'
     script.write_text(f"""#!/bin/sh
 case " $* " in
-  *" --version "*|*" -print-prog-name="*) exec {real} "$@" ;;
+  *" --version "*) echo $PPID >> {asked}; exec {real} "$@" ;;
+  *" -print-prog-name="*) exec {real} "$@" ;;
 esac
 {refuse}{make}""")
     script.chmod(0o755)
-    return str(script)
+    return shlex.quote(str(script))
 
 
 @pytest.fixture(scope="module")
@@ -1255,12 +1263,12 @@ def test_a_cache_folder_that_cannot_be_written_still_gives_the_native_backend(tm
 
 def test_processes_starting_together_compile_the_kernels_once(tmp_path, this_build):
     """Two processes on a fresh cache folder (torchrun's ranks, say): one compiles, the other waits
-    for its file under a lock, and both run the native backend. (The build takes 8 s here, longer
-    than the second process needs to start, so that it finds the first one compiling.)"""
+    for its file under a lock, and both run the native backend. (The build waits for the second
+    process to reach the lock, so that it finds the first one compiling.)"""
     code = "from lockstep import registry\nprint(registry.cpu_backend())\n"
     cache = tmp_path / "cache"
     env = {**os.environ, "LOCKSTEP_CACHE_DIR": str(cache),
-           "CC": _stand_in_compiler(tmp_path, this_build, delay=8)}
+           "CC": _stand_in_compiler(tmp_path, this_build, processes=2)}
     procs = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True) for _ in range(2)]
     outs = [p.communicate(timeout=300) for p in procs]

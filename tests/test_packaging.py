@@ -48,7 +48,8 @@ def run_installed(site: Path, code: str, tmp_path: Path, blocked: tuple[str, ...
     """`code` in a fresh interpreter that imports lockstep from `site`, with the `blocked` modules
     unimportable (a None in sys.modules is how Python marks one). `fresh_cache`: the native kernels
     are compiled from the installed source into an empty cache folder; otherwise the suite's cache
-    folder serves them (the installed kernels.c is the clone's, so its key is the same)."""
+    folder serves them (the installed kernels.c is the clone's, so its key is the same), or, where
+    the suite has not built them yet, they are compiled into it."""
     prelude = "".join(f"import sys; sys.modules[{name!r}] = None\n" for name in blocked)
     env = {**os.environ, "PYTHONPATH": str(site)}
     if fresh_cache:
