@@ -350,7 +350,7 @@ def _qemu_x86() -> str:
 # run: Haswell (AVX2 and FMA, no AVX-512) and Sandy Bridge (AVX alone, below what the AVX2 path needs),
 # with the thread counts each runs. Haswell's MKL re-blocks with the thread count (the Xeon's fault),
 # so it runs three; Sandy Bridge adds the scalar path and ATen's default kernels, on 2 threads, since
-# TCG runs scalar arithmetic one helper call an element (about 95 s a thread count on CI's 2 cores).
+# TCG runs scalar arithmetic one helper call an element (about 95 s a thread count on 2 Zen 4 cores).
 INTEL_CPUS = {"Haswell-v4": ("avx2", "AVX2", "1,2,3"), "SandyBridge": ("scalar", "DEFAULT", "2")}
 
 
