@@ -6,12 +6,13 @@ long sequence, and 8 sequences of 512) and of paged decode (1 and 32 sequences),
 torch's scaled_dot_product_attention on the same tensors (ratio > 1: lockstep slower), and three bit
 checks on this device: the output equals the current configuration's; a sequence's rows are the same
 alone and batched with another; a decode query (one row, paged or not) equals its prefill row. The
-first candidate is the one FWD_CONFIGS holds now for this GPU. bf16, 32 query heads, 8 KV heads, head dim 128.
+first candidate is the one fwd_config gives this GPU and dtype. bf16 (or `--fp32`: fp32 keeps the
+default tile, ADR 0030), 32 query heads, 8 KV heads, head dim 128.
 
 `--backward`: forward + backward at each candidate BLOCK_Q of the backward kernels (BWD_BLOCK_Q),
 timed against SDPA's, with a check that a sequence's gradients are the same alone and batched.
 
-    python benchmarks/bench_attention_tiles.py [--json PATH] [--backward | --backward-only]
+    python benchmarks/bench_attention_tiles.py [--json PATH] [--backward | --backward-only] [--fp32]
 """
 
 import sys
@@ -28,7 +29,7 @@ CANDIDATES = [None, AttentionConfig(16, 4, 3), AttentionConfig(32, 4, 3), Attent
               AttentionConfig(64, 8, 3), AttentionConfig(128, 8, 3), AttentionConfig(128, 8, 2),
               AttentionConfig(128, 4, 2)]
 HQ, HKV, D, PAGE = 32, 8, 128, 16
-DEV, BF = "cuda", torch.bfloat16
+DEV, DTYPE = "cuda", torch.float32 if "--fp32" in sys.argv else torch.bfloat16
 BACKWARD_SEQ = 4096
 
 
@@ -42,7 +43,7 @@ def prefill(q, k, v, lengths, cfg):
 def paged(k, v, lengths):
     """k, v [sum(lengths), HKV, D] copied into a paged cache: (k_cache, v_cache, block_table)."""
     pages = [-(-n // PAGE) for n in lengths]
-    kc = torch.zeros(sum(pages), PAGE, HKV, D, device=DEV, dtype=BF)
+    kc = torch.zeros(sum(pages), PAGE, HKV, D, device=DEV, dtype=DTYPE)
     vc = torch.zeros_like(kc)
     table = torch.zeros(len(lengths), max(pages), dtype=torch.int32, device=DEV)
     start, page = 0, 0
@@ -66,8 +67,8 @@ def decode(q, kc, vc, table, lengths, cfg):
 def bit_checks(cfg, reference):
     torch.manual_seed(0)
     lengths = [300, 77]
-    q = torch.randn(sum(lengths), HQ, D, device=DEV, dtype=BF)
-    k, v = (torch.randn(sum(lengths), HKV, D, device=DEV, dtype=BF) for _ in range(2))
+    q = torch.randn(sum(lengths), HQ, D, device=DEV, dtype=DTYPE)
+    k, v = (torch.randn(sum(lengths), HKV, D, device=DEV, dtype=DTYPE) for _ in range(2))
     both = prefill(q, k, v, lengths, cfg)
     alone = prefill(q[:300], k[:300], v[:300], [300], cfg)
     one = _forward(q[299:300], k[:300], v[:300], [0, 1], [0, 300], None, None, D ** -0.5, True, None, False, cfg)[0]
@@ -84,17 +85,17 @@ def timings(cfg):
     out = {}
     for name, lengths in (("prefill 1x8192", [8192]), ("prefill 8x512", [512] * 8)):
         b, n = len(lengths), lengths[0]
-        q = torch.randn(b * n, HQ, D, device=DEV, dtype=BF)
-        k, v = (torch.randn(b * n, HKV, D, device=DEV, dtype=BF) for _ in range(2))
+        q = torch.randn(b * n, HQ, D, device=DEV, dtype=DTYPE)
+        k, v = (torch.randn(b * n, HKV, D, device=DEV, dtype=DTYPE) for _ in range(2))
         ours = median_ms(lambda: prefill(q, k, v, lengths, cfg), 10)
         qs, ks, vs = (t.view(b, n, -1, D).transpose(1, 2) for t in (q, k, v))
         ref = median_ms(lambda: F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True), 10)
         out[name] = (ours, ref)
     for name, lengths in (("decode 1x4096", [4096]), ("decode 32x1024", [1024] * 32)):
         b, n = len(lengths), lengths[0]
-        k, v = (torch.randn(b * n, HKV, D, device=DEV, dtype=BF) for _ in range(2))
+        k, v = (torch.randn(b * n, HKV, D, device=DEV, dtype=DTYPE) for _ in range(2))
         kc, vc, table = paged(k, v, lengths)
-        q = torch.randn(b, HQ, D, device=DEV, dtype=BF)
+        q = torch.randn(b, HQ, D, device=DEV, dtype=DTYPE)
         ours = median_ms(lambda: decode(q, kc, vc, table, lengths, cfg))
         qs, ks, vs = q[:, :, None], k.view(b, n, HKV, D).transpose(1, 2), v.view(b, n, HKV, D).transpose(1, 2)
         ref = median_ms(lambda: F.scaled_dot_product_attention(qs, ks, vs, enable_gqa=True))
@@ -117,11 +118,11 @@ def backward_rows() -> list[dict]:
         return q.grad, k.grad, v.grad
 
     torch.manual_seed(0)
-    q = torch.randn(1300, HQ, D, device=DEV, dtype=BF)
-    k, v = (torch.randn(1300, HKV, D, device=DEV, dtype=BF) for _ in range(2))
+    q = torch.randn(1300, HQ, D, device=DEV, dtype=DTYPE)
+    k, v = (torch.randn(1300, HKV, D, device=DEV, dtype=DTYPE) for _ in range(2))
     n = BACKWARD_SEQ
-    qt = torch.randn(n, HQ, D, device=DEV, dtype=BF)
-    kt, vt = (torch.randn(n, HKV, D, device=DEV, dtype=BF) for _ in range(2))
+    qt = torch.randn(n, HQ, D, device=DEV, dtype=DTYPE)
+    kt, vt = (torch.randn(n, HKV, D, device=DEV, dtype=DTYPE) for _ in range(2))
     qs, ks, vs = (t.transpose(0, 1)[None].detach().requires_grad_() for t in (qt, kt, vt))
 
     def sdpa():
@@ -149,13 +150,13 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("bench_attention_tiles: no CUDA device; nothing measured")
         return 1
-    print(f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}, bf16 {HQ}q:{HKV}kv d={D}")
+    print(f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}, {str(DTYPE).removeprefix('torch.')} {HQ}q:{HKV}kv d={D}")
     print("| BLOCK_Q, warps, stages | shape | lockstep ms | SDPA ms | ratio | same as current | batch invariant "
           "| decode == prefill |")
     print("|---|---|---|---|---|---|---|---|")
     rows, reference = [], None
     for cfg in CANDIDATES if "--backward-only" not in sys.argv else []:
-        cfg = cfg or fwd_config()
+        cfg = cfg or fwd_config(DTYPE)
         try:
             checks, out = bit_checks(cfg, reference)
             times = timings(cfg)

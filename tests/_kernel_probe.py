@@ -4,7 +4,7 @@ tests/test_cpu_kernels.py starts this script in a fresh process for each CPU ker
 (OPENBLAS_CORETYPE, ATEN_CPU_CAPABILITY, MKL_ENABLE_INSTRUCTIONS, ...), because those are read once,
 when the libraries load.
 
-    python tests/_kernel_probe.py BACKEND [--ops OP,OP] [--tl-dot]
+    python tests/_kernel_probe.py BACKEND [--ops OP,OP] [--dtypes float32,bfloat16] [--tl-dot]
 
 --tl-dot makes the Triton GEMM call the interpreter's own tl.dot (numpy's matmul, so the BLAS
 kernel OpenBLAS picked) instead of lockstep's fixed-order dot: the sweeps must then catch the
@@ -66,8 +66,9 @@ def main(argv: list[str]) -> int:
         from lockstep.backends.triton import attention, gemm
 
         gemm.dot_precision = attention.dot_precision = lambda dtype: "ieee"
+    dtypes = argv[argv.index("--dtypes") + 1].split(",") if "--dtypes" in argv else ["float32", "bfloat16"]
     failures, checked = [], []
-    for dtype in (torch.float32, torch.bfloat16):
+    for dtype in (getattr(torch, name) for name in dtypes):
         for op in ops:
             if op == "attention":
                 report = check_attention(dtype, backend=backend, sizes=ATTN, with_accuracy=False)

@@ -21,8 +21,13 @@ import pytest
 
 ARCHS = ("sm_80", "sm_90a", "sm_100a")
 SHARED_LIMIT = {"sm_80": 163 * 1024, "sm_90a": 227 * 1024, "sm_100a": 227 * 1024}
-HOT_KERNELS = {"gemm_kernel", "attn_fwd_kernel", "attn_bwd_dq_kernel", "attn_bwd_dkdv_kernel", "lse_update_kernel",
-               "dlogits_kernel"}
+# Spill stores (bytes per thread, ptxas -v) that a kernel may have, by class: today's worst on any
+# architecture rounded up to a whole KB (docs/gpu.md, "Spills"; ADR 0030). Only attention spills,
+# most at head dim 128 and in the backward's dK/dV kernel. 16-bit attention is the serving path
+# (worst 1,460 B, sm_90a's dK/dV); fp32 attention is the accuracy reference (worst 23,800 B, its
+# dK/dV at head dim 128, which ptxas gives 32 registers). fp32 at sm_90a's 64 query rows spilled
+# up to 63 KB, which is why fp32 keeps 16 rows there.
+SPILL_CEILING = {"other": 0, "16-bit attention": 2 * 1024, "fp32 attention": 24 * 1024}
 # Every kernel the Triton backend defines (a new one must be launched by the audit's workload).
 KERNELS = {"gemm_kernel", "partial_colsum_kernel", "rms_norm_fwd_kernel", "rms_norm_bwd_kernel", "rope_kernel",
            "silu_mul_fwd_kernel", "silu_mul_bwd_kernel", "gelu_mul_fwd_kernel", "gelu_mul_bwd_kernel",
@@ -78,11 +83,18 @@ def test_no_atomics_on_data(audit):
         assert set(r["atomic_ops"]) <= {"ATOMS.OR", "ATOMS.AND"}
 
 
-def test_no_spills_and_shared_memory_within_the_block_limit(audit):
+def _spill_class(record) -> str:
+    if not record["kernel"].startswith("attn_"):
+        return "other"
+    return "fp32 attention" if _dtype(record) == "fp32" else "16-bit attention"
+
+
+def test_spills_within_their_ceilings_and_shared_memory_within_the_block_limit(audit):
+    """Spill stores as ptxas reports them (bytes per thread) stay under SPILL_CEILING, and no block
+    asks for more shared memory than its architecture gives one."""
     _, records, _ = audit
     for r in records:
-        if r["kernel"] in HOT_KERNELS:
-            assert r["spill_bytes"] == 0, (r["kernel"], r["arch"], r["config"])
+        assert r["spill_bytes"] <= SPILL_CEILING[_spill_class(r)], (r["kernel"], r["arch"], r["config"], r["spill_bytes"])
         assert r["shared_bytes"] <= SHARED_LIMIT[r["arch"]], (r["kernel"], r["arch"], r["config"], r["shared_bytes"])
 
 
@@ -162,6 +174,12 @@ PLANTED = textwrap.dedent("""
         i = tl.arange(0, BLOCK)
         tl.atomic_add(y_ptr, tl.sum(tl.load(x_ptr + i), axis=0))
 
+    @triton.jit
+    def hoarder(x_ptr, BLOCK: tl.constexpr):
+        i = tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + i)
+        tl.store(x_ptr + i, x - tl.sum(x, axis=0))    # every element stays live across the sum
+
     out = {}
     with gpu_audit.recording(90) as (launches, case):
         for n in (1, 7, 16, 4096):
@@ -169,6 +187,8 @@ PLANTED = textwrap.dedent("""
             specialized[(1,)](x, n, BLOCK=64)
             unspecialized[(1,)](x, n, BLOCK=64)
         atomic[(1,)](torch.zeros(64), torch.zeros(1), BLOCK=64)
+        for block in (1024, 16384):                   # 32 and 512 elements per thread of one warp
+            hoarder[(1,)](torch.zeros(block), BLOCK=block, num_warps=1)
         from lockstep.backends.triton import gemm
         gemm.gemm(torch.zeros(8, 64), torch.zeros(64, 32))
     for name in ("specialized", "unspecialized"):
@@ -177,18 +197,29 @@ PLANTED = textwrap.dedent("""
                      len({gpu_audit.compile_launch(l, "sm_90a", sys.argv[1])["sass_sha256"] for l in ls})]
     atom = next(l for l in launches if l.kernel == "atomic")
     out["atomic"] = gpu_audit.compile_launch(atom, "sm_90a", sys.argv[1])["data_atomics"]
+    tool, disassembled = gpu_audit._tool, []
+    gpu_audit._tool = lambda name, *args: (disassembled.append(args) if "-sass" in args else None) or tool(name, *args)
+    again = gpu_audit.compile_launch(atom, "sm_90a", sys.argv[1])
+    gpu_audit._tool = tool
+    cubin = sys.argv[1] + "/" + again["cubin"]
+    kept = open(cubin.replace(".cubin", ".sass")).read()
+    out["sass_kept"] = [len(disassembled), kept == tool("cuobjdump", "-sass", cubin)]
     fp32 = next(l for l in launches if l.kernel == "gemm_kernel")
     names = list(fp32.signature)
     fp32.constexprs = {p: ("tf32" if names[p[0]] == "PRECISION" else v) for p, v in fp32.constexprs.items()}
     tf32 = gpu_audit.compile_launch(fp32, "sm_80", sys.argv[1])
     out["tf32"] = [tf32["tf32"], tf32["tensor_core"]]
+    hoarders = [l for l in launches if l.kernel == "hoarder"]
+    out["spills"] = [gpu_audit.compile_launch(l, "sm_90a", sys.argv[1])["spill_bytes"] for l in hoarders]
     print(json.dumps(out))
 """)
 
 
 def test_the_detectors_catch_planted_faults(tmp_path):
-    """A size that Triton specializes on gives several binaries, an atomic add is counted, and an
-    fp32 GEMM asked for TF32 is flagged: the checks above can fail."""
+    """The checks above can fail: a size that Triton specializes on gives several binaries, an
+    atomic add is counted, an fp32 GEMM asked for TF32 is flagged, and a kernel that keeps 512
+    values per thread live spills. A binary audited again is not disassembled again, and the SASS
+    kept for it is cuobjdump's."""
     script = tmp_path / "planted.py"             # Triton reads a kernel's source from its file
     script.write_text(PLANTED)
     done = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, env=_env(),
@@ -199,7 +230,10 @@ def test_the_detectors_catch_planted_faults(tmp_path):
     assert keys == 3 and binaries >= 2          # n == 1 (a constant), n % 16 == 0, and the rest
     assert out["unspecialized"] == [1, 1]
     assert out["atomic"] >= 1
+    assert out["sass_kept"] == [0, True]        # the second audit of a binary reads its SASS from Triton's cache
     assert out["tf32"] == [True, "HMMA"]
+    in_registers, spilled = out["spills"]       # from ptxas's report: cuobjdump's resource usage has no spills
+    assert in_registers == 0 and spilled > 0
 
 
 def test_bad_arch_is_a_clear_error():

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
+import io
 import json
 import os
 import re
@@ -42,6 +43,7 @@ import triton  # noqa: E402
 from triton import knobs  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
+from triton.runtime.cache import get_cache_manager  # noqa: E402
 from triton.runtime.driver import driver  # noqa: E402
 
 # --arch name -> compute capability.
@@ -270,13 +272,69 @@ def _tool(name: str, *args: str) -> str:
     return done.stdout
 
 
+PTXAS_FIGURES = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+
+
+def compile_with_ptxas_report(src: ASTSource, target: GPUTarget, options: dict):
+    """triton.compile, and what ptxas -v said of the binary: {"stack": .., "spill_stores": ..,
+    "spill_loads": ..} in bytes per thread.
+
+    Spills are only in ptxas's report: they live in the stack frame, and cuobjdump's resource usage
+    has no figure for them (its LOCAL counts .local arrays, which Triton never declares). Triton runs
+    ptxas -v and prints the report when asked (knobs.nvidia.dump_ptxas_log). A compile that Triton's
+    cache answers runs no ptxas, so the report is kept next to the binary in that cache, and a binary
+    cached without one is compiled again."""
+    def compiled(always: bool):
+        printed = io.StringIO()
+        with knobs.nvidia.scope(), knobs.compilation.scope(), contextlib.redirect_stdout(printed):
+            knobs.nvidia.dump_ptxas_log = True
+            knobs.compilation.always_compile = always
+            kernel = triton.compile(src, target=target, options=options)
+        return kernel, printed.getvalue()
+
+    kernel, report = compiled(always=False)
+    cache, name = get_cache_manager(kernel.hash), f"{kernel.name}.ptxas"
+    if not PTXAS_FIGURES.search(report):
+        kept = cache.get_file(name)
+        if kept is not None:
+            with open(kept) as f:
+                report = f.read()
+        else:
+            kernel, report = compiled(always=True)
+    figures = PTXAS_FIGURES.findall(report)
+    if len(figures) != 1:
+        raise RuntimeError(f"ptxas -v for {kernel.name}: expected one function's stack and spill figures, "
+                           f"found {len(figures)} in {report[-2000:]!r}")
+    cache.put(report, name, binary=False)
+    return kernel, dict(zip(("stack", "spill_stores", "spill_loads"), map(int, figures[0])))
+
+
 def resource_usage(cubin_path: str) -> dict[str, int]:
-    """REG, STACK, SHARED (static) and LOCAL of the cubin's one function, from cuobjdump -res-usage."""
+    """REG, STACK, SHARED (static) and LOCAL of the cubin's one function, from cuobjdump -res-usage
+    (spills are not among them: see compile_with_ptxas_report)."""
     text = _tool("cuobjdump", "-res-usage", cubin_path)
     line = next((line for line in text.splitlines() if "REG:" in line), None)
     if line is None:
         raise RuntimeError(f"cuobjdump -res-usage {cubin_path}: no resource line in {text!r}")
     return {k: int(v) for k, v in re.findall(r"(\w+):(\d+)", line)}
+
+
+def disassembly(kernel, cubin_path: str) -> str:
+    """cuobjdump -sass of `kernel`'s cubin, kept next to the cubin in Triton's cache.
+
+    cuobjdump takes about 0.35 s of a core to start its disassembler, whatever the cubin's size: for
+    a whole audit whose compiles Triton's cache already holds, that was three quarters of the time.
+    The cache entry's key (kernel.hash) covers the source, the target, the options and the ptxas
+    version, and cuobjdump comes with that ptxas, so one entry has one disassembly."""
+    cache = get_cache_manager(kernel.hash)
+    name = f"{kernel.name}.sass"
+    cached = cache.get_file(name)
+    if cached is not None:
+        with open(cached) as f:
+            return f.read()
+    sass = _tool("cuobjdump", "-sass", cubin_path)
+    cache.put(sass, name, binary=False)
+    return sass
 
 
 def opcodes(sass: str) -> list[str]:
@@ -298,7 +356,7 @@ def compile_launch(launch: Launch, arch: str, out_dir: str) -> dict:
     """Compile `launch` for `arch`, write its cubin and SASS under out_dir/arch, and describe it."""
     capability = ARCHS[arch]
     src = ASTSource(launch.fn, launch.signature, launch.constexprs, launch.attrs)
-    kernel = triton.compile(src, target=GPUTarget("cuda", capability, 32), options=dict(launch.options))
+    kernel, ptxas = compile_with_ptxas_report(src, GPUTarget("cuda", capability, 32), dict(launch.options))
     cubin = kernel.asm["cubin"]
     digest = hashlib.sha256(cubin).hexdigest()[:16]
     folder = os.path.join(out_dir, arch)
@@ -306,7 +364,7 @@ def compile_launch(launch: Launch, arch: str, out_dir: str) -> dict:
     stem = os.path.join(folder, f"{launch.kernel}-{digest}")
     with open(stem + ".cubin", "wb") as f:
         f.write(cubin)
-    sass = _tool("cuobjdump", "-sass", stem + ".cubin")
+    sass = disassembly(kernel, stem + ".cubin")
     with open(stem + ".sass", "w") as f:
         f.write(sass)
     usage = resource_usage(stem + ".cubin")
@@ -321,8 +379,9 @@ def compile_launch(launch: Launch, arch: str, out_dir: str) -> dict:
         "signature": {k: v for k, v in launch.signature.items() if v != "constexpr"},
         "divisible_by_16": launch.divisible_by_16(),
         "registers": usage["REG"],
-        "spill_bytes": usage.get("LOCAL", 0),
-        "stack_bytes": usage.get("STACK", 0),
+        "spill_bytes": ptxas["spill_stores"],
+        "spill_load_bytes": ptxas["spill_loads"],
+        "stack_bytes": ptxas["stack"],
         "shared_bytes": dynamic_shared + usage.get("SHARED", 0),
         "num_warps": int(kernel.metadata.num_warps),
         "num_stages": int(launch.options["num_stages"]),

@@ -44,16 +44,22 @@ FWD_CONFIGS = {None: AttentionConfig(BLOCK_Q), 90: AttentionConfig(64, 4, 3)}
 # anchored at query 0 whatever the batch. 64 made forward + backward 1.8x faster than 16 on an
 # H200; 128 did not compile under Triton 3.6.
 BWD_BLOCK_Q = {None: BLOCK_Q, 90: 64}
+# Both tables were measured in bf16, and fp32 keeps the default tile on every GPU (ADR 0030): its
+# tiles, multiplied on FFMA, do not fit in registers at 64 query rows, where ptxas spilled 15-113 KB
+# per thread on sm_90a against 0-4 KB at 16 rows (`lockstep gpu-audit`).
+WIDE_TILE_DTYPES = (torch.bfloat16, torch.float16)
 
 
-def fwd_config() -> AttentionConfig:
-    """The forward's launch configuration on the current architecture (FWD_CONFIGS)."""
-    return FWD_CONFIGS.get(gpu_capability(), FWD_CONFIGS[None])
+def fwd_config(dtype: torch.dtype) -> AttentionConfig:
+    """The forward's launch configuration for `dtype` on the current architecture (FWD_CONFIGS)."""
+    arch = gpu_capability() if dtype in WIDE_TILE_DTYPES else None
+    return FWD_CONFIGS.get(arch, FWD_CONFIGS[None])
 
 
-def bwd_block_q() -> int:
-    """The backward's query tile on the current architecture (BWD_BLOCK_Q)."""
-    return BWD_BLOCK_Q.get(gpu_capability(), BWD_BLOCK_Q[None])
+def bwd_block_q(dtype: torch.dtype) -> int:
+    """The backward's query tile for `dtype` on the current architecture (BWD_BLOCK_Q)."""
+    arch = gpu_capability() if dtype in WIDE_TILE_DTYPES else None
+    return BWD_BLOCK_Q.get(arch, BWD_BLOCK_Q[None])
 INT_ARGS = ["Hq", "Hkv", "D", "window", "stride_qt", "stride_qh", "stride_kt", "stride_kh", "table_stride",
             "block_size", "n_blocks"]
 
@@ -272,7 +278,7 @@ def _blocks(lengths: list[int], step: int, device) -> tuple[torch.Tensor, torch.
 
 
 def _forward(q, k, v, cu_q, cu_k, lens, table, scale, causal, window, paged, config: AttentionConfig | None = None):
-    config = config or fwd_config()
+    config = config or fwd_config(q.dtype)
     tq, hq, d = q.shape
     hkv = k.shape[-2]
     acc = accumulate_dtype(q.dtype)
@@ -316,7 +322,7 @@ class _Attention(torch.autograd.Function):
         delta = torch.zeros_like(m)
         cu_q_t = torch.tensor(cu_q, dtype=torch.int32, device=q.device)
         cu_k_t = torch.tensor(cu_k, dtype=torch.int32, device=q.device)
-        block_q = bwd_block_q()
+        block_q = bwd_block_q(q.dtype)
         common = dict(CAUSAL=causal, HAS_WINDOW=window is not None, PRECISION=dot_precision(q.dtype), BLOCK_Q=block_q,
                       BLOCK_K=KEY_BLOCK, BLOCK_D=triton.next_power_of_2(d))
         lq = [cu_q[i + 1] - cu_q[i] for i in range(len(cu_q) - 1)]
