@@ -150,7 +150,8 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("bench_attention_tiles: no CUDA device; nothing measured")
         return 1
-    print(f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}, {str(DTYPE).removeprefix('torch.')} {HQ}q:{HKV}kv d={D}")
+    dtype = str(DTYPE).removeprefix("torch.")
+    print(f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}, {dtype} {HQ}q:{HKV}kv d={D}")
     print("| BLOCK_Q, warps, stages | shape | lockstep ms | SDPA ms | ratio | same as current | batch invariant "
           "| decode == prefill |")
     print("|---|---|---|---|---|---|---|---|")

@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from _kernel_probe import OPS
 
 from lockstep.registry import cpu_backend
 
@@ -91,7 +92,7 @@ def test_triton_stand_in_is_invariant_under_every_openblas_core(coretype):
     # (backends/triton/common.py), so bf16 reaches the same numpy kernels, and whatever of OpenBLAS
     # they use, as fp32 does. The --tl-dot test below still runs both dtypes.
     result = probe({"OPENBLAS_CORETYPE": coretype}, "triton", "--dtypes", "float32")
-    assert result["checked"] == ["linear torch.float32", "selected_logprobs torch.float32", "attention torch.float32"]
+    assert result["checked"] == [f"{op} torch.float32" for op in OPS["triton"]]
     assert not result["failures"], result
 
 

@@ -73,6 +73,18 @@ def test_triton_attention_forward_at_every_query_tile(block_q, warps):
         assert torch.equal(both, run(q, k, v, [0, 70, 79], [0, 70, 79], AttentionConfig(16)))
 
 
+def test_fp32_attention_keeps_the_default_query_tile_where_16_bit_takes_a_wider_one(monkeypatch):
+    """ADR 0030: sm_90's 64 query rows were measured in bf16; fp32's tiles spill there, so fp32
+    keeps 16 rows on every GPU."""
+    from lockstep.backends.triton import attention
+
+    monkeypatch.setattr(attention, "gpu_capability", lambda: 90)
+    assert [attention.fwd_config(d).block_q for d in DTYPES] == [16, 64, 64]
+    assert [attention.bwd_block_q(d) for d in DTYPES] == [16, 64, 64]
+    monkeypatch.setattr(attention, "gpu_capability", lambda: 80)
+    assert [attention.fwd_config(d).block_q for d in DTYPES] == [16, 16, 16]
+
+
 def test_auto_picks_triton_only_for_cuda_tensors():
     from lockstep.registry import cpu_backend, resolve
 

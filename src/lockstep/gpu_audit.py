@@ -7,8 +7,9 @@ what the backend launches: the audit runs the backend's ops, forward and backwar
 of every dtype and flag, with a stand-in for Triton's driver that reports the target architecture,
 and Triton's own launcher computes each launch's signature, constexprs and specialization
 attributes. Its `jit_cache_hook` records them and stops the launch before anything reaches a
-device. Each distinct launch is then compiled per architecture, and `cuobjdump` (also in the
-wheel) gives registers, local memory (spills), shared memory and the SASS.
+device. Each distinct launch is then compiled per architecture; ptxas's own report (-v) gives
+the stack frame and the spills, and `cuobjdump` (also in the wheel) gives registers, static shared
+memory and the SASS.
 
 The workload runs every size argument at several values (rows, sequences, sequence lengths, the
 vocabulary); a size that reached the compiled code through Triton's integer specialization would
@@ -42,7 +43,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 from triton import knobs  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
+from triton.compiler import ASTSource, CompiledKernel  # noqa: E402
 from triton.runtime.cache import get_cache_manager  # noqa: E402
 from triton.runtime.driver import driver  # noqa: E402
 
@@ -272,19 +273,24 @@ def _tool(name: str, *args: str) -> str:
     return done.stdout
 
 
+PTXAS_RAN = re.compile(r"^ptxas[\w-]* info", re.M)
 PTXAS_FIGURES = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
 
 
-def compile_with_ptxas_report(src: ASTSource, target: GPUTarget, options: dict):
-    """triton.compile, and what ptxas -v said of the binary: {"stack": .., "spill_stores": ..,
-    "spill_loads": ..} in bytes per thread.
+def compile_with_ptxas_report(src: ASTSource, target: GPUTarget,
+                              options: dict) -> tuple[CompiledKernel, dict[str, int]]:
+    """triton.compile, and what ptxas -v said of the binary: {"stack": the stack frame, in bytes per
+    thread; "spill_stores", "spill_loads": ptxas's count of the bytes that the code's spill
+    instructions store and load, a static count, so a slot stored twice counts twice}.
 
     Spills are only in ptxas's report: they live in the stack frame, and cuobjdump's resource usage
     has no figure for them (its LOCAL counts .local arrays, which Triton never declares). Triton runs
     ptxas -v and prints the report when asked (knobs.nvidia.dump_ptxas_log). A compile that Triton's
     cache answers runs no ptxas, so the report is kept next to the binary in that cache, and a binary
     cached without one is compiled again."""
-    def compiled(always: bool):
+    always_compile = knobs.compilation.always_compile     # TRITON_ALWAYS_COMPILE, as the user set it
+
+    def compiled(always: bool) -> tuple[CompiledKernel, str]:
         printed = io.StringIO()
         with knobs.nvidia.scope(), knobs.compilation.scope(), contextlib.redirect_stdout(printed):
             knobs.nvidia.dump_ptxas_log = True
@@ -292,20 +298,23 @@ def compile_with_ptxas_report(src: ASTSource, target: GPUTarget, options: dict):
             kernel = triton.compile(src, target=target, options=options)
         return kernel, printed.getvalue()
 
-    kernel, report = compiled(always=False)
+    kernel, report = compiled(always_compile)
     cache, name = get_cache_manager(kernel.hash), f"{kernel.name}.ptxas"
-    if not PTXAS_FIGURES.search(report):
+    ran = bool(PTXAS_RAN.search(report))
+    if not ran:
         kept = cache.get_file(name)
         if kept is not None:
             with open(kept) as f:
                 report = f.read()
         else:
-            kernel, report = compiled(always=True)
+            (kernel, report), ran = compiled(always=True), True
     figures = PTXAS_FIGURES.findall(report)
     if len(figures) != 1:
-        raise RuntimeError(f"ptxas -v for {kernel.name}: expected one function's stack and spill figures, "
-                           f"found {len(figures)} in {report[-2000:]!r}")
-    cache.put(report, name, binary=False)
+        raise RuntimeError(f"ptxas -v for {kernel.name}: expected one line '<N> bytes stack frame, <N> bytes spill "
+                           f"stores, <N> bytes spill loads' in the report that Triton prints under "
+                           f"knobs.nvidia.dump_ptxas_log, found {len(figures)}: {report[-2000:]!r}")
+    if ran:
+        cache.put(report, name, binary=False)
     return kernel, dict(zip(("stack", "spill_stores", "spill_loads"), map(int, figures[0])))
 
 
@@ -319,7 +328,7 @@ def resource_usage(cubin_path: str) -> dict[str, int]:
     return {k: int(v) for k, v in re.findall(r"(\w+):(\d+)", line)}
 
 
-def disassembly(kernel, cubin_path: str) -> str:
+def disassembly(kernel: CompiledKernel, cubin_path: str) -> str:
     """cuobjdump -sass of `kernel`'s cubin, kept next to the cubin in Triton's cache.
 
     cuobjdump takes about 0.35 s of a core to start its disassembler, whatever the cubin's size: for

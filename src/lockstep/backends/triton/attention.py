@@ -45,8 +45,8 @@ FWD_CONFIGS = {None: AttentionConfig(BLOCK_Q), 90: AttentionConfig(64, 4, 3)}
 # H200; 128 did not compile under Triton 3.6.
 BWD_BLOCK_Q = {None: BLOCK_Q, 90: 64}
 # Both tables were measured in bf16, and fp32 keeps the default tile on every GPU (ADR 0030): its
-# tiles, multiplied on FFMA, do not fit in registers at 64 query rows, where ptxas spilled 15-113 KB
-# per thread on sm_90a against 0-4 KB at 16 rows (`lockstep gpu-audit`).
+# tiles, multiplied on FFMA, do not fit in registers at 64 query rows, where ptxas wrote 3.7-63 KB of
+# spill stores per binary on sm_90a, against 0-24 KB at 16 rows (`lockstep gpu-audit`).
 WIDE_TILE_DTYPES = (torch.bfloat16, torch.float16)
 
 
@@ -60,6 +60,8 @@ def bwd_block_q(dtype: torch.dtype) -> int:
     """The backward's query tile for `dtype` on the current architecture (BWD_BLOCK_Q)."""
     arch = gpu_capability() if dtype in WIDE_TILE_DTYPES else None
     return BWD_BLOCK_Q.get(arch, BWD_BLOCK_Q[None])
+
+
 INT_ARGS = ["Hq", "Hkv", "D", "window", "stride_qt", "stride_qh", "stride_kt", "stride_kh", "table_stride",
             "block_size", "n_blocks"]
 
