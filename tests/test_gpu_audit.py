@@ -242,8 +242,9 @@ PLANTED = textwrap.dedent("""
 def test_the_detectors_catch_planted_faults(tmp_path):
     """The checks above can fail: a size that Triton specializes on gives several binaries, an
     atomic add is counted, an fp32 GEMM asked for TF32 is flagged, and a kernel that keeps 512
-    values per thread live spills. A binary audited again is not disassembled again, and the SASS
-    kept for it is cuobjdump's."""
+    values per thread live spills. A binary audited again is neither disassembled nor compiled
+    again, the SASS kept for it is cuobjdump's, and one whose kept ptxas report is gone is compiled
+    once more, with the same figures."""
     script = tmp_path / "planted.py"             # Triton reads a kernel's source from its file
     script.write_text(PLANTED)
     done = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, env=_env(),

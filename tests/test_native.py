@@ -325,8 +325,7 @@ def test_an_aarch64_build_under_qemu_gives_the_x86_bits(cross, tmp_path):
     so = tmp_path / "kernels-aarch64.so"
     cc = ([sys.executable, "-m", "ziglang", "cc", "-target", "aarch64-linux-gnu.2.36"] if cross == "clang"
           else ["aarch64-linux-gnu-gcc"])
-    done = subprocess.run([*cc, *build.FLAGS, "-o", str(so), str(build.SOURCE), "-lm"], capture_output=True, text=True,
-                          timeout=300)
+    done = subprocess.run(build.compile_command(cc, [], str(so)), capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     proc = subprocess.run(["qemu-aarch64", "-L", str(root), "-E", f"PYTHONPATH={root / 'site'}",
                            str(root / "usr/bin/python3"), str(Path(bits.__file__)), str(so)],
@@ -1034,8 +1033,8 @@ def reduced_build(tmp_path_factory):
     def get(define: str) -> Path:
         if define not in made:
             so = folder / f"kernels{define}.so"
-            done = subprocess.run([*build.compiler(), *build.FLAGS, define, "-o", str(so), str(build.SOURCE), "-lm"],
-                                  capture_output=True, text=True)
+            done = subprocess.run(build.compile_command(build.compiler(), [define], str(so)), capture_output=True,
+                                  text=True)
             assert done.returncode == 0, done.stderr
             made[define] = so
         return made[define]

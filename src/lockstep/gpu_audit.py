@@ -273,6 +273,19 @@ def _tool(name: str, *args: str) -> str:
     return done.stdout
 
 
+def _kept(kernel: CompiledKernel, suffix: str) -> str | None:
+    """The text kept next to `kernel`'s binary in Triton's cache as kernel.name + suffix, if any."""
+    path = get_cache_manager(kernel.hash).get_file(kernel.name + suffix)
+    if path is None:
+        return None
+    with open(path) as f:
+        return f.read()
+
+
+def _keep(kernel: CompiledKernel, suffix: str, text: str) -> None:
+    get_cache_manager(kernel.hash).put(text, kernel.name + suffix, binary=False)
+
+
 PTXAS_RAN = re.compile(r"^ptxas[\w-]* info", re.M)
 PTXAS_FIGURES = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
 
@@ -299,14 +312,10 @@ def compile_with_ptxas_report(src: ASTSource, target: GPUTarget,
         return kernel, printed.getvalue()
 
     kernel, report = compiled(always_compile)
-    cache, name = get_cache_manager(kernel.hash), f"{kernel.name}.ptxas"
     ran = bool(PTXAS_RAN.search(report))
     if not ran:
-        kept = cache.get_file(name)
-        if kept is not None:
-            with open(kept) as f:
-                report = f.read()
-        else:
+        report = _kept(kernel, ".ptxas")
+        if report is None:
             (kernel, report), ran = compiled(always=True), True
     figures = PTXAS_FIGURES.findall(report)
     if len(figures) != 1:
@@ -314,7 +323,7 @@ def compile_with_ptxas_report(src: ASTSource, target: GPUTarget,
                            f"stores, <N> bytes spill loads' in the report that Triton prints under "
                            f"knobs.nvidia.dump_ptxas_log, found {len(figures)}: {report[-2000:]!r}")
     if ran:
-        cache.put(report, name, binary=False)
+        _keep(kernel, ".ptxas", report)
     return kernel, dict(zip(("stack", "spill_stores", "spill_loads"), map(int, figures[0])))
 
 
@@ -335,14 +344,10 @@ def disassembly(kernel: CompiledKernel, cubin_path: str) -> str:
     a whole audit whose compiles Triton's cache already holds, that was three quarters of the time.
     The cache entry's key (kernel.hash) covers the source, the target, the options and the ptxas
     version, and cuobjdump comes with that ptxas, so one entry has one disassembly."""
-    cache = get_cache_manager(kernel.hash)
-    name = f"{kernel.name}.sass"
-    cached = cache.get_file(name)
-    if cached is not None:
-        with open(cached) as f:
-            return f.read()
-    sass = _tool("cuobjdump", "-sass", cubin_path)
-    cache.put(sass, name, binary=False)
+    sass = _kept(kernel, ".sass")
+    if sass is None:
+        sass = _tool("cuobjdump", "-sass", cubin_path)
+        _keep(kernel, ".sass", sass)
     return sass
 
 

@@ -163,6 +163,11 @@ def _name(cc: list[str]) -> str:
 _PASSING_FAILURES = ("Killed signal", "internal compiler error", "No space left on device", "Cannot allocate memory")
 
 
+def compile_command(cc: list[str], defines: list[str], out: str) -> list[str]:
+    """The command that compiles kernels.c with `defines` (BUILDS) into the shared library `out`."""
+    return [*cc, *FLAGS, *defines, "-o", out, str(SOURCE), "-lm"]
+
+
 def _compile_widest(cc: list[str], out: str) -> tuple[str, str]:
     """Compile kernels.c into `out` as the first of BUILDS that `cc` can build: (what it left out,
     the whole file's first error), ("", "") for the whole file. NativeUnavailable, with the whole
@@ -170,7 +175,7 @@ def _compile_widest(cc: list[str], out: str) -> tuple[str, str]:
     of memory or disk, an internal compiler error)."""
     first_error = ""
     for defines, left_out in BUILDS:
-        done = subprocess.run([*cc, *FLAGS, *defines, "-o", out, str(SOURCE), "-lm"], capture_output=True, text=True)
+        done = subprocess.run(compile_command(cc, defines, out), capture_output=True, text=True)
         if done.returncode == 0:
             return left_out, first_error
         lines = done.stderr.strip().splitlines()
