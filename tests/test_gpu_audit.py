@@ -3,7 +3,10 @@ CPU, and the machine code held to the contract (docs/gpu.md).
 
 The audit runs once per session, as a user runs it (`lockstep gpu-audit` in a process of its own:
 the Triton backend must be imported with TRITON_INTERPRET=0, and this process imports it under
-the interpreter). The checks that show the audit's detectors can fail compile planted kernels in
+the interpreter): conftest.py's `gpu_audit_output`. A serial run starts it once the tests are
+collected, at the lowest priority, and runs the tests that read it last, so that on a fresh
+machine its compiles use the time the rest of the suite leaves a core idle; under xdist the
+fixture starts it. The checks that show the audit's detectors can fail compile planted kernels in
 another subprocess.
 """
 
@@ -17,7 +20,6 @@ import subprocess
 import sys
 import textwrap
 
-import pytest
 
 ARCHS = ("sm_80", "sm_90a", "sm_100a")
 SHARED_LIMIT = {"sm_80": 163 * 1024, "sm_90a": 227 * 1024, "sm_100a": 227 * 1024}
@@ -42,21 +44,12 @@ def _env():
     return env
 
 
-@pytest.fixture(scope="module")
-def audit(tmp_path_factory):
-    out = tmp_path_factory.mktemp("gpu-audit")
-    done = subprocess.run([sys.executable, "-m", "lockstep.cli", "gpu-audit", "--out", str(out), "--json",
-                           str(out / "audit.json")], capture_output=True, text=True, env=_env(), timeout=1500)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return out, json.load(open(out / "audit.json")), done.stdout
-
-
 def _dtype(record):
     return next(t for t in record["signature"].values() if t.startswith("*")).lstrip("*")
 
 
-def test_every_kernel_on_every_arch_with_its_files(audit):
-    out, records, stdout = audit
+def test_every_kernel_on_every_arch_with_its_files(gpu_audit_output):
+    out, records, stdout = gpu_audit_output
     fields = {"kernel", "arch", "config", "registers", "spill_bytes", "spill_load_bytes", "stack_bytes",
               "shared_bytes", "num_warps", "atomics", "tensor_core", "sass_sha256", "cubin"}
     for r in records:
@@ -73,8 +66,8 @@ def test_every_kernel_on_every_arch_with_its_files(audit):
         assert line.split()[0] in ARCHS
 
 
-def test_no_atomics_on_data(audit):
-    _, records, _ = audit
+def test_no_atomics_on_data(gpu_audit_output):
+    _, records, _ = gpu_audit_output
     for r in records:
         assert r["data_atomics"] == 0, (r["kernel"], r["arch"], r["config"], r["atomic_ops"])
         if r["arch"] != "sm_100a":
@@ -89,18 +82,18 @@ def _spill_class(record) -> str:
     return "fp32 attention" if _dtype(record) == "fp32" else "16-bit attention"
 
 
-def test_spills_within_their_ceilings_and_shared_memory_within_the_block_limit(audit):
+def test_spills_within_their_ceilings_and_shared_memory_within_the_block_limit(gpu_audit_output):
     """Spill stores as ptxas counts them stay under SPILL_CEILING, and no block asks for more
     shared memory than its architecture gives one."""
-    _, records, _ = audit
+    _, records, _ = gpu_audit_output
     for r in records:
         assert r["spill_bytes"] <= SPILL_CEILING[_spill_class(r)], \
             (r["kernel"], r["arch"], r["config"], r["spill_bytes"])
         assert r["shared_bytes"] <= SHARED_LIMIT[r["arch"]], (r["kernel"], r["arch"], r["config"], r["shared_bytes"])
 
 
-def test_fp32_kernels_use_no_reduced_precision_mma(audit):
-    _, records, _ = audit
+def test_fp32_kernels_use_no_reduced_precision_mma(gpu_audit_output):
+    _, records, _ = gpu_audit_output
     fp32 = [r for r in records if r["config"].get("PRECISION") == "ieee"]
     assert {r["kernel"] for r in fp32} >= {"gemm_kernel", "attn_fwd_kernel", "attn_bwd_dq_kernel"}
     for r in fp32:
@@ -112,12 +105,12 @@ def test_fp32_kernels_use_no_reduced_precision_mma(audit):
         assert gemm16 and all(family in r["tensor_core"].split("+") for r in gemm16), arch
 
 
-def test_compile_once_across_sizes(audit):
+def test_compile_once_across_sizes(gpu_audit_output):
     """One binary per kernel configuration, although the workload ran every size argument at
     several values: rows 1, 7, 16 and 4096; 1, 3 and 8 sequences of many lengths; vocabularies
     of 3000, 49152 and 151936. Triton specializes pointers and the GEMM's strides (ADR 0014),
     which follow a model's sizes and layouts; it never specializes a size."""
-    _, records, _ = audit
+    _, records, _ = gpu_audit_output
     binaries = collections.defaultdict(list)
     for r in records:
         specialized = r["divisible_by_16"] + [k for k in r["config"] if not k.isupper()]
@@ -140,11 +133,11 @@ def test_compile_once_across_sizes(audit):
         assert sizes_seen("lse_update_kernel", arch, "fp32", "vocab=") >= {"49152", "151936"}
 
 
-def test_the_gemm_pipelines_its_loads(audit):
+def test_the_gemm_pipelines_its_loads(gpu_audit_output):
     """ADR 0014: with K unit-strided in both operands (linear's forward, x @ W^T), the GEMM's K
     loop copies its tiles with 16-byte cp.async (LDGSTS), several stages deep; before the strides
     were specialized it loaded 2-byte scalars, one stage deep."""
-    out, records, _ = audit
+    out, records, _ = gpu_audit_output
     for arch in ("sm_80", "sm_90a"):
         forward = [r for r in records if r["kernel"] == "gemm_kernel" and r["arch"] == arch
                    and r["config"].get("stride_ak") == 1 and r["config"].get("stride_bk") == 1]

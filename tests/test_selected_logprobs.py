@@ -131,7 +131,6 @@ def test_a_bf16_weight_gradient_outside_a_unit_tree_is_its_fp32_sum_rounded_once
     assert torch.equal(outside.view(torch.int16), total.to(torch.bfloat16).view(torch.int16))
 
 
-
 def _logprobs_and_grads(backend, hidden, table, targets, temperature=0.7, softcap=None):
     """Outputs, d(hidden) and the weight's unit-tree total over three units (rows 0-19, 20-29 and
     30-36): two pieces, so the backward takes rows 0-29 and then 30-36 of each chunk."""
