@@ -264,9 +264,9 @@ def _trajectory_section(t: dict) -> str:
                     "max |param diff|": [(r["step"], r["max_param_diff"]) for r in rows]}, "differences (log10)", log=True),
     ]
     first = t.get("first_step_outside_contract")
-    spread = (f", each plus {t['pytorch_spread_factor']} x PyTorch's own spread (plain vs the eager backend)"
-              if t.get("pytorch_spread_factor") else "")
-    head = (f"<p>Tolerances: loss {t['loss_tol']}, parameters {t['param_tol']}{spread}. First step outside: "
+    error = (f", each plus {t['pytorch_error_factor']} x PyTorch's own error (plain vs lockstep's trainer in float64)"
+             if t.get("pytorch_error_factor") else "")
+    head = (f"<p>Tolerances: loss {t['loss_tol']}, parameters {t['param_tol']}{error}. First step outside: "
             f"<b>{first if first is not None else 'none'}</b></p>")
     op = t.get("first_diverging_op")
     extra = _parity_section({**op, "a": a, "b": b}) if op else ""

@@ -88,10 +88,10 @@ def compare_trajectories(make_trainer: Callable[[], object], side_a: str, side_b
     side: a backend name ("portable", "eager", ...) for a lockstep Trainer on that backend, or
     "plain" for PlainTrainer. Tolerances default to 0 (bitwise) for two lockstep trainers and to the
     trainer-parity contract against the plain trainer: there a step is inside when each difference
-    is at most the contract's number plus `factor` times PyTorch's own spread, the difference
-    between the plain trainer and a trainer on the eager backend (stock ops, another reduction
-    order), run on the same windows (docs/contract.md section 4). Returns per-step rows, the first
-    step outside the tolerance and, for two lockstep trainers, the first diverging op of that step."""
+    is at most the contract's number plus `factor` times PyTorch's own error, the plain trainer's
+    distance from lockstep's trainer in float64 on the reference backend, run on the same windows
+    (docs/contract.md section 4, docs/adr/0031). Returns per-step rows, the first step outside the
+    tolerance and, for two lockstep trainers, the first diverging op of that step."""
 
     trainers = {}
     for side in (side_a, side_b):
@@ -102,11 +102,10 @@ def compare_trajectories(make_trainer: Callable[[], object], side_a: str, side_b
     base = trainers[side_a] if side_a != "plain" else trainers[side_b]
     plain_involved = "plain" in (side_a, side_b)
     parity_contract = contract.load().get("trainer_parity", {})
-    spread_factor = 0.0
-    if plain_involved and (loss_tol is None or param_tol is None) and "eager" not in (side_a, side_b):
-        spread_factor = parity_contract.get("pytorch_spread_factor", 2.0)
-        trainers["pytorch-spread"] = make_trainer()
-        trainers["pytorch-spread"].layout_invariant = False
+    error_factor = 0.0
+    if plain_involved and (loss_tol is None or param_tol is None):
+        error_factor = parity_contract.get("pytorch_error_factor", 2.0)
+        trainers["float64"] = _float64_trainer(make_trainer())
     loss_tol = loss_tol if loss_tol is not None else (parity_contract.get("loss", 2e-5) if plain_involved else 0.0)
     param_tol = param_tol if param_tol is not None else (parity_contract.get("params", 3e-5) if plain_involved else 0.0)
     rows, first_bad, op_divergence = [], None, None
@@ -132,14 +131,13 @@ def compare_trajectories(make_trainer: Callable[[], object], side_a: str, side_b
                "loss_diff": abs(ra["loss"] - rb["loss"]), "grad_norm_diff": abs(ra["grad_norm"] - rb["grad_norm"]),
                "param_norm_diff": abs(ra["param_norm"] - rb["param_norm"]), "max_param_diff": param_diff}
         step_loss_tol, step_param_tol = loss_tol, param_tol
-        if spread_factor:
-            spread = trainers["pytorch-spread"]
-            with registry.use_backend("eager"):
-                rs = spread.step(window)
-            row["pytorch_loss_spread"] = abs(rs["loss"] - recs["plain"]["loss"])
-            row["pytorch_param_spread"] = _max_param_diff(params["pytorch-spread"], params["plain"])
-            step_loss_tol += spread_factor * row["pytorch_loss_spread"]
-            step_param_tol += spread_factor * row["pytorch_param_spread"]
+        if error_factor:
+            with registry.use_backend("reference"):
+                truth = trainers["float64"].step(window)
+            row["pytorch_loss_error"] = abs(truth["loss"] - recs["plain"]["loss"])
+            row["pytorch_param_error"] = _max_param_diff(params["float64"], params["plain"])
+            step_loss_tol += error_factor * row["pytorch_loss_error"]
+            step_param_tol += error_factor * row["pytorch_param_error"]
         rows.append(row)
         if first_bad is None and (row["loss_diff"] > step_loss_tol or param_diff > step_param_tol):
             first_bad = step + 1
@@ -149,8 +147,17 @@ def compare_trajectories(make_trainer: Callable[[], object], side_a: str, side_b
                 first, stop = micro_batches(window, 0, len(window), base.cfg.micro_batch_tokens)[0]
                 op_divergence = _step_divergence(trainers[side_a], snapshot, window[first:stop], side_a, side_b)
     return {"side_a": side_a, "side_b": side_b, "loss_tol": loss_tol, "param_tol": param_tol,
-            "pytorch_spread_factor": spread_factor, "rows": rows,
+            "pytorch_error_factor": error_factor, "rows": rows,
             "first_step_outside_contract": first_bad, "first_diverging_op": op_divergence}
+
+
+def _float64_trainer(trainer):
+    """A copy of `trainer` in float64, to run on the reference backend: the same weights, data and
+    config, its AdamW in float64 (docs/adr/0027). It is the truth PyTorch's own error is measured
+    against."""
+    from ..train import Trainer
+
+    return Trainer(trainer.model.to(torch.float64), trainer.data, trainer.cfg, layout_invariant=False)
 
 
 def _max_param_diff(a: dict[str, Tensor], b: dict[str, Tensor]) -> float:
@@ -201,11 +208,11 @@ def format_trajectory(result: dict) -> str:
     for r in result["rows"]:
         lines.append(f"step {r['step']:3d}  loss {r['loss_a']:.6f} {r['loss_b']:.6f}  |dloss| {r['loss_diff']:.2e}  "
                      f"grad norm {r['grad_norm_a']:.4f} {r['grad_norm_b']:.4f}  max |dparam| {r['max_param_diff']:.2e}"
-                     + (f"  PyTorch's spread {r['pytorch_param_spread']:.2e}" if "pytorch_param_spread" in r else ""))
+                     + (f"  PyTorch's error {r['pytorch_param_error']:.2e}" if "pytorch_param_error" in r else ""))
     first = result["first_step_outside_contract"]
-    spread = (f", each plus {result['pytorch_spread_factor']} x PyTorch's spread"
-              if result.get("pytorch_spread_factor") else "")
-    lines.append(f"first step outside the contract (loss {result['loss_tol']}, params {result['param_tol']}{spread}): "
+    error = (f", each plus {result['pytorch_error_factor']} x PyTorch's error (plain vs float64)"
+             if result.get("pytorch_error_factor") else "")
+    lines.append(f"first step outside the contract (loss {result['loss_tol']}, params {result['param_tol']}{error}): "
                  f"{first if first is not None else 'none'}")
     if result["first_diverging_op"]:
         c = result["first_diverging_op"]
