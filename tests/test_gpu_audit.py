@@ -6,7 +6,8 @@ the Triton backend must be imported with TRITON_INTERPRET=0, and this process im
 the interpreter): conftest.py's `gpu_audit_output`. A serial run starts it once the tests are
 collected, at the lowest priority, and runs the tests that read it last, so that on a fresh
 machine its compiles use the time the rest of the suite leaves a core idle; under xdist the
-fixture starts it, once per worker that runs these tests (--dist loadgroup puts them all on one). The checks that show the audit's detectors can fail compile planted kernels in
+fixture starts it, once per worker that runs one of these tests (so .ci/cpu-suite runs them in a
+serial pytest of their own). The checks that show the audit's detectors can fail compile planted kernels in
 another subprocess.
 """
 
