@@ -2,8 +2,9 @@ import pytest
 import torch
 
 import lockstep
-from lockstep import contract, ops
+from lockstep import contract, ops, registry
 from lockstep.backends import reference
+from lockstep.harness.check import check_op
 
 from _contract_checks import DTYPES, assert_op_contract
 
@@ -55,6 +56,30 @@ def test_gelu_mul_gradient_matches_reference():
     tol = contract.tolerance("gelu_mul", torch.float32, "gradient")
     torch.testing.assert_close(g.grad.double(), g64.grad, atol=tol.atol, rtol=tol.rtol)
     torch.testing.assert_close(u.grad.double(), u64.grad, atol=tol.atol, rtol=tol.rtol)
+
+
+@pytest.mark.parametrize("backend", [registry.cpu_backend(), "portable", "triton"])
+def test_gelu_mul_gradient_is_within_twice_eagers_error_where_the_sigmoid_nears_1(backend):
+    """d gelu / dg takes 1 - sigmoid(2u) as sigmoid(-2u): computed as 1 - s it lost the digits s
+    shares with 1, and d(2u)/dg grows with g^2, so at g in [1.5, 4.5] the fp32 gradient was 3.3x
+    eager PyTorch's error (1.5e-6 against 4.6e-7), where the contract allows 2x plus an ulp; and
+    `lockstep check --seed S` failed gelu_mul float32 at seeds 1, 3, 4 and 5."""
+    g = torch.linspace(1.5, 4.5, 8193)
+    g64 = g.double().requires_grad_()
+    reference.gelu_mul(g64, torch.ones_like(g64)).backward(torch.ones_like(g64))
+
+    def error(name):
+        x = g.clone().requires_grad_()
+        with lockstep.use_backend(name):
+            ops.gelu_mul(x, torch.ones_like(x)).backward(torch.ones_like(x))
+        return float((x.grad.double() - g64.grad).abs().max())
+
+    factor, floor_ulps = contract.relative_to_pytorch()
+    allowed = factor * error("eager") + floor_ulps * contract.ulp(torch.float32, float(g64.grad.abs().max()))
+    assert error(backend) <= allowed
+    if backend == registry.cpu_backend():
+        for seed in (1, 3, 4, 5):
+            assert check_op("gelu_mul", torch.float32, backend=backend, seed=seed).accuracy.relative_ok, seed
 
 
 def test_gelu_mul_bad_input():

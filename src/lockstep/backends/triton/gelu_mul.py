@@ -35,11 +35,13 @@ def gelu_mul_bwd_kernel(g_ptr, u_ptr, dy_ptr, dg_ptr, du_ptr, n, C1: tl.constexp
     g = tl.load(g_ptr + offs, mask=m, other=0.0).to(tl.float32)
     u = tl.load(u_ptr + offs, mask=m, other=0.0).to(tl.float32)
     dy = tl.load(dy_ptr + offs, mask=m, other=0.0).to(tl.float32)
-    s = 1.0 / (1.0 + tl.exp(-((g * g * C3 + C1) * g)))
+    two_u = (g * g * C3 + C1) * g
+    s = 1.0 / (1.0 + tl.exp(-two_u))
+    s_complement = 1.0 / (1.0 + tl.exp(two_u))     # 1 - s without the cancellation (portable's reason)
     gelu = g * s
     d2u = g * g * (3.0 * C3) + C1
     tl.store(du_ptr + offs, cast_out((dy * gelu), du_ptr), mask=m)
-    tl.store(dg_ptr + offs, cast_out(((dy * u) * ((1.0 - s) * gelu * d2u + s)), dg_ptr), mask=m)
+    tl.store(dg_ptr + offs, cast_out(((dy * u) * (s_complement * gelu * d2u + s)), dg_ptr), mask=m)
 
 
 _GeluMul = gated_function(gelu_mul_fwd_kernel, gelu_mul_bwd_kernel, C1=C1, C3=C3)
