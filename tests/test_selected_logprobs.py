@@ -4,7 +4,7 @@ import torch
 import lockstep
 from lockstep import contract, ops
 from lockstep.backends import reference
-from lockstep.harness.check import check_large
+from lockstep.harness.check import check_large, check_op
 from lockstep.backends.portable import selected_logprobs as portable_slp
 
 from _contract_checks import DTYPES, assert_op_contract
@@ -13,6 +13,16 @@ from _contract_checks import DTYPES, assert_op_contract
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_selected_logprobs_contract(dtype):
     assert_op_contract("selected_logprobs", dtype)
+
+
+def test_the_bf16_gradient_bound_allows_the_rounding_of_a_large_weight_gradient():
+    """At seed 17 the LM head's weight gradient reaches 12.6, and its bf16 error is 0.055, stock
+    PyTorch's to the bit: over the logprob class's absolute 5e-2 (ADR 0032), which the correctly
+    rounded gradient itself fails past 12.8; the relative term takes it."""
+    report = check_op("selected_logprobs", torch.bfloat16, seed=17)
+    a = report.accuracy
+    assert a.gradient_max_abs > contract.tolerance("selected_logprobs", torch.bfloat16, "gradient").atol
+    assert a.gradient_max_abs == a.eager_gradient_max_abs and a.passed, a
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
