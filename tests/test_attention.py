@@ -2,7 +2,7 @@ import pytest
 import torch
 
 import lockstep
-from lockstep import ops
+from lockstep import contract, ops
 from lockstep.backends import reference
 from lockstep.harness.attention_check import AttnSizes, check_attention
 
@@ -132,3 +132,28 @@ def test_attention_backend_is_selected_through_the_registry():
     with lockstep.use_backend("eager"):
         eager = ops.attention(q, k, v, cq, ck)
     torch.testing.assert_close(ops.attention(q, k, v, cq, ck), eager, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 16, 70, 140, 300])
+def test_pairwise_weight_grad_is_its_stated_order_and_depends_on_the_rows_alone(rows):
+    """fixed_order.pairwise_weight_grad (ADR 0033): LEAF_ROWS-row leaves, each one product, added pairwise,
+    neighbours first, an odd last leaf passed up. Restated here leaf by leaf in fp32, bit for bit on
+    the portable backend's torch path, and each batch entry's bits are those it gets alone."""
+    from lockstep.fixed_order import LEAF_ROWS, pairwise_weight_grad
+
+    gen = torch.Generator().manual_seed(rows)
+    a, b = torch.randn(3, rows, 64, generator=gen), torch.randn(3, rows, 32, generator=gen)
+    with lockstep.use_backend("portable"):
+        got = pairwise_weight_grad(a, b)
+        alone = pairwise_weight_grad(a[1:2].clone(), b[1:2].clone())
+    assert torch.equal(got[1:2], alone)
+    pad = -rows % LEAF_ROWS
+    pa, pb = (torch.cat([x, x.new_zeros(3, pad, x.shape[-1])], 1) for x in (a, b))
+    level = [torch.bmm(pa[:, s:s + LEAF_ROWS].transpose(1, 2), pb[:, s:s + LEAF_ROWS])
+             for s in range(0, rows + pad, LEAF_ROWS)]
+    while len(level) > 1:
+        level = [level[i] + level[i + 1] for i in range(0, len(level) - 1, 2)] + level[len(level) - len(level) % 2:]
+    assert torch.equal(got, level[0])
+    exact = torch.einsum("brn,brk->bnk", a.double(), b.double())
+    tol = contract.tolerance("attention", torch.float32, "gradient")
+    torch.testing.assert_close(got.double(), exact, atol=tol.atol, rtol=tol.rtol)

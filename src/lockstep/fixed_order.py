@@ -523,6 +523,41 @@ def weight_grad(grad_out: Tensor, inp: Tensor, out: Tensor | None = None) -> Ten
     return torch_weight_grad(grad_out, inp, out)
 
 
+# pairwise_weight_grad's leaf: 16 rows were twice as exact again and cost 1.43x the old attention
+# backward, where 32 cost 1.21x (docs/adr/0033).
+LEAF_ROWS = 32
+
+
+def pairwise_weight_grad(grad_out: Tensor, inp: Tensor) -> Tensor:
+    """sum over rows r of grad_out[b, r]^T inp[b, r]: [B, M, N], [B, M, K] -> [B, N, K], in the
+    accumulation dtype, for sums over a few hundred rows that must be as exact as the BLAS's own.
+
+    Each LEAF_ROWS rows (the last zero-padded) are one product, all of them in one batched GEMM of
+    one shape (on the selected CPU kernels when there are some); the leaves are then added
+    pairwise, neighbours first, an odd last one passed up a level. The order depends on M alone.
+    weight_grad's 128-row blocks are each summed in one chain on some BLASes (MKL's GEMM at these
+    shapes), which put attention's dk and dv, sums over queries, at up to 2.6x eager PyTorch's
+    error (docs/adr/0033)."""
+    acc = accumulate_dtype(grad_out.dtype)
+    b, m, n = grad_out.shape
+    k = inp.shape[-1]
+    leaves = max(1, -(-m // LEAF_ROWS))
+    if leaves * LEAF_ROWS != m:
+        grad_out = torch.cat([grad_out, grad_out.new_zeros(b, leaves * LEAF_ROWS - m, n)], 1)
+        inp = torch.cat([inp, inp.new_zeros(b, leaves * LEAF_ROWS - m, k)], 1)
+    g = grad_out.reshape(b * leaves, LEAF_ROWS, n).to(acc)
+    x = inp.reshape(b * leaves, LEAF_ROWS, k).to(acc)
+    kernels = _kernels_for(g, float64=True)
+    # One fixed GEMM shape (LEAF_ROWS terms) for every leaf, so torch's needs no padding to ROW_BLOCK.
+    part = kernels.weight_grad(g, x) if kernels is not None else torch.bmm(g.transpose(1, 2), x)
+    part = part.view(b, leaves, n, k)
+    while part.shape[1] > 1:
+        pairs = part.shape[1] // 2
+        merged = part[:, 0:2 * pairs:2] + part[:, 1:2 * pairs:2]
+        part = merged if part.shape[1] % 2 == 0 else torch.cat([merged, part[:, -1:]], 1)
+    return part[:, 0]
+
+
 def torch_weight_grad(grad_out: Tensor, inp: Tensor, out: Tensor | None = None) -> Tensor:
     """sum over rows r of grad_out[r]^T inp[r], in fixed row blocks: [M, N], [M, K] -> [N, K];
     batched: [B, M, N], [B, M, K] -> [B, N, K]. In the accumulation dtype; into `out` (a

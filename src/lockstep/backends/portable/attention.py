@@ -23,10 +23,10 @@ from ...fixed_order import (
     accumulate_dtype,
     exp,
     matmul_rows,
+    pairwise_weight_grad,
     records_cpu_kernels,
     restores_cpu_kernels,
     row_sum,
-    weight_grad,
 )
 from ...paged_cache import gather_packed
 from ...registry import register
@@ -186,10 +186,10 @@ def sequence_backward(q: Tensor, k: Tensor, v: Tensor, grad_out: Tensor, stats: 
     for start, lo, hi in blocks:
         p, dp = probs_and_dp(start, lo, hi)
         n = min(KEY_BLOCK, len_k - start)
-        dv[start:start + n] = weight_grad(p, dor[:, lo:hi]).permute(1, 0, 2)[:n]
+        dv[start:start + n] = pairwise_weight_grad(p, dor[:, lo:hi]).permute(1, 0, 2)[:n]
         ds = p * (dp - delta[:, lo:hi, None])
         dq[:, lo:hi] = dq[:, lo:hi] + matmul_rows(ds, _key_block(kk, start)) * scale
-        dk[start:start + n] = (weight_grad(ds, qr[:, lo:hi]) * scale).permute(1, 0, 2)[:n]
+        dk[start:start + n] = (pairwise_weight_grad(ds, qr[:, lo:hi]) * scale).permute(1, 0, 2)[:n]
     return _unrows(dq, 1, len_q, hq)[0], dk, dv
 
 
