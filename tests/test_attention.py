@@ -134,11 +134,13 @@ def test_attention_backend_is_selected_through_the_registry():
     torch.testing.assert_close(ops.attention(q, k, v, cq, ck), eager, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("rows", [1, 16, 70, 140, 300])
+@pytest.mark.parametrize("rows", [1, 16, 70, 140, 300, 9000])
 def test_pairwise_weight_grad_is_its_stated_order_and_depends_on_the_rows_alone(rows):
     """fixed_order.pairwise_weight_grad (ADR 0033): LEAF_ROWS-row leaves, each one product, added pairwise,
     neighbours first, an odd last leaf passed up. Restated here leaf by leaf in fp32, bit for bit on
-    the portable backend's torch path, and each batch entry's bits are those it gets alone."""
+    the portable backend's torch path, and each batch entry's bits are those it gets alone. 9000 rows
+    are 282 leaves: four whole CHUNK_LEAVES chunks and a part one, whose chunked products must add up
+    to the one tree over all leaves."""
     from lockstep.fixed_order import LEAF_ROWS, pairwise_weight_grad
 
     gen = torch.Generator().manual_seed(rows)
@@ -157,3 +159,13 @@ def test_pairwise_weight_grad_is_its_stated_order_and_depends_on_the_rows_alone(
     exact = torch.einsum("brn,brk->bnk", a.double(), b.double())
     tol = contract.tolerance("attention", torch.float32, "gradient")
     torch.testing.assert_close(got.double(), exact, atol=tol.atol, rtol=tol.rtol)
+
+
+def test_pairwise_weight_grad_names_a_bad_shape():
+    from lockstep.fixed_order import pairwise_weight_grad
+
+    with pytest.raises(ValueError, match=r"grad_out, inp: expected 3-D tensors \[B, M, N\] and \[B, M, K\], "
+                                         r"got shapes \(5, 4\) and \(5, 3\)"):
+        pairwise_weight_grad(torch.ones(5, 4), torch.ones(5, 3))
+    with pytest.raises(ValueError, match=r"inp: expected the batch and row counts of grad_out, \(2, 5\), got \(2, 6\)"):
+        pairwise_weight_grad(torch.ones(2, 5, 4), torch.ones(2, 6, 3))

@@ -7,8 +7,8 @@ the interpreter): conftest.py's `gpu_audit_output`. A serial run starts it once 
 collected, at the lowest priority, and runs the tests that read it last, so that on a fresh
 machine its compiles use the time the rest of the suite leaves a core idle; under xdist the
 fixture starts it, once per worker that runs one of these tests (so .ci/cpu-suite runs them in a
-serial pytest of their own). The checks that show the audit's detectors can fail compile planted kernels in
-another subprocess.
+serial pytest of their own). The checks that show the audit's detectors can fail compile planted
+kernels in another subprocess.
 """
 
 from __future__ import annotations

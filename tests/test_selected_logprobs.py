@@ -16,14 +16,15 @@ def test_selected_logprobs_contract(dtype):
 
 
 def test_the_bf16_gradient_bound_allows_the_rounding_of_a_large_weight_gradient():
-    """At seed 17 the LM head's weight gradient reaches 12.6, and its bf16 error is 0.055, stock
-    PyTorch's to the bit: over the logprob class's absolute 5e-2 (ADR 0032), which the correctly
-    rounded gradient itself fails past 16, and bf16's second rounding (ADR 0020) earlier; the relative
-    term takes it."""
+    """At seed 17 the LM head's weight gradient reaches 12.6, and its bf16 error is 0.055 (on the
+    EPYC, stock PyTorch's to the bit): over the logprob class's absolute 5e-2 (ADR 0032), which the
+    correctly rounded gradient itself fails past 16, and bf16's second rounding (ADR 0020) earlier;
+    the relative term takes it. Eager's error is the BLAS's, so it is held to the contract's relative
+    rule (within 2x eager's plus an ulp), not to equality."""
     report = check_op("selected_logprobs", torch.bfloat16, seed=17)
     a = report.accuracy
     assert a.gradient_max_abs > contract.tolerance("selected_logprobs", torch.bfloat16, "gradient").atol
-    assert a.gradient_max_abs == a.eager_gradient_max_abs and a.passed, a
+    assert a.relative_ok and a.passed, a
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -526,18 +526,28 @@ def weight_grad(grad_out: Tensor, inp: Tensor, out: Tensor | None = None) -> Ten
 # pairwise_weight_grad's leaf: 16 rows were twice as exact again and cost 1.43x the old attention
 # backward, where 32 cost 1.21x (docs/adr/0033).
 LEAF_ROWS = 32
+# Leaves multiplied at a time. A power of two, so each chunk is a whole subtree of the pairwise fold
+# and chunking changes no bit; it bounds the products held at once to 64 [N, K] per batch entry (all
+# of them are 268 MB per query head of a KV group at 32k query rows, 8 KV heads and head dim 128).
+CHUNK_LEAVES = 64
 
 
 def pairwise_weight_grad(grad_out: Tensor, inp: Tensor) -> Tensor:
     """sum over rows r of grad_out[b, r]^T inp[b, r]: [B, M, N], [B, M, K] -> [B, N, K], in the
     accumulation dtype, for sums over a few hundred rows that must be as exact as the BLAS's own.
 
-    Each LEAF_ROWS rows (the last zero-padded) are one product, all of them in one batched GEMM of
-    one shape (on the selected CPU kernels when there are some); the leaves are then added
-    pairwise, neighbours first, an odd last one passed up a level. The order depends on M alone.
-    weight_grad's 128-row blocks are each summed in one chain on some BLASes (MKL's GEMM at these
-    shapes), which put attention's dk and dv, sums over queries, at up to 2.6x eager PyTorch's
-    error (docs/adr/0033)."""
+    Each LEAF_ROWS rows (the last zero-padded) are one product, every leaf of one shape, batched
+    into GEMMs CHUNK_LEAVES leaves at a time (on the selected CPU kernels when there are some); the
+    leaves are then added pairwise, neighbours first, an odd last one passed up a level. The order
+    depends on M alone. weight_grad's 128-row blocks are each summed in one chain on some BLASes
+    (MKL's GEMM at these shapes), which put attention's dk and dv, sums over queries, at up to 2.6x
+    eager PyTorch's error (docs/adr/0033)."""
+    if grad_out.dim() != 3 or inp.dim() != 3:
+        raise ValueError(f"grad_out, inp: expected 3-D tensors [B, M, N] and [B, M, K], got shapes "
+                         f"{tuple(grad_out.shape)} and {tuple(inp.shape)}")
+    if grad_out.shape[:2] != inp.shape[:2]:
+        raise ValueError(f"inp: expected the batch and row counts of grad_out, {tuple(grad_out.shape[:2])}, "
+                         f"got {tuple(inp.shape[:2])}")
     acc = accumulate_dtype(grad_out.dtype)
     b, m, n = grad_out.shape
     k = inp.shape[-1]
@@ -545,12 +555,23 @@ def pairwise_weight_grad(grad_out: Tensor, inp: Tensor) -> Tensor:
     if leaves * LEAF_ROWS != m:
         grad_out = torch.cat([grad_out, grad_out.new_zeros(b, leaves * LEAF_ROWS - m, n)], 1)
         inp = torch.cat([inp, inp.new_zeros(b, leaves * LEAF_ROWS - m, k)], 1)
-    g = grad_out.reshape(b * leaves, LEAF_ROWS, n).to(acc)
-    x = inp.reshape(b * leaves, LEAF_ROWS, k).to(acc)
-    kernels = _kernels_for(g, float64=True)
-    # One fixed GEMM shape (LEAF_ROWS terms) for every leaf, so torch's needs no padding to ROW_BLOCK.
-    part = kernels.weight_grad(g, x) if kernels is not None else torch.bmm(g.transpose(1, 2), x)
-    part = part.view(b, leaves, n, k)
+    g_leaves = grad_out.reshape(b, leaves, LEAF_ROWS, n)
+    x_leaves = inp.reshape(b, leaves, LEAF_ROWS, k)
+    kernels = _kernels_for(grad_out, float64=True)
+    chunk_sums = []
+    for start in range(0, leaves, CHUNK_LEAVES):
+        count = min(CHUNK_LEAVES, leaves - start)
+        g = g_leaves[:, start:start + count].reshape(b * count, LEAF_ROWS, n).to(acc).contiguous()
+        x = x_leaves[:, start:start + count].reshape(b * count, LEAF_ROWS, k).to(acc).contiguous()
+        # One fixed GEMM shape (LEAF_ROWS terms) for every leaf, so torch's needs no padding to ROW_BLOCK.
+        part = kernels.weight_grad(g, x) if kernels is not None else torch.bmm(g.transpose(1, 2), x)
+        chunk_sums.append(_pairwise_sum(part.view(b, count, n, k)))
+    return _pairwise_sum(torch.stack(chunk_sums, 1))
+
+
+def _pairwise_sum(part: Tensor) -> Tensor:
+    """part[:, 0] + part[:, 1] + ... added pairwise, neighbours first, an odd last one passed up a
+    level: [B, L, N, K] -> [B, N, K]."""
     while part.shape[1] > 1:
         pairs = part.shape[1] // 2
         merged = part[:, 0:2 * pairs:2] + part[:, 1:2 * pairs:2]

@@ -123,7 +123,7 @@ def compare_trajectories(make_trainer: Callable[[], object], side_a: str, side_b
                     recs[side] = t.step(window)
                 named = t.named
             recs[side]["param_norm"] = _param_norm(named)
-        params = {side: dict(t.named_parameters()) if side == "plain" else dict(t.named) for side, t in trainers.items()}
+        params = {side: _named_params(trainers[side], side) for side in (side_a, side_b)}
         param_diff = _max_param_diff(params[side_a], params[side_b])
         ra, rb = recs[side_a], recs[side_b]
         row = {"step": step + 1, **{f"{k}_a": ra[k] for k in ("loss", "grad_norm", "param_norm")},
@@ -135,7 +135,7 @@ def compare_trajectories(make_trainer: Callable[[], object], side_a: str, side_b
             with registry.use_backend("reference"):
                 truth = trainers["float64"].step(window)
             row["pytorch_loss_error"] = abs(truth["loss"] - recs["plain"]["loss"])
-            row["pytorch_param_error"] = _max_param_diff(params["float64"], params["plain"])
+            row["pytorch_param_error"] = _max_param_diff(_named_params(trainers["float64"], "float64"), params["plain"])
             step_loss_tol += error_factor * row["pytorch_loss_error"]
             step_param_tol += error_factor * row["pytorch_param_error"]
         rows.append(row)
@@ -152,12 +152,18 @@ def compare_trajectories(make_trainer: Callable[[], object], side_a: str, side_b
 
 
 def _float64_trainer(trainer):
-    """A copy of `trainer` in float64, to run on the reference backend: the same weights, data and
-    config, its AdamW in float64 (docs/adr/0027). It is the truth PyTorch's own error is measured
+    """A trainer in float64 built from `trainer`, to run on the reference backend: the same weights,
+    data and config, its AdamW in float64 (docs/adr/0027). It takes `trainer`'s model over,
+    converted in place, so pass a fresh one. It is the truth PyTorch's own error is measured
     against."""
     from ..train import Trainer
 
     return Trainer(trainer.model.to(torch.float64), trainer.data, trainer.cfg, layout_invariant=False)
+
+
+def _named_params(trainer, side: str) -> dict[str, Tensor]:
+    """The trainer's parameters by name: its live tensors, which each step updates in place."""
+    return dict(trainer.named_parameters()) if side == "plain" else dict(trainer.named)
 
 
 def _max_param_diff(a: dict[str, Tensor], b: dict[str, Tensor]) -> float:

@@ -10,7 +10,8 @@ split and any batch. Blocks a row cannot see are skipped; processing them would 
 (x * 1 + 0), so skipping changes no bit. See docs/adr/0002-attention-reduction-order.md.
 
 The backward recomputes probabilities from the saved max and sum; dq accumulates over key blocks
-in order, and dk, dv of a key block reduce over query rows in fixed row blocks. No atomics.
+in order, and dk, dv of a key block reduce over query rows in 32-row leaves added pairwise
+(fixed_order.pairwise_weight_grad, docs/adr/0033). No atomics.
 """
 
 from __future__ import annotations
