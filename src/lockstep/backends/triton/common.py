@@ -19,7 +19,6 @@ from ...second_order import first_order_only
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-
 class GemmConfig(NamedTuple):
     block_m: int
     block_n: int
