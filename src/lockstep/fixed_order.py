@@ -499,15 +499,15 @@ def sum_over_rows(rows: int, block_partial: Callable[[int, int], Tensor]) -> Ten
     return total
 
 
-def padded_block(x: Tensor, start: int, stop: int) -> Tensor:
+def padded_block(x: Tensor, start: int, stop: int, rows: int = ROW_BLOCK) -> Tensor:
     """Rows [start, stop) of the second-to-last dimension (the first for 1-D/2-D tensors),
-    zero-padded to ROW_BLOCK rows."""
+    zero-padded to `rows` rows (ROW_BLOCK by default)."""
     dim = 0 if x.dim() <= 2 else x.dim() - 2
     block = x.narrow(dim, start, stop - start)
-    if stop - start == ROW_BLOCK:
+    if stop - start == rows:
         return block
     shape = list(x.shape)
-    shape[dim] = ROW_BLOCK
+    shape[dim] = rows
     out = x.new_zeros(shape)
     out.narrow(dim, 0, stop - start).copy_(block)
     return out
@@ -579,14 +579,31 @@ def _pairwise_sum(part: Tensor) -> Tensor:
     return part[:, 0]
 
 
-def torch_weight_grad(grad_out: Tensor, inp: Tensor, out: Tensor | None = None) -> Tensor:
+# The LM head's weight-gradient blocks on PyTorch's GEMMs (docs/adr/0034): 128-row blocks, each one
+# chain on MKL, left it at 3.5x eager PyTorch's error; 32 were within eager's at 1.02x the time.
+LM_HEAD_ROW_BLOCK = 32
+
+
+def lm_head_weight_grad(grad_out: Tensor, inp: Tensor, out: Tensor | None = None) -> Tensor:
+    """`weight_grad` of the LM head, grad_out [M, N] (the logits' gradient) and inp [M, K]: on the
+    selected CPU kernels exactly `weight_grad`; on PyTorch's GEMMs, `torch_weight_grad`'s order in
+    LM_HEAD_ROW_BLOCK-row blocks. Its sum over rows is one large-valued gradient (a target's
+    column gathers a whole 1 per row that picks it), where each block's chain is most of the error."""
+    if _kernels_for(grad_out, float64=True) is not None:
+        return weight_grad(grad_out, inp, out)
+    return torch_weight_grad(grad_out, inp, out, rows_per_block=LM_HEAD_ROW_BLOCK)
+
+
+def torch_weight_grad(grad_out: Tensor, inp: Tensor, out: Tensor | None = None,
+                      rows_per_block: int = ROW_BLOCK) -> Tensor:
     """sum over rows r of grad_out[r]^T inp[r], in fixed row blocks: [M, N], [M, K] -> [N, K];
     batched: [B, M, N], [B, M, K] -> [B, N, K]. In the accumulation dtype; into `out` (a
     contiguous tensor of that shape and dtype, overwritten) when given.
 
-    Block by block from row 0, one GEMM of fixed shape [N, ROW_BLOCK] @ [ROW_BLOCK, K]: the first
-    writes the accumulator (out <- G_0^T X_0), each next one adds into it in place (addmm with
-    beta = 1: out <- out + G_b^T X_b). The last block is zero-padded, so zero-gradient rows appended
+    Block by block from row 0, one GEMM of fixed shape [N, R] @ [R, K], R = rows_per_block
+    (ROW_BLOCK unless the caller fixes another): the first writes the accumulator
+    (out <- G_0^T X_0), each next one adds into it in place (addmm with beta = 1:
+    out <- out + G_b^T X_b). The last block is zero-padded, so zero-gradient rows appended
     to the batch add exact zeros. Writing the first block, rather than adding it to zeros, spares a
     pass over the accumulator (a vocabulary-sized one for the LM head).
     """
@@ -600,10 +617,10 @@ def torch_weight_grad(grad_out: Tensor, inp: Tensor, out: Tensor | None = None) 
                          f"{tuple(out.shape)}")
     if rows == 0:
         return out.zero_()
-    for start in range(0, rows, ROW_BLOCK):
-        stop = min(start + ROW_BLOCK, rows)
-        g = padded_block(grad_out, start, stop).to(acc).transpose(-1, -2)
-        x = padded_block(inp, start, stop).to(acc)
+    for start in range(0, rows, rows_per_block):
+        stop = min(start + rows_per_block, rows)
+        g = padded_block(grad_out, start, stop, rows_per_block).to(acc).transpose(-1, -2)
+        x = padded_block(inp, start, stop, rows_per_block).to(acc)
         if start == 0:
             (torch.bmm if out.dim() == 3 else torch.mm)(g, x, out=out)
         elif out.dim() == 3:
@@ -686,20 +703,24 @@ def tree_node_into(out: Tensor, leaves: int, spare: list[Tensor], leaf: Callable
     raise ValueError(f"leaves: expected a power of two, got {leaves}")
 
 
-def weight_grad_node(grad_out: Tensor, inp: Tensor, bounds: list[int], out: Tensor, spare: list[Tensor]) -> Tensor:
+def weight_grad_node(grad_out: Tensor, inp: Tensor, bounds: list[int], out: Tensor, spare: list[Tensor],
+                     leaf: Callable[..., Tensor] | None = None) -> Tensor:
     """`out` = the canonical tree's node over the units whose rows of grad_out [M, N] and inp [M, K]
     are bounds[u] .. bounds[u + 1] (from 0 to M; a power of two of units), each unit's leaf its own
-    `weight_grad`: what grad_tree's unit tree makes of the units' partials. out: the accumulation
-    dtype, [N, K], contiguous. On the selected CPU kernels' one-call form when they have one, else
-    by `tree_node_into` (whose buffers come from and go back to `spare`)."""
+    `leaf(grad_out_rows, inp_rows, out=buffer)` (`weight_grad` by default; one whose bits on the
+    CPU kernels are weight_grad's, such as lm_head_weight_grad): what grad_tree's unit tree makes of
+    the units' partials. out: the accumulation dtype, [N, K], contiguous. On the selected CPU
+    kernels' one-call form when they have one, else by `tree_node_into` (whose buffers come from and
+    go back to `spare`)."""
+    leaf = leaf or weight_grad
     if len(bounds) == 2:
-        return weight_grad(grad_out, inp, out=out)
+        return leaf(grad_out, inp, out=out)
     kernels = _kernels_for(grad_out)
     if kernels is not None and kernels.weight_grad_node is not None and grad_out.dim() == 2:
         node = kernels.weight_grad_node(grad_out, inp, bounds, out)
         if node is not None:
             return node
-    return tree_node_into(out, len(bounds) - 1, spare, lambda i, buffer: weight_grad(
+    return tree_node_into(out, len(bounds) - 1, spare, lambda i, buffer: leaf(
         grad_out[bounds[i]:bounds[i + 1]], inp[bounds[i]:bounds[i + 1]], out=buffer))
 
 

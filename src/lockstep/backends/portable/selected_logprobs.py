@@ -5,7 +5,8 @@ chunk by the row-tiled GEMM, then an online log-sum-exp update per row. Backward
 chunk's logits again: kept from the forward where all of them fit in `keep_logits_bytes()`,
 recomputed otherwise (the same bits: a row's logits do not depend on the rows beside it); d(hidden)
 accumulates the chunks in vocabulary order, and each chunk's weight gradient reduces over rows in
-fixed row blocks. Memory is O(tokens x VOCAB_CHUNK) beyond the kept logits.
+32-row blocks (fixed_order.lm_head_weight_grad, docs/adr/0034), a unit tree's leaves each its
+own. Memory is O(tokens x VOCAB_CHUNK) beyond the kept logits.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from ...fixed_order import (
     accumulate_dtype,
     exp,
     log,
+    lm_head_weight_grad,
     logit_grad,
     lse_fold,
     matmul_rows,
@@ -29,7 +31,6 @@ from ...fixed_order import (
     row_max,
     row_sum,
     scaled_logits,
-    weight_grad,
     weight_grad_node,
 )
 from ...registry import register
@@ -203,10 +204,10 @@ class _SelectedLogprobs(torch.autograd.Function):
                 if need_h:
                     dh[first:stop].add_(matmul_rows(dlogits, weight[start:stop_v].to(gemm)))
                 if need_w and rounded:
-                    dw[start:stop_v] = weight_grad(dlogits, hidden_w[first:stop])
+                    dw[start:stop_v] = lm_head_weight_grad(dlogits, hidden_w[first:stop])
                 elif need_w:
                     weight_grad_node(dlogits, hidden_w[first:stop], [b - first for b in bounds], dw[start:stop_v],
-                                     spare)
+                                     spare, leaf=lm_head_weight_grad)
             return dw
 
         # A piece of units at a time inside a unit tree: its logits and d(hidden) over all its rows,
