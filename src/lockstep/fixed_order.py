@@ -580,7 +580,7 @@ def _pairwise_sum(part: Tensor) -> Tensor:
 
 
 # The LM head's weight-gradient blocks on PyTorch's GEMMs (docs/adr/0034): 128-row blocks, each one
-# chain on MKL, left it at 3.5x eager PyTorch's error; 32 were within eager's at 1.02x the time.
+# chain on MKL, left it at 3.5x eager PyTorch's error; 32 were within eager's at 1.02-1.03x the time.
 LM_HEAD_ROW_BLOCK = 32
 
 

@@ -117,12 +117,10 @@ def compare_trajectories(make_trainer: Callable[[], object], side_a: str, side_b
             t = trainers[side]
             if side == "plain":
                 recs[side] = t.step(window)
-                named = list(t.named_parameters())
             else:
                 with registry.use_backend(side):
                     recs[side] = t.step(window)
-                named = t.named
-            recs[side]["param_norm"] = _param_norm(named)
+            recs[side]["param_norm"] = _param_norm(_named_params(t, side).items())
         params = {side: _named_params(trainers[side], side) for side in (side_a, side_b)}
         param_diff = _max_param_diff(params[side_a], params[side_b])
         ra, rb = recs[side_a], recs[side_b]
