@@ -21,7 +21,7 @@ def test_vocab_logprobs_152k_vocab_one_row_vs_many(dtype):
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7, 1.3])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("backend", ["portable", "triton"])
+@pytest.mark.parametrize("backend", ["portable", "native", "triton"])
 def test_every_entry_has_the_bits_selected_logprobs_gives_it(backend, dtype, temperature):
     """What a sampler reports (an entry of vocab_logprobs) is what the trainer recomputes
     (selected_logprobs), bit for bit, whichever token was drawn."""
@@ -71,3 +71,36 @@ def test_the_batched_log_sum_exp_of_few_rows_has_the_bits_of_the_chunk_loop(dtyp
             batched = portable.online_lse(h, w, temperature, cap=cap)
         assert torch.equal(loop.isnan(), batched.isnan()) and loop.isnan()[1]
         assert torch.equal(loop[~loop.isnan()], batched[~batched.isnan()])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_a_few_rows_logits_from_one_gemm_have_the_chunked_bits(dtype, monkeypatch):
+    """On the native kernels a few rows' logits come from one GEMM over the whole vocabulary
+    (whole_logits; its columns have the same bits at any width). vocab_logprobs and
+    selected_logprobs then give the bits of the chunk by chunk computation, NaN and Inf rows, caps,
+    temperatures and a short last chunk included. PyTorch's GEMMs never take that path."""
+    from lockstep.backends.portable import selected_logprobs as portable
+    from lockstep.backends.portable import vocab_logprobs as portable_vocab
+    from lockstep.fixed_order import cpu_kernels
+
+    gen = torch.Generator().manual_seed(3)
+    h = (torch.randn(5, 64, generator=gen) * 3).to(dtype)
+    h[1], h[3, 0] = float("nan"), float("inf")
+    w = (torch.randn(3 * portable.VOCAB_CHUNK + 77, 64, generator=gen) / 4).to(dtype)
+    targets = torch.tensor([0, 5, 4095, 4096, w.shape[0] - 1])
+    with cpu_kernels("torch"):
+        assert portable.whole_logits(h, w, None) is None
+    with cpu_kernels("native"):
+        assert portable.whole_logits(h, w, None).shape == (5, w.shape[0])
+    real = portable.whole_logits
+    for temperature, cap in ((1.0, None), (0.7, None), (0.7, 5.0)):
+        runs = []
+        for whole in (real, lambda *a: None):
+            monkeypatch.setattr(portable, "whole_logits", whole)
+            monkeypatch.setattr(portable_vocab, "whole_logits", whole)
+            with lockstep.use_backend("native"):
+                runs.append((ops.vocab_logprobs(h, w, temperature=temperature, softcap=cap),
+                             ops.selected_logprobs(h, w, targets, temperature=temperature, softcap=cap)))
+        for one_call, chunked in zip(*runs):
+            assert torch.equal(one_call.isnan(), chunked.isnan()) and one_call.isnan()[1].all()
+            assert torch.equal(one_call[~one_call.isnan()], chunked[~chunked.isnan()]), (temperature, cap)

@@ -120,12 +120,16 @@ class CpuKernels(NamedTuple):
     faster forms of compositions whose bits are fixed here, which must give those bits: `row_sum` (fp32 [M, L] ->
     [M]), and `log_softmax` (fp32 [M, V] -> y) with its `log_softmax_backward` (g, y -> dx), the
     arithmetic of `log_softmax_rows` and `log_softmax_rows_backward` on their own exp and log;
-    `lse_fold` and `logit_grad`, the LM head's per-chunk row arithmetic (same signatures);
+    `lse_fold` and `logit_grad`, the LM head's per-chunk row arithmetic (same signatures; lse_fold's
+    width included);
     `split_matmul_rows` (a, b, parts), the reduction over K in `parts` slices as `split_sum` of
     `matmul_rows` computes it; `silu` and `silu_backward` (same signatures); and `weight_grad_node`
     (grad_out, inp, bounds, out), `weight_grad_node`'s unit tree in one call, or None where it
     declines (then the composition runs); and `sqrt` (x, out=None), a correctly rounded square
-    root, fp32 or float64 (MKL's vector math, which torch.sqrt takes, is not)."""
+    root, fp32 or float64 (MKL's vector math, which torch.sqrt takes, is not).
+    `columns_at_any_width`: whether `matmul_rows` gives a column the same bits whatever the
+    product's width (each dot computed by itself), so that a caller may take chunks of columns from
+    one wider call (`columns_at_any_width`)."""
     name: str
     matmul_rows: Callable[..., Tensor]
     weight_grad: Callable[..., Tensor]
@@ -141,6 +145,7 @@ class CpuKernels(NamedTuple):
     silu_backward: Callable[[Tensor, Tensor], Tensor] | None = None
     weight_grad_node: Callable[[Tensor, Tensor, list[int], Tensor], Tensor | None] | None = None
     sqrt: Callable[..., Tensor] | None = None
+    columns_at_any_width: bool = False
 
 
 _CPU_KERNELS: dict[str, CpuKernels] = {}
@@ -203,6 +208,15 @@ def _kernels_for(t: Tensor, float64: bool = False) -> CpuKernels | None:
     if name == "torch" or t.device.type != "cpu" or (t.dtype == torch.float64 and not float64):
         return None
     return _CPU_KERNELS[name]
+
+
+def columns_at_any_width(t: Tensor) -> bool:
+    """Whether `matmul_rows` with `t` as its first operand gives each column of the product the same
+    bits at any width: on the selected CPU kernels where they say so (the native ones), never on
+    PyTorch's GEMMs, whose columns may follow the call's width (`torch_gemm_broken_premises`'s
+    "column widths")."""
+    kernels = _kernels_for(t)
+    return kernels is not None and kernels.columns_at_any_width
 
 
 class _OnKernels(torch.autograd.Function):
@@ -338,18 +352,25 @@ def scaled_logits(chunk: Tensor, temperature: float) -> Tensor:
     return x if temperature == 1.0 else x / temperature
 
 
-def lse_fold(chunk: Tensor, temperature: float, run: tuple[Tensor, Tensor] | None) -> tuple[Tensor, Tensor]:
+def lse_fold(chunk: Tensor, temperature: float, run: tuple[Tensor, Tensor] | None,
+             width: int | None = None) -> tuple[Tensor, Tensor]:
     """One step of the LM head's online log-sum-exp over vocabulary chunks. chunk: logits [T, L] in
     the GEMM's dtype, scaled here (`scaled_logits`); run: (running max, running sum) [T] in the
     accumulation dtype, None at the first chunk. Returns the new (max, sum):
 
         m = max(run max, row_max(x)); s = run sum * exp(run max - m) + row_sum(exp(x - m)),
 
-    at the first chunk m = row_max(x) and s = row_sum(exp(x - m)). On the selected CPU kernels'
-    fused form when they have one (the same bits, one pass over the chunk)."""
+    at the first chunk m = row_max(x) and s = row_sum(exp(x - m)). width: take `chunk` as several
+    chunks, its consecutive pieces of `width` columns (the last may be shorter), folded one after
+    another. On the selected CPU kernels' fused form when they have one (the same bits, one pass
+    over the logits, one call for all the pieces)."""
     kernels = _kernels_for(chunk)
     if kernels is not None and kernels.lse_fold is not None and chunk.dim() == 2:
-        return kernels.lse_fold(chunk, temperature, run)
+        return kernels.lse_fold(chunk, temperature, run, width)
+    if width is not None and width < chunk.shape[-1]:
+        for start in range(0, chunk.shape[-1], width):
+            run = lse_fold(chunk[..., start:start + width], temperature, run)
+        return run
     x = scaled_logits(chunk, temperature)
     chunk_max = row_max(x)
     if run is None:

@@ -250,23 +250,32 @@ class Run:
         h.update(canonical(total) + canonical(y) + canonical(dx))
 
     def logit_rows(self, h) -> None:
-        """The LM head's chunk kernels: two chunks folded into a running max and sum, then the
-        logits' gradient of a chunk."""
+        """The LM head's chunk kernels: two chunks folded into a running max and sum, one call each,
+        and again as one call's two pieces, which must agree; then the logits' gradient of a chunk."""
         rows, length = 19, 4200
         for dt, out_dt in ((F32, F32), (BF16, BF16), (F16, F32)):
             run_max, run_sum = np.zeros(rows, dtype=np.float32), np.zeros(rows, dtype=np.float32)
+            pieces = []
             for first in (1, 0):
                 x = values(self.rng, rows * length, dt, 16.0, specials=first == 1 and dt != F16)
-                self.check(self.lib.ls_logit_rows(rows, length, ptr(x), length, dt, 0.75, 0, first, ptr(run_max),
-                                                  ptr(run_sum), None, None, None, None, None, 0, self.isa,
-                                                  self.threads), "ls_logit_rows (fold)")
+                pieces.append(x.reshape(rows, length))
+                self.check(self.lib.ls_logit_rows(rows, length, length, ptr(x), length, dt, 0.75, 0, first,
+                                                  ptr(run_max), ptr(run_sum), None, None, None, None, None, 0,
+                                                  self.isa, self.threads), "ls_logit_rows (fold)")
+            both = np.ascontiguousarray(np.concatenate(pieces, axis=1))
+            one_max, one_sum = np.zeros(rows, dtype=np.float32), np.zeros(rows, dtype=np.float32)
+            self.check(self.lib.ls_logit_rows(rows, 2 * length, length, ptr(both), 2 * length, dt, 0.75, 0, 1,
+                                              ptr(one_max), ptr(one_sum), None, None, None, None, None, 0, self.isa,
+                                              self.threads), "ls_logit_rows (fold in pieces)")
+            if canonical(one_max) + canonical(one_sum) != canonical(run_max) + canonical(run_sum):
+                raise RuntimeError("ls_logit_rows: a fold in pieces gave other bits than a call per piece")
             h.update(canonical(run_max) + canonical(run_sum))
             lse, gs = values(self.rng, rows, F32, 16.0), values(self.rng, rows, F32)
             local = self.rng.integers(0, length, rows)
             inside = self.rng.integers(0, 2, rows).astype(np.float32)
             out = np.zeros(rows * length, dtype=np.float32 if out_dt == F32 else np.uint16)
-            self.check(self.lib.ls_logit_rows(rows, length, ptr(x), length, dt, 0.75, 1, 0, None, None, ptr(lse),
-                                              ptr(local), ptr(inside), ptr(gs), ptr(out), out_dt, self.isa,
+            self.check(self.lib.ls_logit_rows(rows, length, length, ptr(x), length, dt, 0.75, 1, 0, None, None,
+                                              ptr(lse), ptr(local), ptr(inside), ptr(gs), ptr(out), out_dt, self.isa,
                                               self.threads), "ls_logit_rows (gradient)")
             h.update(canonical(out))
 

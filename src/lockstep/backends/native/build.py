@@ -44,7 +44,7 @@ FLAGS = ["-O3", "-std=gnu11", "-shared", "-fPIC", "-pthread", "-ffp-contract=off
 BUILDS = (([], ""), (["-DLS_NO_DPBF16"], "the VDPBF16PS path"), (["-DLS_NO_X86"], "the x86 vector paths"))
 ISAS = {"scalar": 0, "avx2": 1, "avx512": 2, "avx512bf16": 3}
 POOLS = ("openmp", "own")
-ABI_VERSION = 13
+ABI_VERSION = 14
 
 
 class NativeUnavailable(RuntimeError):
@@ -329,8 +329,8 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.ls_unary_f64.restype = cint
     lib.ls_gemm_nt_f64.argtypes = [i64, i64, i64, i64, ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, ptr, cint, cint]
     lib.ls_gemm_nt_f64.restype = cint
-    lib.ls_logit_rows.argtypes = [i64, i64, ptr, i64, cint, flt, cint, cint, ptr, ptr, ptr, ptr, ptr, ptr, ptr, cint,
-                                  cint, cint]
+    lib.ls_logit_rows.argtypes = [i64, i64, i64, ptr, i64, cint, flt, cint, cint, ptr, ptr, ptr, ptr, ptr, ptr, ptr,
+                                  cint, cint, cint]
     lib.ls_logit_rows.restype = cint
     lib.ls_cpu_supports.argtypes = [cint]
     lib.ls_cpu_supports.restype = cint

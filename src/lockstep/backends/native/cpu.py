@@ -10,7 +10,8 @@ from . import gemm, rows, silu, unary
 
 KERNELS = CpuKernels("native", gemm.matmul_rows, gemm.weight_grad, unary.exp, unary.log, rows.row_sum,
                      rows.log_softmax, rows.log_softmax_backward, rows.lse_fold, rows.logit_grad,
-                     gemm.split_matmul_rows, silu.silu, silu.silu_backward, gemm.weight_grad_node, unary.sqrt)
+                     gemm.split_matmul_rows, silu.silu, silu.silu_backward, gemm.weight_grad_node, unary.sqrt,
+                     columns_at_any_width=True)
 register_cpu_kernels(KERNELS)
 
 

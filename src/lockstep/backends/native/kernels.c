@@ -2605,7 +2605,7 @@ INLINE void rows_rows(const rows_job *J, int64_t item) {
 
 typedef struct {
     const char *x;
-    int64_t rows, L, ld;
+    int64_t rows, L, ld, chunk;      /* fold: the row is folded `chunk` elements at a time */
     int dt, out_dt, mode, first, isa;
     float t;
     float *run_max, *run_sum;        /* fold: per row, in and out */
@@ -2616,36 +2616,39 @@ typedef struct {
 } logit_job;
 
 INLINE void logit_rows(logit_job *J, int64_t item) {
-    const int64_t L = J->L;
+    const int64_t L = J->L, C = J->mode == 0 ? J->chunk : L;
     float acc[SUM_WIDTH];
-    float *e = (float *)malloc((size_t)(L > 0 ? L : 1) * 4);
+    float *e = (float *)malloc((size_t)C * 4);
     if (!e) {
         atomic_store(&J->failed, 1);
         return;
     }
     const int es = J->dt == DT_F32 ? 4 : 2;
     for (int64_t r = item * ROWS_ITEM; r < (item + 1) * ROWS_ITEM && r < J->rows; r++) {
-        const char *x = J->x + r * J->ld * es;
-        load_block(x, J->dt, 0, L, L, e);
-        if (J->t != 1.0f)
-            for (int64_t j = 0; j < L; j++) e[j] = e[j] / J->t;
-        if (J->mode == 0) {
-            float m = row_max(e, L);
-            const float old = J->first ? m : J->run_max[r]; /* the first chunk's inputs are never read */
-            if (!J->first) m = old != old || m != m ? NAN : (old > m ? old : m);
-            for (int64_t j = 0; j < L; j++) e[j] = e[j] - m;
-            unary_isa(J->isa, e, e, L, FN_EXP);
-            float chunk = row_sum_f32(e, L, acc);
-            J->run_sum[r] = J->first ? chunk : J->run_sum[r] * s_exp(old - m) + chunk;
-            J->run_max[r] = m;
-        } else {
-            const float lse = J->lse[r], g = J->gs[r];
-            for (int64_t j = 0; j < L; j++) e[j] = e[j] - lse;
-            unary_isa(J->isa, e, e, L, FN_EXP);
-            for (int64_t j = 0; j < L; j++) e[j] = -e[j];
-            e[J->local[r]] = e[J->local[r]] + J->inside[r];
-            for (int64_t j = 0; j < L; j++) e[j] = e[j] * g;
-            store_block((char *)J->out, J->out_dt, r * L, L, e);
+        for (int64_t c0 = 0; c0 < L; c0 += C) {
+            const int64_t n = L - c0 < C ? L - c0 : C;
+            const int first = J->first && c0 == 0;
+            load_block(J->x + (r * J->ld + c0) * es, J->dt, 0, n, n, e);
+            if (J->t != 1.0f)
+                for (int64_t j = 0; j < n; j++) e[j] = e[j] / J->t;
+            if (J->mode == 0) {
+                float m = row_max(e, n);
+                const float old = first ? m : J->run_max[r]; /* the first chunk's inputs are never read */
+                if (!first) m = old != old || m != m ? NAN : (old > m ? old : m);
+                for (int64_t j = 0; j < n; j++) e[j] = e[j] - m;
+                unary_isa(J->isa, e, e, n, FN_EXP);
+                float sum = row_sum_f32(e, n, acc);
+                J->run_sum[r] = first ? sum : J->run_sum[r] * s_exp(old - m) + sum;
+                J->run_max[r] = m;
+            } else {
+                const float lse = J->lse[r], g = J->gs[r];
+                for (int64_t j = 0; j < n; j++) e[j] = e[j] - lse;
+                unary_isa(J->isa, e, e, n, FN_EXP);
+                for (int64_t j = 0; j < n; j++) e[j] = -e[j];
+                e[J->local[r]] = e[J->local[r]] + J->inside[r];
+                for (int64_t j = 0; j < n; j++) e[j] = e[j] * g;
+                store_block((char *)J->out, J->out_dt, r * L, n, e);
+            }
         }
     }
     free(e);
@@ -2663,7 +2666,7 @@ ROW_PASSES(z, AVX512_T)
 
 /* ---------------------------------------------------------------- exported */
 
-int ls_abi_version(void) { return 13; }
+int ls_abi_version(void) { return 14; }
 
 /* Run parallel work on the OpenMP runtime whose GOMP_parallel (GCC's ABI: fn, data, team size,
  * flags) is `fn`, or on the library's own threads when `fn` is NULL. */
@@ -3060,22 +3063,24 @@ int ls_rows(int64_t rows, int64_t L, const float *x, const float *y, float *out,
 }
 
 /* The logit-chunk arithmetic above on x [rows, L] (dtype dt, rows ld elements apart), temperature t:
- * mode 0 folds the chunk into run_max and run_sum ([rows] fp32; their inputs are not read when
- * first is set); mode 1 writes the logits' gradient into out [rows, L] (out_dt fp32 or bf16) from
+ * mode 0 folds the row's consecutive chunks of `chunk` elements (the last may be shorter), one
+ * after another, into run_max and run_sum ([rows] fp32; their inputs are not read when first is
+ * set): the bits of one call per chunk, in one; mode 1 (chunk = L) writes the logits' gradient into out [rows, L] (out_dt fp32 or bf16) from
  * lse, inside and gs ([rows] fp32) and local ([rows] int64 in [0, L)). Returns 0, -1 for arguments it
  * cannot take, -2 when memory runs out. */
-int ls_logit_rows(int64_t rows, int64_t L, const void *x, int64_t ld, int dt, float t, int mode, int first,
-                  float *run_max, float *run_sum, const float *lse, const int64_t *local, const float *inside,
-                  const float *gs, void *out, int out_dt, int isa, int threads) {
-    if (rows < 0 || L < 1 || ld < L || dt < DT_F32 || dt > DT_F16 || mode < 0 || mode > 1 || !ls_cpu_supports(isa))
+int ls_logit_rows(int64_t rows, int64_t L, int64_t chunk, const void *x, int64_t ld, int dt, float t, int mode,
+                  int first, float *run_max, float *run_sum, const float *lse, const int64_t *local,
+                  const float *inside, const float *gs, void *out, int out_dt, int isa, int threads) {
+    if (rows < 0 || L < 1 || ld < L || chunk < 1 || chunk > L || (mode == 1 && chunk != L) || dt < DT_F32 ||
+        dt > DT_F16 || mode < 0 || mode > 1 || !ls_cpu_supports(isa))
         return -1;
     if (mode == 0 && (!run_max || !run_sum)) return -1;
     if (mode == 1 && (!lse || !local || !inside || !gs || !out || (out_dt != DT_F32 && out_dt != DT_BF16))) return -1;
     if (mode == 1)
         for (int64_t r = 0; r < rows; r++)
             if (local[r] < 0 || local[r] >= L) return -1;
-    logit_job J = {(const char *)x, rows, L, ld, dt, out_dt, mode, first, isa, t, run_max, run_sum, lse, inside, gs,
-                   local, out, 0};
+    logit_job J = {(const char *)x, rows, L, ld, chunk, dt, out_dt, mode, first, isa, t, run_max, run_sum, lse,
+                   inside, gs, local, out, 0};
     parallel_for(ELEMENTWISE_FOR(logit_item, isa), &J, (rows + ROWS_ITEM - 1) / ROWS_ITEM,
                  rows * L < (1 << 16) ? 1 : threads);
     return atomic_load(&J.failed) ? -2 : 0;

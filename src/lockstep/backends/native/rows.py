@@ -52,8 +52,12 @@ def _per_row(t: Tensor, rows: int, dtype: torch.dtype, name: str) -> Tensor:
 
 
 def _logit_rows(chunk: Tensor, temperature: float, mode: int, first: bool, run: tuple[Tensor, Tensor] | None = None,
-                per_row: tuple[Tensor, Tensor, Tensor, Tensor] | None = None, out: Tensor | None = None) -> None:
+                per_row: tuple[Tensor, Tensor, Tensor, Tensor] | None = None, out: Tensor | None = None,
+                width: int | None = None) -> None:
     rows, length = chunk.shape
+    width = length if width is None else min(width, length)
+    if width < 1:
+        raise ValueError(f"width: expected a positive number of columns, got {width}")
     if chunk.stride(-1) != 1 or (rows > 1 and chunk.stride(0) < length):
         chunk = chunk.contiguous()
     ld = chunk.stride(0) if rows > 1 else length
@@ -64,7 +68,7 @@ def _logit_rows(chunk: Tensor, temperature: float, mode: int, first: bool, run: 
         return None if t is None else t.data_ptr()
 
     status = library().ls_logit_rows(
-        rows, length, chunk.data_ptr(), ld, DTYPE_CODES[chunk.dtype], temperature, mode, int(first),
+        rows, length, width, chunk.data_ptr(), ld, DTYPE_CODES[chunk.dtype], temperature, mode, int(first),
         ptr(run_max), ptr(run_sum), ptr(lse), ptr(local), ptr(inside), ptr(scale), ptr(out),
         0 if out is None else DTYPE_CODES[out.dtype], isa(), torch.get_num_threads())
     if status == -2:
@@ -73,14 +77,16 @@ def _logit_rows(chunk: Tensor, temperature: float, mode: int, first: bool, run: 
         raise RuntimeError(f"ls_logit_rows refused mode {mode} on {tuple(chunk.shape)} {chunk.dtype}")
 
 
-def lse_fold(chunk: Tensor, temperature: float, run: tuple[Tensor, Tensor] | None) -> tuple[Tensor, Tensor]:
-    """fixed_order.lse_fold: chunk [T, L] fp32, bf16 or fp16; run and the result ([T] fp32 each)."""
+def lse_fold(chunk: Tensor, temperature: float, run: tuple[Tensor, Tensor] | None,
+             width: int | None = None) -> tuple[Tensor, Tensor]:
+    """fixed_order.lse_fold: chunk [T, L] fp32, bf16 or fp16; run and the result ([T] fp32 each).
+    width: fold its consecutive pieces of that many columns one after another, in one call."""
     rows = chunk.shape[0]
     if run is None:
         new = (chunk.new_empty(rows, dtype=torch.float32), chunk.new_empty(rows, dtype=torch.float32))
     else:
         new = tuple(_per_row(t, rows, torch.float32, name).clone() for t, name in zip(run, ("run max", "run sum")))
-    _logit_rows(chunk, temperature, 0, run is None, run=new)
+    _logit_rows(chunk, temperature, 0, run is None, run=new, width=width)
     return new
 
 

@@ -20,6 +20,7 @@ from torch import Tensor
 from ... import grad_tree
 from ...fixed_order import (
     accumulate_dtype,
+    columns_at_any_width,
     exp,
     log,
     lm_head_weight_grad,
@@ -62,13 +63,27 @@ def keep_logits_bytes() -> int:
 
 
 def _chunk_logits(hidden: Tensor, weight: Tensor, start: int, acc: torch.dtype,
-                  cap: float | None) -> tuple[Tensor, Tensor | None]:
-    """A chunk's logits as the GEMM left them (hidden's dtype), or capped in the accumulation dtype;
-    and the cap's slope (None without one). fixed_order.scaled_logits divides them by the temperature."""
-    logits = matmul_rows(hidden, weight[start:start + VOCAB_CHUNK].t())
+                  cap: float | None, stop: int | None = None) -> tuple[Tensor, Tensor | None]:
+    """The logits of the head's rows [start, stop) (one chunk unless `stop` says otherwise) as the
+    GEMM left them (hidden's dtype), or capped in the accumulation dtype; and the cap's slope (None
+    without one). fixed_order.scaled_logits divides them by the temperature."""
+    logits = matmul_rows(hidden, weight[start:start + VOCAB_CHUNK if stop is None else stop].t())
     if cap is None:
         return logits, None
     return capped(logits.to(acc), cap)
+
+
+def whole_logits(hidden: Tensor, weight: Tensor, cap: float | None) -> Tensor | None:
+    """Every chunk's logits [T, V] (as `_chunk_logits` gives them) from one GEMM, for a few rows
+    (decode) on kernels whose columns have the same bits at any width (fixed_order.
+    columns_at_any_width): one call starts its threads once and streams the head without a stop,
+    where a 151,936-token vocabulary took 38 (bf16 vocab_logprobs on 2 threads, 1 / 8 / 32 rows:
+    0.83 / 0.74 / 0.69 of the chunked time, its chunks folded in one call too). None where that
+    does not hold."""
+    if hidden.shape[0] * weight.shape[0] > BATCHED_LSE_ELEMENTS or not columns_at_any_width(hidden):
+        return None
+    logits, _ = _chunk_logits(hidden, weight, 0, accumulate_dtype(hidden.dtype), cap, stop=weight.shape[0])
+    return logits
 
 
 def _select(logits: Tensor, targets: Tensor, start: int) -> tuple[Tensor, Tensor]:
@@ -79,26 +94,38 @@ def _select(logits: Tensor, targets: Tensor, start: int) -> tuple[Tensor, Tensor
 
 
 def online_lse(hidden: Tensor, weight: Tensor, temperature: float,
-               visit: Callable[[int, Tensor], None] | None = None, cap: float | None = None) -> Tensor:
+               visit: Callable[[int, Tensor], None] | None = None, cap: float | None = None,
+               logits: Tensor | None = None) -> Tensor:
     """log-sum-exp [T] of cap(hidden @ weight.T) / temperature over the vocabulary, chunk by chunk in
     vocabulary order (accumulation dtype). visit(start, logits) sees each chunk's logits before the
-    temperature (`_chunk_logits`).
+    temperature (`_chunk_logits`). `logits`: `whole_logits`'s, where the caller has them (else they
+    are taken from it where it gives them, and chunk by chunk otherwise).
 
     The fold over chunks (fixed_order.lse_fold): m_i = max(m_{i-1}, max of chunk i), s_i = s_{i-1}
-    exp(m_{i-1} - m_i) + row_sum(exp(chunk_i - m_i)). A few rows at a time (decode) evaluate each
-    step's elementwise and row_sum parts for all chunks at once and only the recurrence on s one
-    chunk at a time: the same operations on the same values, so the same bits, in far fewer calls."""
+    exp(m_{i-1} - m_i) + row_sum(exp(chunk_i - m_i)). A few rows at a time (decode) on PyTorch's
+    kernels evaluate each step's elementwise and row_sum parts for all chunks at once and only the
+    recurrence on s one chunk at a time: the same operations on the same values, so the same bits,
+    in far fewer calls. On lockstep's own kernels a few rows' logits come from one GEMM
+    (`whole_logits`) and are folded chunk after chunk in one call (their lse_fold's width)."""
     acc = accumulate_dtype(hidden.dtype)
+    if logits is None:
+        logits = whole_logits(hidden, weight, cap)
+    if logits is not None:
+        if visit is not None:
+            for start in range(0, weight.shape[0], VOCAB_CHUNK):
+                visit(start, logits[:, start:start + VOCAB_CHUNK])
+        run_max, run_sum = lse_fold(logits, temperature, None, width=VOCAB_CHUNK)
+        return run_max + log(run_sum)
     batched = hidden.shape[0] * weight.shape[0] <= BATCHED_LSE_ELEMENTS
     chunks, run = [], None
     for start in range(0, weight.shape[0], VOCAB_CHUNK):
-        logits, _ = _chunk_logits(hidden, weight, start, acc, cap)
+        chunk, _ = _chunk_logits(hidden, weight, start, acc, cap)
         if visit is not None:
-            visit(start, logits)
+            visit(start, chunk)
         if batched:
-            chunks.append(scaled_logits(logits, temperature))
+            chunks.append(scaled_logits(chunk, temperature))
         else:
-            run = lse_fold(logits, temperature, run)
+            run = lse_fold(chunk, temperature, run)
     if batched:
         return _lse_of_chunks(chunks)
     run_max, run_sum = run

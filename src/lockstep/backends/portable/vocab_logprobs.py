@@ -8,13 +8,18 @@ from torch import Tensor
 
 from ...fixed_order import scaled_logits
 from ...registry import register
-from .selected_logprobs import online_lse
+from .selected_logprobs import online_lse, whole_logits
 
 
 @register("portable", "vocab_logprobs")
 def vocab_logprobs(hidden: Tensor, weight: Tensor, temperature: float, softcap: float | None = None) -> Tensor:
+    hidden = hidden.contiguous()
     chunks: list[Tensor] = []
     with torch.no_grad():
-        lse = online_lse(hidden.contiguous(), weight, temperature,
+        logits = whole_logits(hidden, weight, softcap)
+        if logits is not None:      # elementwise over the whole, so each entry has the chunk's bits
+            return scaled_logits(logits, temperature) - online_lse(hidden, weight, temperature, cap=softcap,
+                                                                   logits=logits)[:, None]
+        lse = online_lse(hidden, weight, temperature,
                          lambda start, logits: chunks.append(scaled_logits(logits, temperature)), softcap)
         return torch.cat(chunks, dim=1) - lse[:, None]
