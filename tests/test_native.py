@@ -1921,7 +1921,7 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 def test_lse_fold_and_logit_grad_in_c_are_the_compositions_bit_for_bit(unfused, dtype):
     """The LM head's per-chunk row arithmetic in C against fixed_order's compositions: a first and a
     later chunk of the online log-sum-exp, both as one call's pieces (lse_fold's width; the later one
-    shorter), and the logits' gradient in fp32 and bf16, at lengths below, at and past the sum's
+    shorter) from nothing and after a first chunk, and the logits' gradient in fp32 and bf16, at lengths below, at and past the sum's
     512 lanes, at temperatures 1 and 0.7, with NaN, Inf and -inf logits, a NaN running max and a
     target in and outside the chunk, on 1 and 2 threads. NaN is compared as NaN (`_bits`)."""
     from lockstep import fixed_order as fo
@@ -1956,6 +1956,7 @@ def test_lse_fold_and_logit_grad_in_c_are_the_compositions_bit_for_bit(unfused, 
                         results.append((*run, *fo.lse_fold(later, temperature, run),
                                         *fo.lse_fold(later, temperature, nan_run),
                                         *fo.lse_fold(pieces, temperature, None, width=length),
+                                        *fo.lse_fold(pieces, temperature, run, width=length),
                                         *(fo.logit_grad(chunk, temperature, lse, local, inside, scale, out)
                                           for chunk in (first, later) for out in (torch.float32, torch.bfloat16))))
                 for i, (want, got) in enumerate(zip(*results)):
@@ -1997,6 +1998,11 @@ def test_the_logit_row_kernels_name_a_bad_argument():
         rows.lse_fold(chunk, 1.0, (torch.zeros(3), torch.zeros(3, 1)))
     with pytest.raises(ValueError, match="width: expected a positive number of columns, got 0"):
         rows.lse_fold(chunk, 1.0, None, width=0)
+    from lockstep import fixed_order as fo
+
+    with fo.cpu_kernels("torch"), pytest.raises(ValueError, match="width: expected a positive number of columns, "
+                                                                 "got -1"):
+        fo.lse_fold(chunk, 1.0, None, width=-1)
     with pytest.raises(ValueError, match="out_dtype: expected torch.float32 or torch.bfloat16, got torch.float16"):
         rows.logit_grad(chunk, 1.0, torch.zeros(3), torch.zeros(3), torch.zeros(3), torch.ones(3), torch.float16)
     with pytest.raises(RuntimeError, match="ls_logit_rows refused mode 1"):

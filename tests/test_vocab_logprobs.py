@@ -50,10 +50,11 @@ def test_vocab_logprobs_has_no_gradient_and_checks_its_arguments():
 @pytest.mark.parametrize("kernels", ["torch", "native"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_the_batched_log_sum_exp_of_few_rows_has_the_bits_of_the_chunk_loop(dtype, kernels, monkeypatch):
-    """online_lse folds the chunks of a few rows (decode) all at once: the same operations on the same
-    values as the loop over chunks (on the native kernels, their fused lse_fold), so the same bits;
-    NaN and Inf rows included, with a cap and a temperature, and a vocabulary whose last chunk is
-    short."""
+    """online_lse folds the chunks of a few rows (decode) all at once on PyTorch's kernels, and on
+    the native kernels takes their logits from one GEMM and folds them in one call (lse_fold's
+    width): the same operations on the same values as the loop over chunks (on the native kernels,
+    their fused lse_fold), so the same bits; NaN and Inf rows included, with a cap and a
+    temperature, and a vocabulary whose last chunk is short."""
     from lockstep.backends.native.cpu import KERNELS
     from lockstep.backends.portable import selected_logprobs as portable
     from lockstep.fixed_order import cpu_kernels
@@ -76,11 +77,12 @@ def test_the_batched_log_sum_exp_of_few_rows_has_the_bits_of_the_chunk_loop(dtyp
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 def test_a_few_rows_logits_from_one_gemm_have_the_chunked_bits(dtype, monkeypatch):
     """On the native kernels a few rows' logits come from one GEMM over the whole vocabulary
-    (whole_logits; its columns have the same bits at any width). vocab_logprobs and
-    selected_logprobs then give the bits of the chunk by chunk computation, NaN and Inf rows, caps,
-    temperatures and a short last chunk included. PyTorch's GEMMs never take that path."""
+    (whole_logits; its columns have the same bits at any width): each chunk's slice has the bits of
+    the chunk's own GEMM, at K of 64, 1000 (panels that do not divide a chunk) and 4100 (K in
+    blocks). vocab_logprobs and selected_logprobs then give the bits of the chunk by chunk
+    computation, NaN and Inf rows, caps, temperatures and a short last chunk included. PyTorch's
+    GEMMs never take that path."""
     from lockstep.backends.portable import selected_logprobs as portable
-    from lockstep.backends.portable import vocab_logprobs as portable_vocab
     from lockstep.fixed_order import cpu_kernels
 
     gen = torch.Generator().manual_seed(3)
@@ -91,13 +93,20 @@ def test_a_few_rows_logits_from_one_gemm_have_the_chunked_bits(dtype, monkeypatc
     with cpu_kernels("torch"):
         assert portable.whole_logits(h, w, None) is None
     with cpu_kernels("native"):
-        assert portable.whole_logits(h, w, None).shape == (5, w.shape[0])
+        for k in (64, 1000, 4100):
+            hk = h if k == 64 else torch.randn(5, k, generator=gen).to(dtype)
+            wk = w if k == 64 else (torch.randn(2 * portable.VOCAB_CHUNK + 77, k, generator=gen) / 4).to(dtype)
+            whole = portable.whole_logits(hk, wk, None)
+            assert whole.shape == (5, wk.shape[0])
+            for start in range(0, wk.shape[0], portable.VOCAB_CHUNK):
+                chunk, _ = portable._chunk_logits(hk, wk, start, torch.float32, None)
+                assert torch.equal(whole[:, start:start + portable.VOCAB_CHUNK].isnan(), chunk.isnan())
+                assert torch.equal(whole[:, start:start + portable.VOCAB_CHUNK].nan_to_num(), chunk.nan_to_num()), k
     real = portable.whole_logits
     for temperature, cap in ((1.0, None), (0.7, None), (0.7, 5.0)):
         runs = []
         for whole in (real, lambda *a: None):
             monkeypatch.setattr(portable, "whole_logits", whole)
-            monkeypatch.setattr(portable_vocab, "whole_logits", whole)
             with lockstep.use_backend("native"):
                 runs.append((ops.vocab_logprobs(h, w, temperature=temperature, softcap=cap),
                              ops.selected_logprobs(h, w, targets, temperature=temperature, softcap=cap)))

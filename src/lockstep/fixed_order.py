@@ -129,7 +129,7 @@ class CpuKernels(NamedTuple):
     root, fp32 or float64 (MKL's vector math, which torch.sqrt takes, is not).
     `columns_at_any_width`: whether `matmul_rows` gives a column the same bits whatever the
     product's width (each dot computed by itself), so that a caller may take chunks of columns from
-    one wider call (`columns_at_any_width`)."""
+    one wider call."""
     name: str
     matmul_rows: Callable[..., Tensor]
     weight_grad: Callable[..., Tensor]
@@ -364,6 +364,8 @@ def lse_fold(chunk: Tensor, temperature: float, run: tuple[Tensor, Tensor] | Non
     chunks, its consecutive pieces of `width` columns (the last may be shorter), folded one after
     another. On the selected CPU kernels' fused form when they have one (the same bits, one pass
     over the logits, one call for all the pieces)."""
+    if width is not None and width < 1:
+        raise ValueError(f"width: expected a positive number of columns, got {width}")
     kernels = _kernels_for(chunk)
     if kernels is not None and kernels.lse_fold is not None and chunk.dim() == 2:
         return kernels.lse_fold(chunk, temperature, run, width)

@@ -3065,9 +3065,9 @@ int ls_rows(int64_t rows, int64_t L, const float *x, const float *y, float *out,
 /* The logit-chunk arithmetic above on x [rows, L] (dtype dt, rows ld elements apart), temperature t:
  * mode 0 folds the row's consecutive chunks of `chunk` elements (the last may be shorter), one
  * after another, into run_max and run_sum ([rows] fp32; their inputs are not read when first is
- * set): the bits of one call per chunk, in one; mode 1 (chunk = L) writes the logits' gradient into out [rows, L] (out_dt fp32 or bf16) from
- * lse, inside and gs ([rows] fp32) and local ([rows] int64 in [0, L)). Returns 0, -1 for arguments it
- * cannot take, -2 when memory runs out. */
+ * set): the bits of one call per chunk, in one; mode 1 (chunk = L) writes the logits' gradient
+ * into out [rows, L] (out_dt fp32 or bf16) from lse, inside and gs ([rows] fp32) and local ([rows]
+ * int64 in [0, L)). Returns 0, -1 for arguments it cannot take, -2 when memory runs out. */
 int ls_logit_rows(int64_t rows, int64_t L, int64_t chunk, const void *x, int64_t ld, int dt, float t, int mode,
                   int first, float *run_max, float *run_sum, const float *lse, const int64_t *local,
                   const float *inside, const float *gs, void *out, int out_dt, int isa, int threads) {

@@ -55,9 +55,9 @@ def _logit_rows(chunk: Tensor, temperature: float, mode: int, first: bool, run: 
                 per_row: tuple[Tensor, Tensor, Tensor, Tensor] | None = None, out: Tensor | None = None,
                 width: int | None = None) -> None:
     rows, length = chunk.shape
-    width = length if width is None else min(width, length)
-    if width < 1:
+    if width is not None and width < 1:
         raise ValueError(f"width: expected a positive number of columns, got {width}")
+    width = length if width is None else min(width, length)
     if chunk.stride(-1) != 1 or (rows > 1 and chunk.stride(0) < length):
         chunk = chunk.contiguous()
     ld = chunk.stride(0) if rows > 1 else length

@@ -39,7 +39,8 @@ from ...second_order import first_order_only
 from ...softcap import softcap as capped
 
 VOCAB_CHUNK = 4096
-# Rows x vocabulary up to which online_lse folds all chunks at once (32 MiB of fp32 logits).
+# Rows x vocabulary up to which online_lse folds all chunks at once (32 MiB of fp32 logits), and on
+# the native kernels takes them from one GEMM (whole_logits).
 BATCHED_LSE_ELEMENTS = 1 << 23
 # A training forward keeps its logits for the backward up to this many bytes per call (1 GiB: 1,700
 # tokens of a 151,936-token vocabulary in fp32), which spares the backward one of the LM head's
@@ -77,9 +78,9 @@ def whole_logits(hidden: Tensor, weight: Tensor, cap: float | None) -> Tensor | 
     """Every chunk's logits [T, V] (as `_chunk_logits` gives them) from one GEMM, for a few rows
     (decode) on kernels whose columns have the same bits at any width (fixed_order.
     columns_at_any_width): one call starts its threads once and streams the head without a stop,
-    where a 151,936-token vocabulary took 38 (bf16 vocab_logprobs on 2 threads, 1 / 8 / 32 rows:
-    0.83 / 0.74 / 0.69 of the chunked time, its chunks folded in one call too). None where that
-    does not hold."""
+    where a 151,936-token vocabulary took a call per chunk, 38 of them (bf16 vocab_logprobs on 2
+    threads, 1 / 8 / 32 rows: 0.83 / 0.74 / 0.69 of the chunked time, its chunks folded in one call
+    too). None where that does not hold."""
     if hidden.shape[0] * weight.shape[0] > BATCHED_LSE_ELEMENTS or not columns_at_any_width(hidden):
         return None
     logits, _ = _chunk_logits(hidden, weight, 0, accumulate_dtype(hidden.dtype), cap, stop=weight.shape[0])
@@ -98,8 +99,9 @@ def online_lse(hidden: Tensor, weight: Tensor, temperature: float,
                logits: Tensor | None = None) -> Tensor:
     """log-sum-exp [T] of cap(hidden @ weight.T) / temperature over the vocabulary, chunk by chunk in
     vocabulary order (accumulation dtype). visit(start, logits) sees each chunk's logits before the
-    temperature (`_chunk_logits`). `logits`: `whole_logits`'s, where the caller has them (else they
-    are taken from it where it gives them, and chunk by chunk otherwise).
+    temperature (`_chunk_logits`). `logits`: `whole_logits(hidden, weight, cap)`, where the caller
+    has them (with the same cap); else they are taken from it where it gives them, and chunk by
+    chunk otherwise.
 
     The fold over chunks (fixed_order.lse_fold): m_i = max(m_{i-1}, max of chunk i), s_i = s_{i-1}
     exp(m_{i-1} - m_i) + row_sum(exp(chunk_i - m_i)). A few rows at a time (decode) on PyTorch's
@@ -107,7 +109,6 @@ def online_lse(hidden: Tensor, weight: Tensor, temperature: float,
     recurrence on s one chunk at a time: the same operations on the same values, so the same bits,
     in far fewer calls. On lockstep's own kernels a few rows' logits come from one GEMM
     (`whole_logits`) and are folded chunk after chunk in one call (their lse_fold's width)."""
-    acc = accumulate_dtype(hidden.dtype)
     if logits is None:
         logits = whole_logits(hidden, weight, cap)
     if logits is not None:
@@ -116,6 +117,7 @@ def online_lse(hidden: Tensor, weight: Tensor, temperature: float,
                 visit(start, logits[:, start:start + VOCAB_CHUNK])
         run_max, run_sum = lse_fold(logits, temperature, None, width=VOCAB_CHUNK)
         return run_max + log(run_sum)
+    acc = accumulate_dtype(hidden.dtype)
     batched = hidden.shape[0] * weight.shape[0] <= BATCHED_LSE_ELEMENTS
     chunks, run = [], None
     for start in range(0, weight.shape[0], VOCAB_CHUNK):

@@ -8,7 +8,7 @@ from torch import Tensor
 
 from ...fixed_order import scaled_logits
 from ...registry import register
-from .selected_logprobs import online_lse, whole_logits
+from . import selected_logprobs
 
 
 @register("portable", "vocab_logprobs")
@@ -16,10 +16,11 @@ def vocab_logprobs(hidden: Tensor, weight: Tensor, temperature: float, softcap: 
     hidden = hidden.contiguous()
     chunks: list[Tensor] = []
     with torch.no_grad():
-        logits = whole_logits(hidden, weight, softcap)
+        logits = selected_logprobs.whole_logits(hidden, weight, softcap)
         if logits is not None:      # elementwise over the whole, so each entry has the chunk's bits
-            return scaled_logits(logits, temperature) - online_lse(hidden, weight, temperature, cap=softcap,
-                                                                   logits=logits)[:, None]
-        lse = online_lse(hidden, weight, temperature,
-                         lambda start, logits: chunks.append(scaled_logits(logits, temperature)), softcap)
+            lse = selected_logprobs.online_lse(hidden, weight, temperature, cap=softcap, logits=logits)
+            return scaled_logits(logits, temperature) - lse[:, None]
+        lse = selected_logprobs.online_lse(
+            hidden, weight, temperature, lambda start, logits: chunks.append(scaled_logits(logits, temperature)),
+            softcap)
         return torch.cat(chunks, dim=1) - lse[:, None]
