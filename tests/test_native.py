@@ -1921,9 +1921,10 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 def test_lse_fold_and_logit_grad_in_c_are_the_compositions_bit_for_bit(unfused, dtype):
     """The LM head's per-chunk row arithmetic in C against fixed_order's compositions: a first and a
     later chunk of the online log-sum-exp, both as one call's pieces (lse_fold's width; the later one
-    shorter) from nothing and after a first chunk, and the logits' gradient in fp32 and bf16, at lengths below, at and past the sum's
-    512 lanes, at temperatures 1 and 0.7, with NaN, Inf and -inf logits, a NaN running max and a
-    target in and outside the chunk, on 1 and 2 threads. NaN is compared as NaN (`_bits`)."""
+    shorter) from nothing and after a first chunk, and the logits' gradient in fp32 and bf16, at
+    lengths below, at and past the sum's 512 lanes, at temperatures 1 and 0.7, with NaN, Inf and
+    -inf logits, a NaN running max and a target in and outside the chunk, on 1 and 2 threads. NaN is
+    compared as NaN (`_bits`)."""
     from lockstep import fixed_order as fo
     from lockstep.backends.native.cpu import KERNELS
 

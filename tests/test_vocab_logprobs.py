@@ -98,10 +98,10 @@ def test_a_few_rows_logits_from_one_gemm_have_the_chunked_bits(dtype, monkeypatc
             wk = w if k == 64 else (torch.randn(2 * portable.VOCAB_CHUNK + 77, k, generator=gen) / 4).to(dtype)
             whole = portable.whole_logits(hk, wk, None)
             assert whole.shape == (5, wk.shape[0])
+            ints = torch.int32 if whole.element_size() == 4 else torch.int16
             for start in range(0, wk.shape[0], portable.VOCAB_CHUNK):
                 chunk, _ = portable._chunk_logits(hk, wk, start, torch.float32, None)
-                assert torch.equal(whole[:, start:start + portable.VOCAB_CHUNK].isnan(), chunk.isnan())
-                assert torch.equal(whole[:, start:start + portable.VOCAB_CHUNK].nan_to_num(), chunk.nan_to_num()), k
+                assert torch.equal(whole[:, start:start + portable.VOCAB_CHUNK].view(ints), chunk.view(ints)), k
     real = portable.whole_logits
     for temperature, cap in ((1.0, None), (0.7, None), (0.7, 5.0)):
         runs = []

@@ -330,7 +330,7 @@ def pack(sequences: list, device: str | torch.device = "cpu") -> tuple[Tensor, T
 def packed_logprobs(model: Transformer, sequences: list, temperature: float = 1.0,
                     first_unit: int = 0) -> tuple[Tensor, Tensor]:
     """The logprob of every token after the first of each sequence, from one packed forward and
-    `selected_logprobs` (never the full logits): float32 [sum(len_i - 1)], sequence by sequence, and
+    `selected_logprobs` (the full logits only for a few rows): float32 [sum(len_i - 1)], sequence by sequence, and
     the target ids int64 [sum(len_i - 1)]. Differentiable. temperature scales the logits as the
     engine's sampler did.
 

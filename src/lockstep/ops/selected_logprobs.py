@@ -15,7 +15,8 @@ def selected_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor, temperatu
 
     hidden: [..., D] float; weight: [V, D] of hidden's dtype (the LM head); targets: [...] int in [0, V).
     Returns [...] float32 (float64 for float64 inputs). The vocabulary is processed in fixed-size chunks with an online
-    log-sum-exp, forward and backward, so no GEMM makes more than O(tokens x chunk); on a CPU a forward
+    log-sum-exp, forward and backward, so no GEMM makes more than O(tokens x chunk), except that the native
+    kernels take a few rows' logits (up to 2^23 of them) in one GEMM with the chunks' bits; on a CPU a forward
     whose backward will run keeps its chunks for it within LOCKSTEP_KEEP_LOGITS_BYTES (1 GiB per call;
     docs/adr/0028), with the bits of computing them again.
     temperature > 0 divides the fp32 logits (the distribution a sampler at that temperature uses).
