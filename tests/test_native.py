@@ -351,6 +351,29 @@ def _qemu_x86() -> str:
 # so it runs three; Sandy Bridge adds the scalar path and ATen's default kernels, on 2 threads, since
 # TCG runs scalar arithmetic one helper call an element (about 95 s a thread count on 2 Zen 4 cores).
 INTEL_CPUS = {"Haswell-v4": ("avx2", "AVX2", "1,2,3"), "SandyBridge": ("scalar", "DEFAULT", "2")}
+# On a GenuineIntel host MKL takes its Intel paths without an emulator, and Haswell's are reached by
+# capping each library at AVX2: 7 s there against 11 minutes of TCG on a 2-core Xeon (ADR 0029's
+# later section). Sandy Bridge stays emulated everywhere: only a CPU without AVX2 and FMA shows that
+# the scalar path executes none of their instructions.
+NATIVE_CAPS = {"Haswell-v4": {"LOCKSTEP_CPU_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx2",
+                              "MKL_ENABLE_INSTRUCTIONS": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"}}
+
+
+def _cpu_vendor() -> str:
+    """This CPU's vendor string from /proc/cpuinfo ("GenuineIntel", "AuthenticAMD"), or ""."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
+    return next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("vendor_id")), "")
+
+
+def _as_intel_cpu(model: str) -> tuple[tuple[str, ...], dict[str, str]]:
+    """The command prefix and environment that run a process on `model`'s code paths: natively with
+    each library capped (NATIVE_CAPS) on a GenuineIntel host, else under QEMU's model of that CPU."""
+    if model in NATIVE_CAPS and _cpu_vendor() == "GenuineIntel":
+        return (), {**os.environ, **NATIVE_CAPS[model]}
+    return (_qemu_x86(), "-cpu", model), dict(os.environ)
 
 
 @pytest.mark.skipif(platform.machine() != "x86_64", reason="emulates x86-64 CPUs in user mode; CI runs x86-64")
@@ -364,10 +387,12 @@ def test_an_emulated_intel_cpu_gives_the_bits_of_this_one(model, widest):
     kernels), gives this machine's digest: every op, forward and backward, fp32, bf16 and fp16, two
     trainer steps (AdamW's root included) and a random model's weights, on 1, 2 and 3 threads
     (Sandy Bridge on 2: INTEL_CPUS). TCG has no AVX-512, so the AVX-512 paths on Intel run only on
-    hardware."""
+    hardware. On a GenuineIntel host, Haswell's paths run there, each library capped at AVX2
+    (NATIVE_CAPS): the instruction set is then forced, not found."""
     isa, aten, threads = INTEL_CPUS[model]
-    proc = subprocess.run([_qemu_x86(), "-cpu", model, sys.executable, "-W", "ignore", str(DIGEST), "--threads",
-                           threads], capture_output=True, text=True, timeout=900, cwd=ROOT)
+    emulator, env = _as_intel_cpu(model)
+    proc = subprocess.run([*emulator, sys.executable, "-W", "ignore", str(DIGEST), "--threads", threads],
+                          env=env, capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     assert (got["isa"], got["aten"]) == (isa, aten)
@@ -381,14 +406,15 @@ def test_on_an_emulated_intel_cpu_the_fallback_line_says_what_the_portable_backe
     """On QEMU's Haswell, MKL's fp32 GEMM changes a row's bits with the tile's row count and a
     column's with the call's width, the two premises of the portable backend's invariance: without
     a compiler, the line that says why the native backend is not in use also says that, and so does
-    `lockstep check --backend portable`, whose batch sweep fails there."""
-    qemu = (_qemu_x86(), "-cpu", "Haswell-v4")  # a full path: PATH is emptied for the child
+    `lockstep check --backend portable`, whose batch sweep fails there. On a GenuineIntel host MKL's
+    AVX2 path runs natively instead (NATIVE_CAPS), with the same verdicts."""
+    emulator, env = _as_intel_cpu("Haswell-v4")  # QEMU by its full path: PATH is emptied for the child
     caveat = ("PyTorch's fp32 GEMMs here break the row tiles and column widths that the portable backend rests on, "
               "so it has no batch invariance or tensor-parallel invariance on this machine at 2 threads "
               "(docs/contract.md, section 7)")
-    assert _fallback_lines(tmp_path, qemu) == [f"{FALLBACK_LINE}; {caveat}"]
-    check = subprocess.run([*qemu, sys.executable, "-m", "lockstep", "check", "--backend", "portable", "linear",
-                            "--dtype", "fp32", "--no-grad"], env={**os.environ, "OMP_NUM_THREADS": "2"},
+    assert _fallback_lines(tmp_path, emulator, env) == [f"{FALLBACK_LINE}; {caveat}"]
+    check = subprocess.run([*emulator, sys.executable, "-m", "lockstep", "check", "--backend", "portable", "linear",
+                            "--dtype", "fp32", "--no-grad"], env={**env, "OMP_NUM_THREADS": "2"},
                            capture_output=True, text=True, timeout=600)
     assert check.returncode == 1, check.stderr[-3000:]
     first, *_, row, _, summary = check.stdout.splitlines()
@@ -957,14 +983,17 @@ def test_a_forced_instruction_set_must_be_known_and_runnable(monkeypatch):
             build.isa()
 
 
-def _fallback_lines(tmp_path: Path, emulator: tuple[str, ...] = ()) -> list[str]:
+def _fallback_lines(tmp_path: Path, emulator: tuple[str, ...] = (), environ: dict[str, str] | None = None
+                    ) -> list[str]:
     """The lines a process without a working compiler (CC=/bin/false, nothing on PATH) prints about
-    the native backend, on 2 threads, run by `emulator` (a QEMU command line) or directly."""
+    the native backend, on 2 threads, run by `emulator` (a QEMU command line) or directly, in
+    `environ` (default: this process's environment)."""
     code = ("import torch, lockstep\nfrom lockstep import ops, registry\ntorch.set_num_threads(2)\n"
             "x, w = torch.randn(3, 8), torch.randn(4, 8)\ny = ops.linear(x, w)\n"
             "with registry.use_backend('portable'):\n    assert torch.equal(y, ops.linear(x, w))\n"
             "print(registry.cpu_backend())\n")
-    env = {**os.environ, "CC": "/bin/false", "PATH": str(tmp_path), "LOCKSTEP_CACHE_DIR": str(tmp_path / "cache")}
+    env = {**(os.environ if environ is None else environ), "CC": "/bin/false", "PATH": str(tmp_path),
+           "LOCKSTEP_CACHE_DIR": str(tmp_path / "cache")}
     proc = subprocess.run([*emulator, sys.executable, "-c", code], env=env, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stderr
