@@ -370,8 +370,9 @@ def _cpu_vendor() -> str:
 
 def _as_intel_cpu(model: str) -> tuple[tuple[str, ...], dict[str, str]]:
     """The command prefix and environment that run a process on `model`'s code paths: natively with
-    each library capped (NATIVE_CAPS) on a GenuineIntel host, else under QEMU's model of that CPU."""
-    if model in NATIVE_CAPS and _cpu_vendor() == "GenuineIntel":
+    each library capped (NATIVE_CAPS) on a GenuineIntel host that runs AVX2, else under QEMU's model
+    of that CPU."""
+    if model in NATIVE_CAPS and _cpu_vendor() == "GenuineIntel" and ISA_FLAGS["avx2"] <= cpu_flags():
         return (), {**os.environ, **NATIVE_CAPS[model]}
     return (_qemu_x86(), "-cpu", model), dict(os.environ)
 
@@ -387,8 +388,9 @@ def test_an_emulated_intel_cpu_gives_the_bits_of_this_one(model, widest):
     kernels), gives this machine's digest: every op, forward and backward, fp32, bf16 and fp16, two
     trainer steps (AdamW's root included) and a random model's weights, on 1, 2 and 3 threads
     (Sandy Bridge on 2: INTEL_CPUS). TCG has no AVX-512, so the AVX-512 paths on Intel run only on
-    hardware. On a GenuineIntel host, Haswell's paths run there, each library capped at AVX2
-    (NATIVE_CAPS): the instruction set is then forced, not found."""
+    hardware. On a GenuineIntel host with AVX2, Haswell's paths run natively instead, each library
+    capped at AVX2 (NATIVE_CAPS): the instruction set is then forced, not found, and an AVX-512
+    instruction on the AVX2 path would not trap there (an AMD host's QEMU run shows both)."""
     isa, aten, threads = INTEL_CPUS[model]
     emulator, env = _as_intel_cpu(model)
     proc = subprocess.run([*emulator, sys.executable, "-W", "ignore", str(DIGEST), "--threads", threads],
@@ -406,8 +408,9 @@ def test_on_an_emulated_intel_cpu_the_fallback_line_says_what_the_portable_backe
     """On QEMU's Haswell, MKL's fp32 GEMM changes a row's bits with the tile's row count and a
     column's with the call's width, the two premises of the portable backend's invariance: without
     a compiler, the line that says why the native backend is not in use also says that, and so does
-    `lockstep check --backend portable`, whose batch sweep fails there. On a GenuineIntel host MKL's
-    AVX2 path runs natively instead (NATIVE_CAPS), with the same verdicts."""
+    `lockstep check --backend portable`, whose batch sweep fails there. On a GenuineIntel host with
+    AVX2, MKL's AVX2 path runs natively instead (NATIVE_CAPS), with the same verdicts; uncapped, MKL's
+    AVX-512 path breaks the row tiles alone, so the column widths here also show that the cap took."""
     emulator, env = _as_intel_cpu("Haswell-v4")  # QEMU by its full path: PATH is emptied for the child
     caveat = ("PyTorch's fp32 GEMMs here break the row tiles and column widths that the portable backend rests on, "
               "so it has no batch invariance or tensor-parallel invariance on this machine at 2 threads "
