@@ -44,15 +44,26 @@ ONEDNN_ISAS = {"AVX2": {"avx2", "fma"}, "AVX512_CORE": {"avx512f", "avx512bw", "
 
 
 @functools.cache
-def cpu_flags() -> frozenset[str]:
+def _cpuinfo() -> dict[str, str]:
+    """The first processor's fields in /proc/cpuinfo ("flags", "vendor_id", ...); empty without it."""
+    fields: dict[str, str] = {}
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return frozenset()
+        return fields
     for line in text.splitlines():
-        if line.startswith("flags"):
-            return frozenset(line.split(":", 1)[1].split())
-    return frozenset()
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+    return fields
+
+
+def cpu_flags() -> frozenset[str]:
+    return frozenset(_cpuinfo().get("flags", "").split())
+
+
+def cpu_vendor() -> str:
+    """"GenuineIntel", "AuthenticAMD", or "" where /proc/cpuinfo does not say."""
+    return _cpuinfo().get("vendor_id", "")
 
 
 def require(flags: set[str]) -> None:

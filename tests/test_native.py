@@ -32,7 +32,7 @@ from lockstep.backends.native.cpu import native_kernels
 from lockstep.model import ModelConfig, Transformer
 from lockstep.harness.check import num_threads
 
-from test_cpu_kernels import ATEN_CAPABILITIES, MKL_ISAS, ONEDNN_ISAS, cpu_flags, require
+from test_cpu_kernels import ATEN_CAPABILITIES, MKL_ISAS, ONEDNN_ISAS, cpu_flags, cpu_vendor, require
 
 ROOT = Path(__file__).resolve().parent.parent
 DIGEST = Path(__file__).with_name("_native_digest.py")
@@ -359,20 +359,11 @@ NATIVE_CAPS = {"Haswell-v4": {"LOCKSTEP_CPU_ISA": "avx2", "ATEN_CPU_CAPABILITY":
                               "MKL_ENABLE_INSTRUCTIONS": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"}}
 
 
-def _cpu_vendor() -> str:
-    """This CPU's vendor string from /proc/cpuinfo ("GenuineIntel", "AuthenticAMD"), or ""."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return ""
-    return next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("vendor_id")), "")
-
-
 def _as_intel_cpu(model: str) -> tuple[tuple[str, ...], dict[str, str]]:
     """The command prefix and environment that run a process on `model`'s code paths: natively with
     each library capped (NATIVE_CAPS) on a GenuineIntel host that runs AVX2, else under QEMU's model
     of that CPU."""
-    if model in NATIVE_CAPS and _cpu_vendor() == "GenuineIntel" and ISA_FLAGS["avx2"] <= cpu_flags():
+    if model in NATIVE_CAPS and cpu_vendor() == "GenuineIntel" and ISA_FLAGS["avx2"] <= cpu_flags():
         return (), {**os.environ, **NATIVE_CAPS[model]}
     return (_qemu_x86(), "-cpu", model), dict(os.environ)
 

@@ -4,8 +4,9 @@ If one of these fails on a platform, the portable backend's invariance does not 
 this test says which primitive broke it. The GEMM's premises (a row's bits the same in every row
 tile, a column's at every width) are probed by the library too (fixed_order.
 torch_gemm_broken_premises), which says so where they break (MKL on an Intel CPU: both without
-AVX-512, the row tiles on a 2-core AVX-512 Xeon at 2 threads; contract section 7): there a guard of that premise fails unless the probe named it, and is then
-reported as an expected failure with the premise named. The GEMM guards run on 2 threads.
+AVX-512, the row tiles on a 2-core AVX-512 Xeon at 2 threads; contract section 7): there a guard
+of that premise fails unless the probe named it, and is then reported as an expected failure with
+the premise named. The GEMM guards run on 2 threads.
 """
 
 import pytest

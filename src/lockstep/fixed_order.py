@@ -475,9 +475,9 @@ def torch_gemm_broken_premises() -> tuple[str, ...]:
     row tiles `torch_matmul_rows` uses (batch invariance rests on it), "column widths" where a
     column's bits follow the call's width (COLUMN_CHUNK's calls and tensor-parallel shards rest on
     it). MKL on an Intel CPU without AVX-512 breaks both, and on a 2-core AVX-512 Xeon at 2 threads
-    the row tiles (ADR 0026). A probe of a few shapes, called as linear
-    calls them (the weight a transposed view): a premise it names broken is broken; one it passes
-    is what `lockstep check --backend portable` and tests/test_portable.py test further."""
+    the row tiles (ADR 0026). A probe of a few shapes, called as linear calls them (the weight a
+    transposed view): a premise it names broken is broken; one it passes is what `lockstep check
+    --backend portable` and tests/test_portable.py test further."""
     return _gemm_broken_premises(torch.get_num_threads())
 
 
