@@ -4,7 +4,7 @@ lockstep.batch_invariant(): a 512-token forward and 32 greedy decode steps, CPU.
 import torch
 
 import lockstep
-from lockstep.bench import machine
+from lockstep.tools.bench import machine
 
 from _small_model import best_of, hf_model, lockstep_model
 

@@ -24,9 +24,9 @@ import torch.distributed as dist
 from torch import nn
 
 from lockstep import dist as ldist
-from lockstep import fixed_order
-from lockstep.bench import machine
-from lockstep.grad_tree import UnitTrees
+from lockstep.numerics import fixed_order
+from lockstep.tools.bench import machine
+from lockstep.numerics.grad_tree import UnitTrees
 from lockstep.train import PackedDataset, TrainConfig, Trainer
 
 from _realistic import best_of, lockstep_model

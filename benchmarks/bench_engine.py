@@ -6,7 +6,7 @@ import time
 import torch
 
 from lockstep import Engine, SamplingParams
-from lockstep.bench import machine
+from lockstep.tools.bench import machine
 
 from _small_model import hf_model, lockstep_model
 

@@ -6,9 +6,10 @@ machine-independent bits cost."""
 
 import torch
 
-from lockstep import fixed_order, ops
+from lockstep.numerics import fixed_order
+from lockstep import ops
 from lockstep.backends.native.cpu import native_kernels
-from lockstep.bench import machine
+from lockstep.tools.bench import machine
 from lockstep.registry import use_backend
 
 from _realistic import best_of

@@ -11,8 +11,8 @@ import time
 
 import torch
 
-from lockstep import fixed_order
-from lockstep.bench import machine
+from lockstep.numerics import fixed_order
+from lockstep.tools.bench import machine
 from lockstep.train import optim
 from lockstep.train.optim import AdamW, AdamWConfig
 

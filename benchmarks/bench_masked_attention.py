@@ -3,7 +3,7 @@
 
 import sys
 
-from lockstep import bench
+from lockstep.tools import bench
 
 if __name__ == "__main__":
     sys.exit(bench.main(["masked_attention"], quick="--quick" in sys.argv))

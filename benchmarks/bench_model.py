@@ -2,7 +2,7 @@
 
 import torch
 
-from lockstep.bench import machine
+from lockstep.tools.bench import machine
 from lockstep.model import CacheStep
 
 from _small_model import best_of, hf_model, lockstep_model

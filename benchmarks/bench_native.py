@@ -9,8 +9,8 @@ Usage: python benchmarks/bench_native.py"""
 import torch
 
 from lockstep.backends.native import build, gemm
-from lockstep.bench import machine
-from lockstep.fixed_order import torch_matmul_rows
+from lockstep.tools.bench import machine
+from lockstep.numerics.fixed_order import torch_matmul_rows
 
 from _realistic import best_of
 

@@ -14,8 +14,8 @@ import argparse
 import torch
 
 from lockstep import Engine, SamplingParams
-from lockstep.batch_experiment import chat_prompts, left_padded, transformers_model
-from lockstep.bench import machine
+from lockstep.tools.batch_experiment import chat_prompts, left_padded, transformers_model
+from lockstep.tools.bench import machine
 from lockstep.model import model_from_source
 from lockstep.model import packed_logprobs
 

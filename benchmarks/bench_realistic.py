@@ -21,7 +21,7 @@ import torch
 
 import lockstep
 from lockstep import Engine, SamplingParams
-from lockstep.bench import machine
+from lockstep.tools.bench import machine
 from lockstep.model import packed_logprobs
 from lockstep.train import PackedDataset, TrainConfig, Trainer
 

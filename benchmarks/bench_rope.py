@@ -2,7 +2,7 @@
 
 import sys
 
-from lockstep import bench
+from lockstep.tools import bench
 
 if __name__ == "__main__":
     sys.exit(bench.main(["rope"], quick="--quick" in sys.argv))

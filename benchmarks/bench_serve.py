@@ -15,7 +15,7 @@ import httpx
 import torch
 
 from lockstep import Engine, SamplingParams
-from lockstep.bench import machine
+from lockstep.tools.bench import machine
 from lockstep.server import Server, create_app
 
 from _realistic import lockstep_model

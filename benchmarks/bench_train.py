@@ -3,7 +3,7 @@ parity test (transformers Llama + torch.optim.AdamW + F.cross_entropy), same mod
 
 import torch
 
-from lockstep.bench import machine
+from lockstep.tools.bench import machine
 from lockstep.parity import PlainTrainer
 from lockstep.train import PackedDataset, TrainConfig, Trainer
 

@@ -1,4 +1,4 @@
-"""Print the native backend's digests (lockstep.backend_bits), for tests/test_native.py.
+"""Print the native backend's digests (lockstep.tools.backend_bits), for tests/test_native.py.
 
 One digest per section (an op in a dtype, training, ...) per thread count (1, 2, 3) of one process;
 the instruction set and the BLAS selections come from the environment, which the kernel libraries
@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from lockstep.backend_bits import digests, release
+from lockstep.tools.backend_bits import digests, release
 from lockstep.backends.native.build import compiler, compiler_version, isa_name, pool_name
 
 
@@ -54,7 +54,7 @@ def measure() -> dict:
     import numpy as np
 
     from lockstep.backends.native import bits, build
-    from lockstep.bench import cpu_name
+    from lockstep.tools.bench import cpu_name
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

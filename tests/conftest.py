@@ -196,7 +196,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     follows = "differs" if _stock_linear_follows_threads() else "is the same"
     if os.environ.get("LOCKSTEP_TEST_REBLOCKING_BLAS"):
         follows += " (under the stand-in BLAS)"
-    from lockstep.bench import cpu_name
+    from lockstep.tools.bench import cpu_name
 
     terminalreporter.write_line(f"lockstep: ran on {cpu_name()}, {os.cpu_count()} CPUs, ATen "
                                 f"{torch.backends.cpu.get_cpu_capability()}; stock fp32 linear on 1 vs 2 "

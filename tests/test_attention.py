@@ -141,7 +141,7 @@ def test_pairwise_weight_grad_is_its_stated_order_and_depends_on_the_rows_alone(
     the portable backend's torch path, and each batch entry's bits are those it gets alone. 9000 rows
     are 282 leaves: four whole CHUNK_LEAVES chunks and a part one, whose chunked products must add up
     to the one tree over all leaves."""
-    from lockstep.fixed_order import LEAF_ROWS, pairwise_weight_grad
+    from lockstep.numerics.fixed_order import LEAF_ROWS, pairwise_weight_grad
 
     gen = torch.Generator().manual_seed(rows)
     a, b = torch.randn(3, rows, 64, generator=gen), torch.randn(3, rows, 32, generator=gen)
@@ -162,7 +162,7 @@ def test_pairwise_weight_grad_is_its_stated_order_and_depends_on_the_rows_alone(
 
 
 def test_pairwise_weight_grad_names_a_bad_shape():
-    from lockstep.fixed_order import pairwise_weight_grad
+    from lockstep.numerics.fixed_order import pairwise_weight_grad
 
     with pytest.raises(ValueError, match=r"grad_out, inp: expected 3-D tensors \[B, M, N\] and \[B, M, K\], "
                                          r"got shapes \(5, 4\) and \(5, 3\)"):

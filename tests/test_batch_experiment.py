@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from lockstep import batch_experiment as be
+from lockstep.tools import batch_experiment as be
 from lockstep import cli
 from lockstep.model import model_from_source
 
@@ -71,7 +71,7 @@ def test_verify_defaults_to_the_real_model():
 
 
 def test_verify_cli_on_the_real_model_writes_model_config_gate_and_experiment(tmp_path, capsys, monkeypatch):
-    from lockstep import verify
+    from lockstep.tools import verify
 
     monkeypatch.setattr(verify, "SETTINGS", verify.SETTINGS[:2])
     monkeypatch.setattr(be, "PLACEMENTS", ((1, 0), (3, 1)))
@@ -91,7 +91,7 @@ def test_verify_without_transformers_runs_the_gate_and_says_why_the_experiment_i
     """The gate needs only lockstep; the batch experiment runs stock transformers beside it. Without
     transformers (the hf extra), `lockstep verify` still runs the gate and exits on it, and says in
     one line why the experiment is not there."""
-    from lockstep import verify
+    from lockstep.tools import verify
 
     monkeypatch.setattr(verify, "SETTINGS", verify.SETTINGS[:1])
     monkeypatch.setitem(sys.modules, "transformers", None)

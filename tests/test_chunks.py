@@ -1,12 +1,13 @@
-"""Cache-sized chunks (lockstep.chunks) change no bit: every chunked chain against the same chain
+"""Cache-sized chunks (lockstep.numerics.chunks) change no bit: every chunked chain against the same chain
 run as one chunk, with chunk boundaries that fall mid-row and mid-vector."""
 
 import pytest
 import torch
 
 import lockstep
-from lockstep import chunks, ops
-from lockstep.chunks import row_chunks
+from lockstep.numerics import chunks
+from lockstep import ops
+from lockstep.numerics.chunks import row_chunks
 from lockstep.train import AdamW, AdamWConfig
 
 ONE_CHUNK = 1 << 40
@@ -76,7 +77,7 @@ def test_adamw_gives_the_bits_of_one_chunk(case, monkeypatch):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_square_sum_gives_the_bits_of_one_chunk(dtype, monkeypatch):
-    from lockstep.fixed_order import row_sum
+    from lockstep.numerics.fixed_order import row_sum
     from lockstep.train import square_sum
 
     grad = (torch.randn(3, 41, 130, generator=torch.Generator().manual_seed(2)) * 3).to(dtype)
@@ -90,7 +91,7 @@ def test_square_sum_gives_the_bits_of_one_chunk(dtype, monkeypatch):
 def test_a_tree_of_donated_leaves_has_the_bits_of_fresh_nodes():
     """TreeSum adds into donated leaves in place and hands merged-away tensors out again; the sum
     keeps its bits, NaN payloads included, and a leaf its caller keeps is never written."""
-    from lockstep.fixed_order import TreeSum
+    from lockstep.numerics.fixed_order import TreeSum
 
     gen = torch.Generator().manual_seed(3)
     leaves = [torch.randn(64, generator=gen) * 10 ** float(i % 5) for i in range(11)]

@@ -75,7 +75,7 @@ def _tree_all_reduce_worker(rank, world, out):
 
 
 def test_tree_all_reduce_is_the_canonical_tree_on_every_rank(tmp_path):
-    from lockstep.fixed_order import tree_sum
+    from lockstep.numerics.fixed_order import tree_sum
 
     ldist.spawn(_tree_all_reduce_worker, 4, str(tmp_path))
     results = _read(tmp_path, 4)

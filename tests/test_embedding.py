@@ -52,8 +52,8 @@ def test_embedding_bad_ids(ids, message):
 def test_a_tree_of_row_sparse_partials_has_the_dense_trees_bits():
     """Embedding partials stay sparse in the unit trees; every node must be the dense add's bits,
     signed zeros included (-0.0 + 0.0 is +0.0, -0.0 + -0.0 is -0.0)."""
-    from lockstep.fixed_order import TreeSum
-    from lockstep.grad_tree import RowSparse
+    from lockstep.numerics.fixed_order import TreeSum
+    from lockstep.numerics.grad_tree import RowSparse
 
     gen = torch.Generator().manual_seed(0)
     sparse, dense = TreeSum(), TreeSum()
@@ -76,7 +76,7 @@ def test_a_tree_of_row_sparse_partials_has_the_dense_trees_bits():
 def test_a_row_sparse_gradient_densified_in_a_narrow_dtype_is_the_rounded_fp32_table(dtype):
     """The embedding gradient outside a unit tree is written straight into the parameter's dtype:
     the bits of the fp32 table rounded after, -0.0 and NaN included, without the fp32 table."""
-    from lockstep.grad_tree import RowSparse
+    from lockstep.numerics.grad_tree import RowSparse
 
     values = torch.randn(4, 6, generator=torch.Generator().manual_seed(1)) * 1e3
     values[0, 0], values[1, 1], values[2, 2] = -0.0, float("nan"), 1e6

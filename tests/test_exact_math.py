@@ -1,4 +1,4 @@
-"""lockstep.exact_math: powers, logs, cos and sin whose bits do not depend on the machine (ADR 0021),
+"""lockstep.numerics.exact_math: powers, logs, cos and sin whose bits do not depend on the machine (ADR 0021),
 held to their accuracy claims."""
 
 import math
@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from lockstep import exact_math
+from lockstep.numerics import exact_math
 from lockstep.sampling import uniform_noise
-from lockstep.exact_math import cos_sin_float64
+from lockstep.numerics.exact_math import cos_sin_float64
 
 
 def _within_half_an_ulp(value: float, exact: Decimal) -> bool:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import lockstep
-from lockstep import verify
+from lockstep.tools import verify
 from lockstep.model import ModelConfig, Transformer
 
 pytestmark = pytest.mark.gpu
@@ -72,7 +72,7 @@ def test_rotary_tables_on_cuda_are_the_cpus_bit_for_bit():
     bits, also under inference mode and on a reused result; and exact_math.cos_sin_float64 run on the
     GPU itself gives the CPU's bits too (IEEE operations, each its own kernel)."""
     from lockstep import rotary
-    from lockstep.exact_math import cos_sin_float64
+    from lockstep.numerics.exact_math import cos_sin_float64
 
     positions = torch.arange(0, 1 << 20, 97)
     for head_dim, theta, scaling in ((128, 1_000_000.0, None), (128, 500_000.0, rotary.Llama3RopeScaling())):

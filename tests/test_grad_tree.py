@@ -1,4 +1,4 @@
-"""lockstep.grad_tree on its own (docs/adr/0007): a window's weight gradients are one canonical
+"""lockstep.numerics.grad_tree on its own (docs/adr/0007): a window's weight gradients are one canonical
 tree over its units, whatever the micro-batches or ranks that computed them.
 
 `canonical` is an independent recursive reading of the tree's definition; `check_window` holds the
@@ -15,8 +15,8 @@ import torch
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
-from lockstep import grad_tree
-from lockstep.fixed_order import TreeSum, column_sum, weight_grad
+from lockstep.numerics import grad_tree
+from lockstep.numerics.fixed_order import TreeSum, column_sum, weight_grad
 
 K, N = 8, 5
 ROWS = [3, 1, 6, 0, 4, 2, 5]                # tokens of units 0..6; unit 3 is empty
@@ -338,7 +338,7 @@ def test_clear_errors():
     trees = grad_tree.UnitTrees([("w", weight)])
     with trees.active():
         with pytest.raises(RuntimeError, match=r"linear: called for w inside a layout-invariant window without unit "
-                                               r"rows \(wrap the forward in lockstep.grad_tree.unit_rows\)"):
+                                               r"rows \(wrap the forward in lockstep.numerics.grad_tree.unit_rows\)"):
             grad_tree.capture("linear", weight, 4, True)
         with grad_tree.unit_rows([0, 2, 5], 0):
             with pytest.raises(ValueError, match="linear: 7 rows for w are not a whole number of rows per token "
@@ -359,7 +359,7 @@ def test_pieces_built_chunk_by_chunk_give_the_unit_trees_bits(first: int, units:
     """grad_tree.per_piece with fixed_order.tree_node_into (the LM head's way: each aligned block of a
     call's units as one piece, its node formed chunk by chunk from reused buffers) gives the bits
     of per_unit's leaf-by-leaf tree, and the pieces are the maximal aligned blocks."""
-    from lockstep.fixed_order import tree_node_into
+    from lockstep.numerics.fixed_order import tree_node_into
 
     gen = torch.Generator().manual_seed(first * 31 + units)
     leaves = [torch.randn(10, 3, generator=gen) * 10 ** torch.randint(-3, 4, (10, 3), generator=gen) for _ in range(units)]

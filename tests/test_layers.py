@@ -15,15 +15,12 @@ PACKAGE = SRC / "lockstep"
 
 # Lower layers never import higher ones. A module's layer is that of its longest listed prefix.
 LAYERS = {
-    0: ["lockstep.registry", "lockstep.fixed_order", "lockstep.grad_tree", "lockstep.exact_math", "lockstep.rotary",
-        "lockstep.paged_cache",
-        "lockstep.checks", "lockstep.autocast", "lockstep.softcap", "lockstep.chunks",
-        "lockstep.contract", "lockstep.mismatch", "lockstep.second_order"],
+    0: ["lockstep.registry", "lockstep.numerics", "lockstep.rotary", "lockstep.paged_cache", "lockstep.checks",
+        "lockstep.autocast", "lockstep.contract", "lockstep.mismatch"],
     1: ["lockstep.ops", "lockstep.backends"],
     2: ["lockstep.harness", "lockstep.model", "lockstep.sampling"],
-    3: ["lockstep.engine", "lockstep.train", "lockstep.dist", "lockstep.mode", "lockstep.hf"],
-    4: ["lockstep.verify", "lockstep.parity", "lockstep.backend_bits", "lockstep.report", "lockstep.bench", "lockstep.integrations", "lockstep.rl",
-        "lockstep.server", "lockstep.batch_experiment", "lockstep.gpu_audit"],
+    3: ["lockstep.engine", "lockstep.train", "lockstep.dist", "lockstep.mode", "lockstep.integrations.hf"],
+    4: ["lockstep.tools", "lockstep.parity", "lockstep.integrations", "lockstep.rl", "lockstep.server"],
     5: ["lockstep.cli", "lockstep.__main__", "lockstep"],
 }
 # Same-layer groups that must not import each other: the public ops reach the backends only
@@ -162,7 +159,7 @@ def test_import_lockstep_loads_no_backend_model_or_mode():
             "print(' '.join(loaded))")
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     heavy = [m for m in loaded if m.split(".")[1:2] and m.split(".")[1] in
-             ("backends", "model", "engine", "train", "dist", "mode", "hf", "harness", "parity", "verify")]
+             ("backends", "model", "engine", "train", "dist", "mode", "integrations", "harness", "parity", "tools")]
     assert "lockstep.ops" in loaded and not heavy, loaded
 
 

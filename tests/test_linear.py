@@ -4,7 +4,7 @@ import torch
 import lockstep
 from lockstep import ops
 from lockstep.backends import reference
-from lockstep.fixed_order import ROW_TILE, TAIL_TILE
+from lockstep.numerics.fixed_order import ROW_TILE, TAIL_TILE
 
 from _contract_checks import DTYPES, assert_op_contract
 

@@ -11,9 +11,11 @@ import pytest
 import torch
 
 import lockstep
-from lockstep import hf, mode
+from lockstep.integrations import hf
+from lockstep import mode
 from lockstep.mode import dispatch
-from lockstep import contract, fixed_order, ops, registry
+from lockstep import contract, ops, registry
+from lockstep.numerics import fixed_order
 
 import _reblocking_blas
 from _models import hf_config
@@ -404,7 +406,7 @@ def test_every_probed_coverage_row_passes_and_the_probes_reach_the_covered_ops()
 def test_grouped_mm_forms_the_mode_does_not_cover_raise_under_strict():
     rows, weights = torch.randn(6, 8), torch.randn(2, 8, 4)
     offs = torch.tensor([2, 6], dtype=torch.int32)
-    from lockstep.fixed_order import matmul_rows
+    from lockstep.numerics.fixed_order import matmul_rows
 
     with lockstep.batch_invariant(strict=True):
         out = torch.nn.functional.grouped_mm(rows, weights, offs=offs)

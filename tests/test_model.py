@@ -127,7 +127,8 @@ def test_positions_from_cu_seqlens():
 
 
 def test_every_family_list_names_the_same_families():
-    from lockstep import cli, hf
+    from lockstep import cli
+    from lockstep.integrations import hf
     from lockstep.model.config import FAMILIES as CONFIG_FAMILIES
 
     assert set(cli.FAMILIES) == set(hf.FAMILIES) == set(CONFIG_FAMILIES) == set(FAMILIES)

@@ -25,8 +25,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from lockstep import bench, exact_math, fixed_order, ops, registry
-from lockstep import backend_bits
+from lockstep.tools import bench
+from lockstep.numerics import exact_math, fixed_order
+from lockstep import ops, registry
+from lockstep.tools import backend_bits
 from lockstep.backends.native import bits, build, gemm, masked_attention, unary
 from lockstep.backends.native.cpu import native_kernels
 from lockstep.model import ModelConfig, Transformer
@@ -1609,8 +1611,8 @@ def _rms_norm_unit_partials(backend: str, x: torch.Tensor, w: torch.Tensor, gy: 
                             offsets: list[int]) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """rms_norm's d x and the weight's unit partials ([heads, H] per unit for heads x tokens rows),
     with the units' token offsets `offsets`, on `backend`."""
-    from lockstep import grad_tree
-    from lockstep.fixed_order import TreeSum
+    from lockstep.numerics import grad_tree
+    from lockstep.numerics.fixed_order import TreeSum
 
     weight = torch.nn.Parameter(w.clone())
     xx = x.clone().requires_grad_()
@@ -1774,7 +1776,7 @@ def unfused():
     """The native kernel set without its fused row reductions, split products and SiLU:
     fixed_order's PyTorch compositions on the native GEMMs, exp and log."""
     from lockstep.backends.native.cpu import KERNELS
-    from lockstep.fixed_order import register_cpu_kernels
+    from lockstep.numerics.fixed_order import register_cpu_kernels
 
     register_cpu_kernels(KERNELS._replace(name="native-unfused", row_sum=None, log_softmax=None,
                                           log_softmax_backward=None, lse_fold=None, logit_grad=None,
@@ -1787,7 +1789,7 @@ def test_row_sum_and_log_softmax_in_c_are_the_compositions_bit_for_bit(unfused):
     """row_sum, log_softmax and its backward in C against fixed_order's compositions, at lengths
     below, at and past the sum's 512 lanes and a 152k vocabulary, with NaN, Inf, -inf rows and -0.0
     (whose padded sum is +0), rows whose largest value is -0.0 or +0.0 first, on 1 and 2 threads."""
-    from lockstep import fixed_order as fo
+    from lockstep.numerics import fixed_order as fo
     from lockstep.backends.native.cpu import KERNELS
 
     gen = torch.Generator().manual_seed(6)
@@ -1824,8 +1826,8 @@ def test_a_unit_trees_weight_gradient_in_one_call_is_the_composition_bit_for_bit
     long-K blocks of a separate GEMM; the kernel's limit on a unit's length lifted for them),
     magnitudes six decades apart, NaN and Inf (compared as NaN). Then a linear and the LM head
     inside a unit tree, whose pieces take it: the same trees."""
-    from lockstep import fixed_order as fo
-    from lockstep import grad_tree
+    from lockstep.numerics import fixed_order as fo
+    from lockstep.numerics import grad_tree
     from lockstep.backends.native.cpu import KERNELS
 
     gen = torch.Generator().manual_seed(12)
@@ -1869,7 +1871,7 @@ def test_a_split_product_in_one_call_is_the_composition_bit_for_bit(unfused, dty
     in one GEMM call against split_sum over separate GEMMs and tensor adds, forward and backward, on
     every instruction set and 1 to 3 threads, with row and column tails, 2 to 16 parts, NaN and Inf
     (NaN compared as NaN). fp16, and slices of 8 KB or more, take the composition."""
-    from lockstep import fixed_order as fo
+    from lockstep.numerics import fixed_order as fo
     from lockstep.backends.native.cpu import KERNELS
 
     gen = torch.Generator().manual_seed(9)
@@ -1901,7 +1903,7 @@ def test_silu_alone_in_c_is_the_composition_bit_for_bit(unfused, dtype, isa):
     """fixed_order.silu and silu_backward (the batch-invariant mode's aten::silu) in one C pass
     against their PyTorch compositions, on every instruction set and 1 to 3 threads, at sizes around
     the 512-element blocks, with Inf, -Inf and NaN (compared as NaN); fp16 takes the composition."""
-    from lockstep import fixed_order as fo
+    from lockstep.numerics import fixed_order as fo
     from lockstep.backends.native.cpu import KERNELS
 
     gen = torch.Generator().manual_seed(10)
@@ -1927,7 +1929,7 @@ def test_a_split_product_names_the_parts_it_cannot_take():
     with pytest.raises(RuntimeError, match="in 2 parts"):
         gemm.gemm_nt(a, b, bias=torch.ones(3), parts=2)
     assert not gemm.split_parts_supported(a.half(), b.half().t(), 2)
-    from lockstep import fixed_order as fo
+    from lockstep.numerics import fixed_order as fo
 
     with pytest.raises(ValueError, match=r"a, b: expected \[M, K\] and \[K, N\]"):
         fo.split_matmul_rows(torch.ones(2, 3, 8), torch.ones(8, 4), 2)
@@ -1948,7 +1950,7 @@ def test_lse_fold_and_logit_grad_in_c_are_the_compositions_bit_for_bit(unfused, 
     lengths below, at and past the sum's 512 lanes, at temperatures 1 and 0.7, with NaN, Inf and
     -inf logits, a NaN running max and a target in and outside the chunk, on 1 and 2 threads. NaN is
     compared as NaN (`_bits`)."""
-    from lockstep import fixed_order as fo
+    from lockstep.numerics import fixed_order as fo
     from lockstep.backends.native.cpu import KERNELS
 
     gen = torch.Generator().manual_seed(7)
@@ -2022,7 +2024,7 @@ def test_the_logit_row_kernels_name_a_bad_argument():
         rows.lse_fold(chunk, 1.0, (torch.zeros(3), torch.zeros(3, 1)))
     with pytest.raises(ValueError, match="width: expected a positive number of columns, got 0"):
         rows.lse_fold(chunk, 1.0, None, width=0)
-    from lockstep import fixed_order as fo
+    from lockstep.numerics import fixed_order as fo
 
     with fo.cpu_kernels("torch"), pytest.raises(ValueError, match="width: expected a positive number of columns, "
                                                                  "got -1"):
@@ -2039,7 +2041,7 @@ def test_bf16_gemm_order_is_the_documented_one():
     each by one fma, then the 16 lanes fold. And the flush at the smallest normal that the order
     defines (tininess after rounding with an unbounded exponent): a dot that plain rounding leaves at
     2^-126 is 0."""
-    from lockstep.backend_bits import BF16_TININESS
+    from lockstep.tools.backend_bits import BF16_TININESS
 
     gen = torch.Generator().manual_seed(8)
     k = 75
@@ -2137,7 +2139,7 @@ def _native_workload() -> list:
     from lockstep.harness.specs import SPECS, Sizes
     from lockstep.model import ModelConfig, Transformer
 
-    from lockstep.backend_bits import ATTN, MASKED, tiny_trainer
+    from lockstep.tools.backend_bits import ATTN, MASKED, tiny_trainer
 
     sizes = Sizes(hidden=40, out_features=24, heads=2, head_dim=8, ffn=24, vocab=300, lm_hidden=16, embed_vocab=20,
                   pool=12)

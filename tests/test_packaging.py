@@ -106,7 +106,7 @@ def test_the_core_jobs_run_without_any_extra(wheel_install, tmp_path):
             "             ['train', '--model', 'tiny', '--data', 'corpus.txt', '--steps', '2', '--out', 'run'],\n"
             "             ['report', 'run']):\n"
             "    assert cli.main(argv) == 0, argv\n"
-            "print('integrations:', sorted(m for m in sys.modules if m.startswith(('lockstep.server', 'lockstep.hf', "
+            "print('integrations:', sorted(m for m in sys.modules if m.startswith(('lockstep.server', "
             "'lockstep.integrations'))))\n")
     proc = run_installed(site, code, tmp_path, blocked=OPTIONAL, fresh_cache=False)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]

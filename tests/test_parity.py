@@ -11,10 +11,10 @@ from lockstep import cli, contract, parity, registry
 from lockstep.registry import register, register_backend
 from lockstep.model import ModelConfig, Transformer
 from lockstep.parity import RunConfig, trajectories, ulp_distance
-from lockstep.fixed_order import row_sum
+from lockstep.numerics.fixed_order import row_sum
 from lockstep.backends.portable.linear import linear as portable_linear
 from lockstep.backends.portable.rms_norm import rms_norm as portable_rms_norm
-from lockstep.report import build_html
+from lockstep.tools.report import build_html
 
 LINEARS_PER_LAYER = 7            # q, k, v, o, gate, up, down
 _calls = {"linear": 0}
@@ -268,7 +268,7 @@ def test_report_of_a_check_run_says_whether_the_native_bits_are_the_recorded_one
     assert "<h2>Operator contract</h2>" in page and "<p class=pass>Native bits: the recorded ones on " in page
     assert "<p class=pass>Native backend bits: the recorded ones in all " in page
     # A check.json from before the whole backend was compared draws the kernels' paragraph alone.
-    from lockstep.report import _native_bits_note
+    from lockstep.tools.report import _native_bits_note
 
     older = json.loads((run / "check.json").read_text())["native_bits"]
     del older["backend"]
@@ -288,7 +288,7 @@ def test_report_of_a_check_run_says_whether_the_native_bits_are_the_recorded_one
 def test_chart_axes_ticks_and_legend():
     import re
 
-    from lockstep.report import line_chart
+    from lockstep.tools.report import line_chart
 
     svg = line_chart({"|dloss|": [(1, 0.0), (2, 0.0), (3, 2.5e-7), (4, 1e-6)], "max |dparam|": [(1, 0.0), (4, 3e-5)]},
                      "differences", log=True)

@@ -12,7 +12,8 @@ the premise named. The GEMM guards run on 2 threads.
 import pytest
 import torch
 
-from lockstep.fixed_order import ROW_TILE, column_sum, matmul_rows, row_sum, tail_tiles, torch_gemm_broken_premises
+from lockstep.numerics.fixed_order import (ROW_TILE, column_sum, matmul_rows, row_sum, tail_tiles,
+                                           torch_gemm_broken_premises)
 from lockstep.harness.check import num_threads
 
 PRIMITIVES = {
@@ -96,7 +97,7 @@ def test_gemm_row_tiles_agree_under_autocast():
 def test_a_gemm_column_has_the_same_bits_in_a_call_of_any_width(rows, monkeypatch):
     """matmul_rows cuts fp32 columns into COLUMN_CHUNK-column calls, and a column-parallel linear
     shard is a call with fewer columns: both need a column's bits to be independent of N."""
-    from lockstep import fixed_order
+    from lockstep.numerics import fixed_order
 
     gen = torch.Generator().manual_seed(1)
     a = torch.randn(rows, 1024, generator=gen)

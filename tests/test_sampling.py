@@ -23,7 +23,7 @@ from test_cpu_kernels import ATEN_CAPABILITIES, MKL_ISAS, cpu_flags, require
 DRAWS = """
 import hashlib, json, torch
 from lockstep import ops
-from lockstep.exact_math import log_float64
+from lockstep.numerics.exact_math import log_float64
 from lockstep.sampling import SamplingParams, draw, probabilities, uniform_noise
 digest = lambda t: hashlib.sha256(t.numpy().tobytes()).hexdigest()
 u = uniform_noise(3, 11, 200_000)

@@ -122,7 +122,7 @@ def test_softcap_bad_values_are_named(softcap):
 def test_a_bf16_weight_gradient_outside_a_unit_tree_is_its_fp32_sum_rounded_once(backend):
     """Outside a unit tree the bf16 weight gradient is rounded to bf16 chunk by chunk as it is made;
     that must be the bits of the fp32 sum rounded once, which a one-unit tree keeps in fp32."""
-    from lockstep import grad_tree
+    from lockstep.numerics import grad_tree
 
     gen = torch.Generator().manual_seed(4)
     hidden = torch.randn(37, 64, generator=gen).to(torch.bfloat16)
@@ -146,7 +146,7 @@ def test_a_bf16_weight_gradient_outside_a_unit_tree_is_its_fp32_sum_rounded_once
 def _logprobs_and_grads(backend, hidden, table, targets, temperature=0.7, softcap=None):
     """Outputs, d(hidden) and the weight's unit-tree total over three units (rows 0-19, 20-29 and
     30-36): two pieces, so the backward takes rows 0-29 and then 30-36 of each chunk."""
-    from lockstep import grad_tree
+    from lockstep.numerics import grad_tree
 
     with lockstep.use_backend(backend):
         h, weight = hidden.clone().requires_grad_(), torch.nn.Parameter(table.clone())
@@ -175,7 +175,7 @@ def test_kept_logits_give_the_recomputed_bits_and_spare_the_backward_its_gemms(m
     bits of the output, d(hidden) and the weight's unit tree: a row's logits do not depend on the
     rows beside it. At temperature 1 and 0.7, through the batched log-sum-exp and the fold. The
     native forward takes a few rows' logits in one GEMM (whole_logits), and its chunks are kept."""
-    from lockstep.fixed_order import torch_gemm_broken_premises
+    from lockstep.numerics.fixed_order import torch_gemm_broken_premises
 
     if backend == "portable" and "row tiles" in torch_gemm_broken_premises():
         pytest.xfail("this BLAS gives a row other bits in another row tile, which the portable backend rests on "
@@ -252,7 +252,7 @@ def test_lm_head_weight_grad_is_its_stated_order(rows):
     """fixed_order.lm_head_weight_grad on PyTorch's GEMMs: 32-row blocks (the last zero-padded),
     the first written and each next added in place, restated here block by block, bit for bit; on
     the CPU kernels, weight_grad's bits."""
-    from lockstep.fixed_order import LM_HEAD_ROW_BLOCK, cpu_kernels, lm_head_weight_grad, weight_grad
+    from lockstep.numerics.fixed_order import LM_HEAD_ROW_BLOCK, cpu_kernels, lm_head_weight_grad, weight_grad
 
     gen = torch.Generator().manual_seed(rows)
     g, x = torch.randn(rows, 40, generator=gen), torch.randn(rows, 24, generator=gen)

@@ -5,7 +5,8 @@ from fractions import Fraction
 import pytest
 import torch
 
-from lockstep import contract, exact_math, train
+from lockstep import contract, train
+from lockstep.numerics import exact_math
 from lockstep.model import ModelConfig, Transformer, packed_logprobs
 from lockstep.train import AdamW, AdamWConfig, PackedDataset, PolicyLoss, TrainConfig, Trainer
 

@@ -1,7 +1,8 @@
 import pytest
 import torch
 
-from lockstep import cli, verify
+from lockstep import cli
+from lockstep.tools import verify
 from lockstep.model import ModelConfig, Transformer
 
 from _models import saved_hf_model

@@ -127,7 +127,7 @@ def _write_outputs(args: argparse.Namespace, data: dict, title: str, sections: d
         with open(args.json, "w") as f:
             json.dump(data, f, indent=1, default=str)
     if getattr(args, "html", None):
-        from .report import write_html
+        from .tools.report import write_html
 
         write_html(json.loads(json.dumps(data if sections is None else sections, default=str)), args.html, title)
         print(f"report: {args.html}")
@@ -217,10 +217,10 @@ def _compare_native_bits() -> dict:
     instruction set in use. Returns {"recorded_on", "instruction_sets", "differ": {isa: kernel
     groups}, "backend": backend_bits.compare's result, "failed"}; a difference in the whole backend
     fails only where the inputs are the recording's (backend_bits.compare)."""
-    from . import backend_bits
+    from .tools import backend_bits
     from .backends.native import bits
     from .backends.native.build import isa_name
-    from .bench import machine
+    from .tools.bench import machine
 
     recorded = bits.recorded()
     found, on = bits.compare(recorded["kernels"]), recorded["recorded_on"]
@@ -281,7 +281,7 @@ def cmd_check_model(args: argparse.Namespace) -> int:
 def cmd_verify(args: argparse.Namespace) -> int:
     import dataclasses
 
-    from . import batch_experiment, verify
+    from .tools import batch_experiment, verify
     from .model import model_from_source
 
     _prepare_outputs(args)
@@ -342,7 +342,7 @@ def cmd_parity(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from .report import from_run_dir
+    from .tools.report import from_run_dir
 
     print(f"report: {from_run_dir(args.run_dir, args.out)}")
     return 0
@@ -406,7 +406,7 @@ def cmd_rl(args: argparse.Namespace) -> int:
     # The loop samples from `lockstep serve` over HTTP: its own server unless --server names one.
     _require_extra("rl", "httpx", *(() if args.server else ("fastapi", "uvicorn")))
     from . import rl
-    from .report import from_run_dir
+    from .tools.report import from_run_dir
 
     cfg = rl.RLConfig(model=args.model, dtype=args.dtype, steps=args.steps, prompts_per_step=args.prompts_per_step,
                       group=args.group, max_new_tokens=args.max_new_tokens, temperature=args.temperature, lr=args.lr,
@@ -442,13 +442,13 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 def cmd_gpu_audit(args: argparse.Namespace) -> int:
     _require_extra("triton", "triton")
-    from . import gpu_audit          # before anything imports Triton: it needs TRITON_INTERPRET=0
+    from .tools import gpu_audit
 
     return gpu_audit.run(args.arch, args.out, args.json, args.jobs, args.quiet)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from . import bench
+    from .tools import bench
 
     return bench.main(args.ops, quick=args.quick, out=args.markdown, backend=args.backend)
 

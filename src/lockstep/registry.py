@@ -155,7 +155,7 @@ _LOST_WITH = {"row tiles": "batch invariance", "column widths": "tensor-parallel
 def portable_caveat() -> str:
     """Empty where PyTorch's fp32 CPU GEMM keeps the portable backend's premises at this thread
     count; else a sentence that says which it breaks and what the portable backend loses."""
-    from .fixed_order import torch_gemm_broken_premises
+    from .numerics.fixed_order import torch_gemm_broken_premises
 
     broken = torch_gemm_broken_premises()
     if not broken:
@@ -170,7 +170,7 @@ def portable_caveat() -> str:
 def cpu_backend_kernels() -> Iterator[None]:
     """The block's fixed_order GEMMs, exp, log and sqrt on the CPU backend's kernels: lockstep's
     native ones where they build, whose bits do not follow the CPU's vector unit; else PyTorch's."""
-    from .fixed_order import cpu_kernels
+    from .numerics.fixed_order import cpu_kernels
 
     with cpu_kernels("native" if cpu_backend() == "native" else "torch"):
         yield

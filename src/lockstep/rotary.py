@@ -1,7 +1,7 @@
 """Rotary-embedding frequencies: the one definition of the angles every backend rotates by.
 
 The tables are built from correctly rounded inverse frequencies and IEEE operations alone
-(lockstep.exact_math), on the CPU for every device, so their bits are the same on every machine:
+(lockstep.numerics.exact_math), on the CPU for every device, so their bits are the same on every machine:
 PyTorch's pow, cos and sin in float64 take a vectorized math library on x86 and the C library in
 its scalar kernels, and the two differ in the last bit (ADR 0021)."""
 
@@ -17,7 +17,7 @@ from fractions import Fraction
 import torch
 from torch import Tensor
 
-from .exact_math import cos_sin_float64, power
+from .numerics.exact_math import cos_sin_float64, power
 
 # Positions at or above this are refused by ops.rope: their angles would leave cos_sin_float64's
 # exact range at inverse frequencies up to 4 (every real model's are at most 1).

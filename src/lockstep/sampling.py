@@ -23,9 +23,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from . import exact_math, ops
-from .exact_math import log_float64
-from .fixed_order import exp
+from .numerics import exact_math
+from . import ops
+from .numerics.exact_math import log_float64
+from .numerics.fixed_order import exp
 from .registry import cpu_backend_kernels
 
 _MASK32 = 0xFFFFFFFF

@@ -1,7 +1,7 @@
 """lockstep.dist: data and tensor parallelism on torch.distributed, with the bits of one process.
 
 No sum across ranks is left to a collective's own order. Every rank computes the pieces of the
-canonical tree (lockstep.fixed_order.TreeSum) that its share covers, and the ranks complete the
+canonical tree (lockstep.numerics.fixed_order.TreeSum) that its share covers, and the ranks complete the
 same tree, so the result is bitwise what one process computes, at every data- and tensor-parallel
 size (docs/contract.md, section 5; docs/adr/0007).
 

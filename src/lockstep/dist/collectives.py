@@ -1,7 +1,7 @@
 """lockstep.dist.collectives: sums across ranks in the canonical tree's order, and consistency checks.
 
 No sum across ranks is left to a collective's own order: every rank computes the pieces of the
-canonical tree (lockstep.fixed_order.TreeSum) its share covers, and the ranks complete the same tree.
+canonical tree (lockstep.numerics.fixed_order.TreeSum) its share covers, and the ranks complete the same tree.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from ..fixed_order import TreeSum
+from ..numerics.fixed_order import TreeSum
 from ..model import params_digest
 
 T = TypeVar("T")

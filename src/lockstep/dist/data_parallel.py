@@ -12,8 +12,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from ..fixed_order import TreeSum, ceil_div, pieces_of
-from ..grad_tree import UnitTrees, dense
+from ..numerics.fixed_order import TreeSum, ceil_div, pieces_of
+from ..numerics.grad_tree import UnitTrees, dense
 from .tensor_parallel import head_norms, model_parallel_groups, reduction_parts, tensor_parallel_size
 
 

@@ -232,7 +232,7 @@ def tensor_parallel(model) -> nn.Module:
             if c.qk_norm:
                 # Replicated weights applied to this rank's heads only: outside a unit tree their
                 # gradient is a partial sum, completed here. Inside one, the ops keep the heads apart
-                # and lockstep.grad_tree.combine gathers them (Parallel.gather_rows).
+                # and lockstep.numerics.grad_tree.combine gathers them (Parallel.gather_rows).
                 for p in (module.q_norm.weight, module.k_norm.weight):
                     p.register_hook(lambda g: None if g is None else tree_all_reduce(g, get_tensor_model_parallel_group()))
             for proj in ("q_proj", "k_proj", "v_proj"):

@@ -24,7 +24,7 @@ from __future__ import annotations
 import hashlib
 from collections import OrderedDict
 
-from ..fixed_order import ceil_div
+from ..numerics.fixed_order import ceil_div
 from .sequence import Sequence
 
 

@@ -19,7 +19,7 @@ from typing import Sequence as Seq
 import torch
 
 from .. import checks
-from ..fixed_order import ceil_div
+from ..numerics.fixed_order import ceil_div
 from ..model import Transformer
 from ..sampling import Draw, SamplingParams
 from .block_manager import BlockManager

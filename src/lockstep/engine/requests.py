@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Mapping
 from typing import Sequence as Seq
 
-from ..fixed_order import ceil_div
+from ..numerics.fixed_order import ceil_div
 from ..sampling import SamplingParams
 
 if TYPE_CHECKING:

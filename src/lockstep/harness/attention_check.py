@@ -18,7 +18,7 @@ from torch import Tensor
 
 from .. import contract, ops
 from ..backends import reference
-from ..fixed_order import ceil_div
+from ..numerics.fixed_order import ceil_div
 from ..paged_cache import build_step
 from ..registry import use_backend
 from .check import (

@@ -19,7 +19,7 @@ from torch import Tensor
 
 from .. import contract, ops
 from ..backends import reference
-from ..fixed_order import ROW_TILE
+from ..numerics.fixed_order import ROW_TILE
 from ..registry import cpu_backend, use_backend
 from .specs import LARGE, OpSpec, Sizes, get
 

@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from .. import contract
-from ..fixed_order import ceil_div
+from ..numerics.fixed_order import ceil_div
 from ..model import Transformer, logprobs
 from ..model.moe import record_routing, replay_routing
 from ..paged_cache import build_step

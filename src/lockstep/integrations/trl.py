@@ -178,7 +178,7 @@ def measure(trainer) -> _Comparison:
 
 def exact(trainer) -> _Comparison:
     """Zero mismatch with transformers' generate as the sampler (module docstring)."""
-    from ..hf import patch
+    from .hf import patch
 
     model = trainer.model
     patch(model, positions_from_mask=True)

@@ -12,9 +12,9 @@ from torch import Tensor
 
 from ..backends.portable.gelu_mul import gelu_tanh, gelu_tanh_derivative
 from ..backends.portable.rms_norm import inverse_rms
-from ..fixed_order import (accumulate_dtype, column_sum, exp, log_softmax_rows, log_softmax_rows_backward, matmul_rows,
-                           row_sum, silu, silu_backward)
-from ..softcap import softcap
+from ..numerics.fixed_order import (accumulate_dtype, column_sum, exp, log_softmax_rows, log_softmax_rows_backward,
+                                    matmul_rows, row_sum, silu, silu_backward)
+from ..numerics.softcap import softcap
 from . import state
 
 

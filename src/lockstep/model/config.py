@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .. import checks
-from ..exact_math import power
+from ..numerics.exact_math import power
 from ..rotary import LinearRopeScaling, RopeScaling, rope_scaling_from_hf, rope_scaling_to_hf
 
 # Hugging Face model_type -> the fields that make the family what it is.

@@ -14,7 +14,7 @@ how many of them chose the same expert (docs/adr/0008-mixture-of-experts.md):
   rounded once to the model's dtype. The backward of the gather is the same fixed sum, so
   d(hidden) is deterministic too; no index_add, no atomics.
 - Weight gradients: each expert's linears reduce over its rows in fixed row blocks; inside a
-  layout-invariant window (lockstep.grad_tree) by unit, like every other weight. Every expert runs
+  layout-invariant window (lockstep.numerics.grad_tree) by unit, like every other weight. Every expert runs
   on every call that needs gradients, with zero rows when none chose it, so each unit feeds every
   expert's tree whatever the layout.
 """
@@ -28,8 +28,9 @@ from typing import Callable, Iterator
 import torch
 from torch import Tensor, nn
 
-from .. import grad_tree, ops
-from ..fixed_order import accumulate_dtype, exp, row_sum
+from ..numerics import grad_tree
+from .. import ops
+from ..numerics.fixed_order import accumulate_dtype, exp, row_sum
 from ..registry import cpu_backend_kernels
 
 _ROUTER_LOGITS: contextvars.ContextVar[list | None] = contextvars.ContextVar("lockstep_router_logits", default=None)

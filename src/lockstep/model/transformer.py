@@ -15,11 +15,12 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from .. import checks, grad_tree, ops
-from ..exact_math import normal
-from ..fixed_order import TP_SPLIT, accumulate_dtype
+from .. import checks, ops
+from ..numerics import grad_tree
+from ..numerics.exact_math import normal
+from ..numerics.fixed_order import TP_SPLIT, accumulate_dtype
 from ..paged_cache import CacheStep
-from ..softcap import softcap
+from ..numerics.softcap import softcap
 from .config import ModelConfig
 from .files import write_folder
 from .moe import SparseMoE
@@ -334,7 +335,7 @@ def packed_logprobs(model: Transformer, sequences: list, temperature: float = 1.
     the target ids int64 [sum(len_i - 1)]. Differentiable. temperature scales the logits as the
     engine's sampler did.
 
-    Inside a unit tree (lockstep.grad_tree), sequence i is unit first_unit + i, so the backward
+    Inside a unit tree (lockstep.numerics.grad_tree), sequence i is unit first_unit + i, so the backward
     pass keeps each sequence's weight gradients apart; outside one, first_unit does nothing."""
     ids, cu = pack(sequences, model.device)
     with grad_tree.unit_rows(cu, first_unit):

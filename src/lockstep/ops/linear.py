@@ -16,7 +16,7 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, split_k: in
     Returns [..., N] in x's dtype; fp32 accumulation. Every leading index of x is an independent row.
 
     split_k cuts the forward's reduction over K into that many equal parts, and split_n the input
-    gradient's reduction over N, combined by the canonical tree (lockstep.fixed_order.split_sum):
+    gradient's reduction over N, combined by the canonical tree (lockstep.numerics.fixed_order.split_sum):
     the order a tensor-parallel layer needs to give the same bits at every tensor-parallel size
     (docs/adr/0007). Each must divide its dimension.
     """

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .. import autocast, softcap as capping
+from .. import autocast
+from ..numerics import softcap as capping
 from .. import checks as c
 from ..registry import resolve
 

@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from .. import contract, registry
-from ..fixed_order import ceil_div
+from ..numerics.fixed_order import ceil_div
 from .compare import Comparison, compare
 from .recorder import OpRecord, Recorder, RowView, tensor_summary
 

@@ -73,7 +73,7 @@ class PlainTrainer:
         return self.model.named_parameters()
 
 
-# The backends whose weight gradients go into lockstep.grad_tree's unit trees.
+# The backends whose weight gradients go into lockstep.numerics.grad_tree's unit trees.
 UNIT_TREE_BACKENDS = ("portable", "native", "triton")
 
 

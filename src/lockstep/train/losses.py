@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from ..fixed_order import exp
+from ..numerics.fixed_order import exp
 from ..model import ModelConfig, Transformer, packed_logprobs
 
 MEANS = ("token", "sequence")

@@ -16,9 +16,9 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from ..chunks import row_chunks
-from ..exact_math import cos, power
-from ..fixed_order import accumulate_dtype, row_sum, sqrt, tree_sum
+from ..numerics.chunks import row_chunks
+from ..numerics.exact_math import cos, power
+from ..numerics.fixed_order import accumulate_dtype, row_sum, sqrt, tree_sum
 from ..registry import cpu_backend_kernels
 
 
@@ -173,7 +173,7 @@ def square_sum(grad: Tensor) -> Tensor:
     (fp32; float64 for float64): each square in that dtype, `row_sum` over the last dimension, then
     over the row sums (for 0-d and 1-d tensors, one row_sum). A fixed order that depends on the shape
     alone, vectorised over rows (a flat row_sum of a vocabulary-sized table is a Python loop of its
-    length / SUM_WIDTH steps), and squared in cache-sized row chunks (lockstep.chunks), which changes
+    length / SUM_WIDTH steps), and squared in cache-sized row chunks (lockstep.numerics.chunks), which changes
     no bit."""
     grad = grad.detach()
     acc = accumulate_dtype(grad.dtype)
@@ -188,7 +188,7 @@ def square_sum(grad: Tensor) -> Tensor:
 
 def lr_at(step: int, base_lr: float, warmup: int, total: int, min_lr_ratio: float = 0.1) -> float:
     """Linear warmup for `warmup` steps, then cosine decay to min_lr_ratio * base_lr at `total`
-    (the cosine of lockstep.exact_math: the C library's follows the CPU)."""
+    (the cosine of lockstep.numerics.exact_math: the C library's follows the CPU)."""
     if warmup > 0 and step < warmup:
         return base_lr * (step + 1) / warmup
     progress = min(1.0, (step - warmup) / max(1, total - warmup))

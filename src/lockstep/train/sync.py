@@ -10,7 +10,7 @@ from typing import Protocol, runtime_checkable
 
 from torch import Tensor
 
-from .. import grad_tree
+from ..numerics import grad_tree
 
 
 @runtime_checkable

@@ -3,7 +3,7 @@ optimizer step of every caller (supervised training, GRPO, the benchmarks).
 
 One optimizer step per window, an ordered list of whole sequences (its units). A rank runs its share
 of the units in micro-batches of at most `micro_batch_tokens` tokens. Every weight gradient, the loss
-and the token count are sums over units by one canonical tree (lockstep.grad_tree, docs/adr/0007),
+and the token count are sums over units by one canonical tree (lockstep.numerics.grad_tree, docs/adr/0007),
 so the loss, the gradients, their norm and the update are bitwise the same for any micro-batch size,
 number of accumulation steps, data-parallel size and tensor-parallel size. The `sync` (a
 GradientSync) completes the trees across ranks.
@@ -22,10 +22,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .. import checks, grad_tree
+from .. import checks
+from ..numerics import grad_tree
 from ..dist.data_parallel import share_of
 from ..dist.tensor_parallel import reduction_parts
-from ..fixed_order import row_sum
+from ..numerics.fixed_order import row_sum
 from ..model import Transformer, packed_logprobs, params_digest
 from ..model.moe import record_router_logits
 from . import checkpoint

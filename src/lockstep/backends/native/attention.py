@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from ...registry import register
-from ...second_order import first_order_only
+from ...numerics.second_order import first_order_only
 from ..portable import attention as portable
 from .build import isa, library
 from .cpu import native_kernels

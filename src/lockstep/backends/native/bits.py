@@ -369,7 +369,7 @@ def digests(lib: ctypes.CDLL, isa: int, threads: int) -> dict[str, str]:
 
 def recorded() -> dict:
     """recorded_bits.json: "kernels" ({kernel group: digest}), "native_backend" ({section: digest},
-    lockstep.backend_bits), "torch" (the releases found to give those bits) and
+    lockstep.tools.backend_bits), "torch" (the releases found to give those bits) and
     "recorded_on" (machine, isa, compiler, ...)."""
     try:
         data = json.loads(RECORDED.read_text())

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 from typing import Iterator
 
-from ...fixed_order import CpuKernels, cpu_kernels, register_cpu_kernels
+from ...numerics.fixed_order import CpuKernels, cpu_kernels, register_cpu_kernels
 from . import gemm, rows, silu, unary
 
 KERNELS = CpuKernels("native", gemm.matmul_rows, gemm.weight_grad, unary.exp, unary.log, rows.row_sum,

@@ -17,7 +17,7 @@ import threading
 import torch
 from torch import Tensor
 
-from ... import fixed_order
+from ...numerics import fixed_order
 from .build import isa, library
 
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}

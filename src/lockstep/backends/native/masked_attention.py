@@ -9,9 +9,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ...fixed_order import log
+from ...numerics.fixed_order import log
 from ...registry import register
-from ...second_order import first_order_only
+from ...numerics.second_order import first_order_only
 from ..portable import masked_attention as portable
 from .attention import attention_backward, attention_forward
 from .cpu import native_kernels

@@ -9,9 +9,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ... import grad_tree
+from ...numerics import grad_tree
 from ...registry import register
-from ...second_order import first_order_only
+from ...numerics.second_order import first_order_only
 from ..portable import rms_norm as portable
 from .build import isa, library
 from .cpu import native_kernels

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ... import fixed_order
+from ...numerics import fixed_order
 from .build import isa, library
 from .gemm import OUT_CODES
 

@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from ...registry import register
-from ...second_order import first_order_only
+from ...numerics.second_order import first_order_only
 from ..portable import silu_mul as portable
 from . import silu
 from .cpu import native_kernels

@@ -5,10 +5,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ...fixed_order import (accumulate_dtype, exp, records_cpu_kernels, reduce_losses, restores_cpu_kernels, row_scale,
-                            shifted_and_lse)
+from ...numerics.fixed_order import (accumulate_dtype, exp, records_cpu_kernels, reduce_losses, restores_cpu_kernels,
+                                     row_scale, shifted_and_lse)
 from ...registry import register
-from ...second_order import first_order_only
+from ...numerics.second_order import first_order_only
 
 
 class _CrossEntropy(torch.autograd.Function):

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ... import grad_tree
-from ...fixed_order import accumulate_dtype
+from ...numerics import grad_tree
+from ...numerics.fixed_order import accumulate_dtype
 from ...registry import register
 
 

@@ -5,18 +5,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ... import grad_tree
-from ...fixed_order import (
-    column_sum,
-    matmul_rows,
-    records_cpu_kernels,
-    restores_cpu_kernels,
-    split_matmul_rows,
-    weight_grad,
-    weight_grad_node,
-)
+from ...numerics import grad_tree
+from ...numerics.fixed_order import (column_sum, matmul_rows, records_cpu_kernels, restores_cpu_kernels,
+                                     split_matmul_rows, weight_grad, weight_grad_node)
 from ...registry import register
-from ...second_order import first_order_only
+from ...numerics.second_order import first_order_only
 
 
 def linear_forward(x: Tensor, weight: Tensor, bias: Tensor | None, split_k: int = 1) -> Tensor:

@@ -5,10 +5,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ...fixed_order import (accumulate_dtype, log_softmax_rows, log_softmax_rows_backward, records_cpu_kernels,
-                            restores_cpu_kernels)
+from ...numerics.fixed_order import (accumulate_dtype, log_softmax_rows, log_softmax_rows_backward,
+                                     records_cpu_kernels, restores_cpu_kernels)
 from ...registry import register
-from ...second_order import first_order_only
+from ...numerics.second_order import first_order_only
 
 
 class _LogSoftmax(torch.autograd.Function):

@@ -7,9 +7,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ...fixed_order import accumulate_dtype, log, records_cpu_kernels, restores_cpu_kernels
+from ...numerics.fixed_order import accumulate_dtype, log, records_cpu_kernels, restores_cpu_kernels
 from ...registry import register
-from ...second_order import first_order_only
+from ...numerics.second_order import first_order_only
 from . import attention as portable_attention
 
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ... import grad_tree
-from ...fixed_order import accumulate_dtype, column_sum, row_sum, rsqrt
+from ...numerics import grad_tree
+from ...numerics.fixed_order import accumulate_dtype, column_sum, row_sum, rsqrt
 from ...registry import register
-from ...second_order import first_order_only
+from ...numerics.second_order import first_order_only
 
 
 def weight_grad_rows(gxhat: Tensor, use: grad_tree.Use | None) -> Tensor | None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ...fixed_order import accumulate_dtype
+from ...numerics.fixed_order import accumulate_dtype
 from ...registry import register
 from ...rotary import rope_cos_sin
 

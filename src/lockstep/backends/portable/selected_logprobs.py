@@ -17,26 +17,13 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from ... import grad_tree
-from ...fixed_order import (
-    accumulate_dtype,
-    columns_at_any_width,
-    exp,
-    log,
-    lm_head_weight_grad,
-    logit_grad,
-    lse_fold,
-    matmul_rows,
-    records_cpu_kernels,
-    restores_cpu_kernels,
-    row_max,
-    row_sum,
-    scaled_logits,
-    weight_grad_node,
-)
+from ...numerics import grad_tree
+from ...numerics.fixed_order import (accumulate_dtype, columns_at_any_width, exp, log, lm_head_weight_grad,
+                                     logit_grad, lse_fold, matmul_rows, records_cpu_kernels, restores_cpu_kernels,
+                                     row_max, row_sum, scaled_logits, weight_grad_node)
 from ...registry import register
-from ...second_order import first_order_only
-from ...softcap import softcap as capped
+from ...numerics.second_order import first_order_only
+from ...numerics.softcap import softcap as capped
 
 VOCAB_CHUNK = 4096
 # Rows x vocabulary up to which online_lse folds all chunks at once (32 MiB of fp32 logits), and on

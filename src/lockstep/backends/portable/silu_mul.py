@@ -3,7 +3,7 @@
 torch.sigmoid and torch.nn.functional.silu give different fp32 bits in the vectorised loop and in
 its scalar tail, so an element's result would depend on where it falls in a thread's chunk;
 exp and division do not (tests/test_portable.py guards this). The chain runs on cache-sized row
-chunks (lockstep.chunks), which changes no bit.
+chunks (lockstep.numerics.chunks), which changes no bit.
 """
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from ...chunks import row_chunks
-from ...fixed_order import accumulate_dtype, exp, records_cpu_kernels, restores_cpu_kernels
+from ...numerics.chunks import row_chunks
+from ...numerics.fixed_order import accumulate_dtype, exp, records_cpu_kernels, restores_cpu_kernels
 from ...registry import register
-from ...second_order import first_order_only
+from ...numerics.second_order import first_order_only
 
 
 def sigmoid(x: Tensor) -> Tensor:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ...fixed_order import scaled_logits
+from ...numerics.fixed_order import scaled_logits
 from ...registry import register
 from . import selected_logprobs
 

@@ -18,9 +18,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ...fixed_order import KEY_BLOCK, accumulate_dtype
+from ...numerics.fixed_order import KEY_BLOCK, accumulate_dtype
 from ...registry import register
-from ...second_order import first_order_only
+from ...numerics.second_order import first_order_only
 from .common import cast_out, dot, dot_mixed, dot_precision, gpu_capability
 
 BLOCK_Q = 16  # the query tile where FWD_CONFIGS and BWD_BLOCK_Q have no entry for the GPU

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ...second_order import first_order_only
+from ...numerics.second_order import first_order_only
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 

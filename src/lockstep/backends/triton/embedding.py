@@ -7,10 +7,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ... import grad_tree
-from ...fixed_order import accumulate_dtype
+from ...numerics import grad_tree
+from ...numerics.fixed_order import accumulate_dtype
 from ...registry import register
-from ...second_order import first_order_only
+from ...numerics.second_order import first_order_only
 
 
 @triton.jit(do_not_specialize=["D"])

@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ...fixed_order import accumulate_dtype
+from ...numerics.fixed_order import accumulate_dtype
 from .common import GemmConfig, cast_out, dot_acc, dot_precision, gemm_config
 
 # M and K are batch sizes in some of linear's three GEMMs (M in the forward and dX, K in dW), so

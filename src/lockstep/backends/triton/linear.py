@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from ... import grad_tree
-from ...fixed_order import split_sum
+from ...numerics import grad_tree
+from ...numerics.fixed_order import split_sum
 from ...registry import register
-from ...second_order import first_order_only
+from ...numerics.second_order import first_order_only
 from .gemm import gemm, weight_grad
 from .reduce import column_sum
 

@@ -7,9 +7,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ...fixed_order import accumulate_dtype
+from ...numerics.fixed_order import accumulate_dtype
 from ...registry import register
-from ...second_order import first_order_only
+from ...numerics.second_order import first_order_only
 from .common import cast_out, lane_block, row_lse
 
 

@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ...fixed_order import accumulate_dtype
+from ...numerics.fixed_order import accumulate_dtype
 from .common import ROWS_PER_PARTIAL
 
 

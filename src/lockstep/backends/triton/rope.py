@@ -7,10 +7,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ...fixed_order import accumulate_dtype
+from ...numerics.fixed_order import accumulate_dtype
 from ...registry import register
 from ...rotary import rope_cos_sin
-from ...second_order import first_order_only
+from ...numerics.second_order import first_order_only
 from .common import cast_out
 
 

@@ -11,11 +11,11 @@ import torch
 import triton
 import triton.language as tl
 
-from ... import grad_tree
-from ...fixed_order import accumulate_dtype
+from ...numerics import grad_tree
+from ...numerics.fixed_order import accumulate_dtype
 from ...registry import register
-from ...second_order import first_order_only
-from ...softcap import softcap as capped
+from ...numerics.second_order import first_order_only
+from ...numerics.softcap import softcap as capped
 from .common import INTERPRET, cast_out, lane_block, row_lse
 from .gemm import gemm, weight_grad
 

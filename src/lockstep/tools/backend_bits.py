@@ -17,17 +17,17 @@ import hashlib
 
 import torch
 
-from . import exact_math
-from .harness.attention_check import AttnCase, AttnSizes, paged_decode
-from .harness.check import Pool, num_threads, run
-from .harness.masked_attention_check import MaskedCase, MaskedSizes
-from .harness.specs import SPECS, Sizes
-from .model import ModelConfig, Transformer
-from .model.moe import route
-from .registry import use_backend
-from .rotary import LinearRopeScaling, Llama3RopeScaling, rope_cos_sin, rope_inv_freq
-from .backends.native import bits
-from .backends.native.gemm import gemm_nt
+from ..numerics import exact_math
+from ..harness.attention_check import AttnCase, AttnSizes, paged_decode
+from ..harness.check import Pool, num_threads, run
+from ..harness.masked_attention_check import MaskedCase, MaskedSizes
+from ..harness.specs import SPECS, Sizes
+from ..model import ModelConfig, Transformer
+from ..model.moe import route
+from ..registry import use_backend
+from ..rotary import LinearRopeScaling, Llama3RopeScaling, rope_cos_sin, rope_inv_freq
+from ..backends.native import bits
+from ..backends.native.gemm import gemm_nt
 
 # Big enough that the GEMMs of linear, the LM head and attention run on several threads (kernels.c
 # keeps products under 2^18 multiply-adds on one), small enough for the scalar path.
@@ -111,7 +111,7 @@ def _model_arithmetic(h: "hashlib._Hash") -> None:
 def tiny_trainer(family: str, dtype: torch.dtype, tokens: list[int], **config):
     """A Trainer of a random tiny model of `family` (vocabulary 300) in `dtype` (bf16 with fp32
     master weights) over `tokens`: sequences of 32, micro-batches of 96 tokens, 2 per step."""
-    from .train import PackedDataset, TrainConfig, Trainer
+    from ..train import PackedDataset, TrainConfig, Trainer
 
     cfg = TrainConfig(**{"steps": 1, "seq_len": 32, "micro_batch_tokens": 96, "accum": 2, "lr": 3e-3, "warmup": 1,
                          "seed": 0, "master_weights": dtype == torch.bfloat16, **config})

@@ -29,12 +29,12 @@ import warnings
 import torch
 from torch import Tensor, nn
 
-from . import ops
-from .model.config import FAMILIES as MODEL_FAMILIES
-from .model.config import HF_ACTS
-from .model.moe import route, run_experts
-from .model.transformer import ACTIVATIONS
-from .rotary import RopeScaling, rope_scaling_from_hf
+from .. import ops
+from ..model.config import FAMILIES as MODEL_FAMILIES
+from ..model.config import HF_ACTS
+from ..model.moe import route, run_experts
+from ..model.transformer import ACTIVATIONS
+from ..rotary import RopeScaling, rope_scaling_from_hf
 
 FAMILIES = tuple(MODEL_FAMILIES)
 MODULES = {"gemma3_text": "gemma3"}           # model_type -> its package under transformers.models
@@ -84,7 +84,7 @@ def _make_apply(original):
 def lockstep_attention(module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
                        dropout: float = 0.0, scaling: float | None = None, **kwargs) -> tuple[Tensor, None]:
     """transformers attention function: query [B, Hq, Lq, D], key/value [B, Hkv, Lk, D]."""
-    from .mode import visible_mask
+    from ..mode import visible_mask
 
     if dropout:
         raise NotImplementedError("lockstep attention: dropout is not supported (train with attention_dropout=0)")
@@ -146,7 +146,7 @@ def _positions_hook(derive: bool):
             _warned_padding = True
             warnings.warn("lockstep.patch: a padded batch arrived without position_ids; transformers numbers "
                           "every row's tokens 0..T-1, so a left-padded row's positions are shifted by its padding "
-                          "and differ from generate's. Pass position_ids=lockstep.hf.position_ids_from_mask(mask), "
+                          "and differ from generate's. Pass position_ids=lockstep.integrations.hf.position_ids_from_mask(mask), "
                           "or patch(model, positions_from_mask=True)", stacklevel=2)
         return None
     return hook

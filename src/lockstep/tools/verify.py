@@ -22,13 +22,13 @@ from typing import Callable
 
 import torch
 
-from . import contract
-from .engine import Engine, RequestOutput
-from .fixed_order import ceil_div
-from .mismatch import mismatch
-from .model import Transformer, logprobs, pack
-from .registry import use_backend
-from .sampling import SamplingParams
+from .. import contract
+from ..engine import Engine, RequestOutput
+from ..numerics.fixed_order import ceil_div
+from ..mismatch import mismatch
+from ..model import Transformer, logprobs, pack
+from ..registry import use_backend
+from ..sampling import SamplingParams
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,7 @@ import sys
 from collections.abc import Callable, Iterator
 
 if "lockstep.backends.triton" in sys.modules and os.environ.get("TRITON_INTERPRET") == "1":
-    raise RuntimeError("lockstep.gpu_audit: this process already imported the Triton backend under the interpreter; "
+    raise RuntimeError("lockstep.tools.gpu_audit: this process already imported the Triton backend under the interpreter; "
                        "run `lockstep gpu-audit` in a process of its own")
 os.environ["TRITON_INTERPRET"] = "0"
 # Say what we mean instead of leaning on Triton's default, which Triton 3.10 flips (see docs/gpu.md).
@@ -233,8 +233,8 @@ def _attention_ops(ops, dtype, lengths: list[int], head_dim: int) -> Iterator[st
 
 def workload() -> Iterator[str]:
     """Runs the backend's ops; yields a description of each case before it runs."""
-    from . import ops
-    from .registry import use_backend
+    from .. import ops
+    from ..registry import use_backend
 
     with use_backend("triton"):
         for dtype in DTYPES:

@@ -16,8 +16,8 @@ from typing import Callable
 
 import torch
 
-from . import ops
-from .registry import cpu_backend, use_backend
+from .. import ops
+from ..registry import cpu_backend, use_backend
 
 
 @dataclass

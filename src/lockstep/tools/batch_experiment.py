@@ -21,12 +21,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import contract
-from .engine import Engine
-from .fixed_order import ceil_div
-from .mismatch import mismatch
-from .model import Transformer
-from .sampling import SamplingParams
+from .. import contract
+from ..engine import Engine
+from ..numerics.fixed_order import ceil_div
+from ..mismatch import mismatch
+from ..model import Transformer
+from ..sampling import SamplingParams
 
 QUESTIONS = (
     "Tom has 3 apples and buys 4 more. Then he gives 2 to Ann. How many apples does he have now? Explain.",
@@ -82,14 +82,14 @@ class ExperimentReport:
 
 
 def has_chat_template(model: Transformer) -> bool:
-    from .model.chat_template import ChatTemplate
+    from ..model.chat_template import ChatTemplate
 
     return model.tokenizer is not None and ChatTemplate.for_tokenizer(model.tokenizer) is not None
 
 
 def chat_prompts(model: Transformer) -> list[list[int]]:
     """QUESTIONS as token ids through the model's own chat template."""
-    from .model.chat_template import ChatTemplate
+    from ..model.chat_template import ChatTemplate
 
     template = ChatTemplate.for_tokenizer(model.tokenizer) if model.tokenizer is not None else None
     if template is None:
@@ -198,7 +198,7 @@ def run(model_for: Callable[[torch.dtype], Transformer], dtype: torch.dtype, max
         log=print) -> ExperimentReport:
     """The whole experiment in `dtype`, and the stock logprob mismatch in each of mismatch_dtypes.
     model_for(dtype) returns the lockstep model (a real checkpoint with a chat template)."""
-    from .mode import batch_invariant
+    from ..mode import batch_invariant
 
     model = model_for(dtype)
     prompts = chat_prompts(model)

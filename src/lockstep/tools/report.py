@@ -361,7 +361,7 @@ def from_run_dir(run_dir: str, out: str | None = None) -> str:
             else:
                 data[key] = loaded.get(key, loaded)    # parity.json and trajectory.json wrap their payload
     if os.path.exists(os.path.join(run_dir, "log.jsonl")):
-        from .train import read_log
+        from ..train import read_log
 
         steps, events = read_log(run_dir)
         data["training"] = {"steps": steps, "events": events}

@@ -17,7 +17,7 @@ layout or the thread count (docs/contract.md, section 2):
   blocks of `ROW_BLOCK` rows, each block's contribution produced by a fixed-shape kernel and added
   in block order. Zero rows appended at the end (padding) add exact zeros and change no bit.
 - `TreeSum` and `tree_sum`: the one tree by which partial sums over an index combine, wherever the
-  parts were computed: the units of a training window (lockstep.grad_tree, docs/adr/0007) and the
+  parts were computed: the units of a training window (lockstep.numerics.grad_tree, docs/adr/0007) and the
   `TP_SPLIT` parts of a reduction that tensor parallelism may shard (`split_sum`).
 """
 

@@ -237,7 +237,7 @@ class UnitTrees:
         where = _ROWS.get()
         if where is None:
             raise RuntimeError(f"{op}: called for {name} inside a layout-invariant window without unit rows "
-                               "(wrap the forward in lockstep.grad_tree.unit_rows)")
+                               "(wrap the forward in lockstep.numerics.grad_tree.unit_rows)")
         if rows % max(where.tokens, 1) or (rows == 0) != (where.tokens == 0):
             raise ValueError(f"{op}: {rows} rows for {name} are not a whole number of rows per token of the "
                              f"{where.tokens} tokens in unit_rows")
