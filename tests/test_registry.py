@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from lockstep import contract, ops, registry
 from lockstep.harness import OWN_CHECKS
@@ -51,6 +52,35 @@ def test_each_backend_registers_exactly_the_ops_it_claims_each_in_its_own_module
     assert set(registered) == claimed, f"{backend}: registered {sorted(registered)}, contract.toml claims {sorted(claimed)}"
     for op, fn in registered.items():
         assert fn.__module__ == f"lockstep.backends.{backend}.{face(op)}", (op, fn.__module__)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_each_backend_registers_exactly_the_ops_of_the_op_modules_it_holds(backend):
+    held = {p.stem for p in (ROOT / f"src/lockstep/backends/{backend}").glob("*.py")}
+    assert {registry.op_module(op) for op in registry.registered(backend)} == held & set(map(registry.op_module, registry.OPS))
+
+
+def test_a_backend_is_the_op_modules_its_package_holds(tmp_path, monkeypatch):
+    """The registry imports a backend's op modules by name, and no other module of its package; an op
+    without a module runs on the fallback."""
+    package = tmp_path / "lockstep_rope_only"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "rope.py").write_text("from lockstep.registry import register\n\n"
+                                     "@register('rope-only', 'rope')\ndef rope(*args):\n    return 'rope-only'\n")
+    (package / "helpers.py").write_text("raise AssertionError('not an op module')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    registry.register_backend("rope-only", "lockstep_rope_only", fallback="portable")
+    assert list(registry.registered("rope-only")) == ["rope"]
+    with registry.use_backend("rope-only"):
+        assert registry.resolve("rope", torch.device("cpu"))() == "rope-only"
+        assert registry.resolve("silu_mul", torch.device("cpu")) is registry.registered("portable")["silu_mul"]
+
+
+def test_op_module_names_the_module_that_holds_an_op():
+    assert registry.op_module("rope") == "rope" and registry.op_module("paged_attention") == "attention"
+    with pytest.raises(ValueError, match=r"^op: unknown op 'softmax'; expected one of \['attention', "):
+        registry.op_module("softmax")
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -1,19 +1,22 @@
 """The backend registry: one place that decides which implementation of an op runs.
 
 Callers use `lockstep.ops.*` and never name a backend. A backend is a package with one module per
-op, each registering its implementation (`register`); the package is imported the first time the
-backend is used, so `import lockstep` imports no kernel. `use_backend(name)` selects a backend for
-a block of code (per thread); the default, "auto", picks "triton" for CUDA tensors and, on a CPU,
-"native" where its kernels build, else "portable" (saying once why).
+op it implements, named for the op (`op_module`), each registering its implementation (`register`).
+The first time a backend is used, its package is imported and then every op module it holds
+(`import_op_modules`): `import lockstep` imports no kernel, and OPS is the one list of ops.
+`use_backend(name)` selects a backend for a block of code (per thread); the default, "auto", picks
+"triton" for CUDA tensors and, on a CPU, "native" where its kernels build, else "portable" (saying
+once why).
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import importlib
+import importlib.util
 import logging
 import threading
+from types import ModuleType
 from typing import Callable, Iterator
 
 import torch
@@ -34,6 +37,8 @@ OPS = (
     "paged_attention",
     "masked_attention",
 )
+# Ops that live in another op's module: paged_attention runs attention's kernels on a paged cache.
+_MODULE_OF = {"paged_attention": "attention"}
 
 # Backend name -> the package whose import registers its ops.
 BACKENDS: dict[str, str] = {
@@ -67,8 +72,9 @@ def register(backend: str, op: str) -> Callable[[Callable], Callable]:
 
 
 def register_backend(name: str, module: str | None = None, fallback: str | None = None) -> None:
-    """Make `name` a backend: `module` (if given) is imported on first use to register its ops, and
-    ops it does not implement run on `fallback` (for a backend that overrides a few ops)."""
+    """Make `name` a backend: `module` (if given) and its op modules are imported on first use to
+    register its ops, and ops it does not implement run on `fallback` (for a backend that overrides a
+    few ops)."""
     if module is not None:
         BACKENDS[name] = module
     _REGISTRY.setdefault(name, {})
@@ -76,16 +82,34 @@ def register_backend(name: str, module: str | None = None, fallback: str | None 
         _FALLBACK[name] = fallback
 
 
+def op_module(op: str) -> str:
+    """The name of the module that holds `op` in every backend's package ("attention" for paged_attention)."""
+    if op not in OPS:
+        raise ValueError(f"op: unknown op {op!r}; expected one of {sorted(OPS)}")
+    return _MODULE_OF.get(op, op)
+
+
+def import_op_modules(package: str) -> dict[str, ModuleType]:
+    """Import each op module that `package` holds (`package`.<op_module(op)> for the ops of OPS), which
+    registers its ops: {module name: module}. A module missing is an op the backend does not implement;
+    a plain module (not a package) holds no op modules."""
+    if not hasattr(importlib.import_module(package), "__path__"):
+        return {}
+    names = dict.fromkeys(op_module(op) for op in OPS)
+    return {name: importlib.import_module(f"{package}.{name}") for name in names
+            if importlib.util.find_spec(f"{package}.{name}") is not None}
+
+
 class BackendUnavailable(ImportError):
     """A backend cannot run on this machine; the message names it and says why."""
 
 
 def load(backend: str) -> None:
-    """Import `backend`'s package (once), which registers its ops."""
+    """Import `backend`'s package and its op modules (once), which registers its ops."""
     if backend in _loaded or backend not in BACKENDS:
         return
     try:
-        importlib.import_module(BACKENDS[backend])
+        import_op_modules(BACKENDS[backend])
     except ImportError as e:
         missing = isinstance(e, ModuleNotFoundError) and e.name == "triton"
         hint = " (pip install 'lockstep[triton]')" if missing else ""

@@ -5,8 +5,9 @@
     eager/      plain PyTorch as model code writes it: not invariant, for comparison
     reference/  float64 textbook formulas, sharing no code with the kernels
 
-`lockstep.registry` imports a backend's package the first time it is used; importing a module
-registers its op. Which backend claims which op is data: contract.toml's [backends.*] tables.
+`lockstep.registry` imports a backend's package the first time it is used, then the module of each
+op of registry.OPS that the package holds (registry.op_module names it); importing a module
+registers its op. An op a backend has no module for is one it does not implement. Which backend claims which op is data: contract.toml's [backends.*] tables.
 """
 
 import re

@@ -3,7 +3,8 @@ instruction set and thread count (docs/adr/0010-native-cpu-backend.md).
 
 The ops are the portable backend's, with their GEMMs (forward, dX, dW, attention's products, the LM
 head) and their exp, log and sqrt on the native kernels (cpu.py). Importing this package builds the
-kernels (build.py) and raises ImportError with the reason when they cannot be built or loaded here.
+kernels (build.py) and raises ImportError with the reason when they cannot be built or loaded here;
+the registry then imports its op modules.
 """
 
 from .build import NativeUnavailable, library
@@ -13,18 +14,4 @@ try:
 except NativeUnavailable as e:
     raise ImportError(str(e)) from e
 
-from . import (  # noqa: E402, F401
-    attention,
-    cpu,
-    cross_entropy,
-    embedding,
-    gelu_mul,
-    linear,
-    log_softmax,
-    masked_attention,
-    rms_norm,
-    rope,
-    selected_logprobs,
-    silu_mul,
-    vocab_logprobs,
-)
+from . import cpu  # noqa: E402, F401  (registers the native GEMM, exp, log and sqrt with fixed_order)

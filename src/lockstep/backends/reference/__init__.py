@@ -8,18 +8,9 @@ so that a whole model can run on them (the chain of docs/contract.md, section 4:
 float64 under `use_backend("reference")`).
 """
 
-from .attention import attention
-from .cross_entropy import cross_entropy
-from .embedding import embedding
-from .gelu_mul import gelu_mul
-from .linear import linear
-from .log_softmax import log_softmax
-from .masked_attention import masked_attention
-from .rms_norm import rms_norm
-from .rope import rope
-from .selected_logprobs import selected_logprobs
-from .silu_mul import silu_mul
-from .vocab_logprobs import vocab_logprobs
+from ...registry import import_op_modules
 
-__all__ = ["attention", "cross_entropy", "embedding", "gelu_mul", "linear", "log_softmax", "masked_attention", "rms_norm", "rope",
-           "selected_logprobs", "silu_mul", "vocab_logprobs"]
+# Each op module's function of its own name (reference.linear is linear.linear), for the harness.
+_MODULES = import_op_modules(__name__)
+globals().update({name: getattr(module, name) for name, module in _MODULES.items()})
+__all__ = sorted(_MODULES)

@@ -1,5 +1,6 @@
-"""The Triton backend: every op of lockstep.ops as Triton kernels, one module per op (GPU; on a
-machine without CUDA, under Triton's interpreter, which must be chosen before triton is imported)."""
+"""The Triton backend: the ops of lockstep.ops as Triton kernels, one module per op (GPU; on a
+machine without CUDA, under Triton's interpreter, which must be chosen before triton is imported).
+The registry imports the op modules after this package; it has none for masked_attention (ADR 0015)."""
 
 import os
 
@@ -18,17 +19,3 @@ if os.environ.get("TRITON_INTERPRET") == "1":
     _refusal = triton_interpreter_refusal(triton.__version__, numpy.__version__)
     if _refusal:
         raise ImportError(_refusal)
-
-from . import (  # noqa: E402,F401
-    attention,
-    cross_entropy,
-    embedding,
-    gelu_mul,
-    linear,
-    log_softmax,
-    rms_norm,
-    rope,
-    selected_logprobs,
-    silu_mul,
-    vocab_logprobs,
-)
