@@ -5,8 +5,9 @@ import pytest
 import torch
 
 from lockstep import contract, ops
-from lockstep.model import (ModelConfig, Transformer, load_model, logprobs, pack,
-                            positions_from_cu_seqlens)
+from lockstep.model import (ModelConfig, Transformer, load_model, logprobs, pack, packed_logprobs,
+                            positions_from_cu_seqlens, token_entropy)
+from lockstep.model.transformer import ENTROPY_ROWS
 
 from lockstep.harness.model_check import cached_logprobs
 
@@ -120,6 +121,29 @@ def test_input_embedding_gradient_alone_equals_batched(family):
     alone = embed_grad([seqs[1]], 0)
     assert torch.equal(embed_grad(seqs, 1), alone)
     assert torch.equal(embed_grad([seqs[2], seqs[1], seqs[0]], 1), alone)
+
+
+@pytest.mark.parametrize("family, cap", [("llama", None), ("gemma3_text", 2.0)])
+def test_packed_logprobs_entropy_is_the_next_token_distributions_whatever_the_rows_around_it(family, cap):
+    """entropy=True leaves the logprobs' bits as they are and adds each row's entropy at the temperature
+    (Gemma's final-logit softcapping included): float64's within the logprob tolerance, and the same
+    bits for a sequence alone as packed with others over more than ENTROPY_ROWS rows."""
+    model = Transformer.from_config(ModelConfig.tiny(family, final_logit_softcapping=cap), seed=3)
+    gen = torch.Generator().manual_seed(2)
+    seqs = [torch.randint(0, 512, (n,), generator=gen) for n in (ENTROPY_ROWS - 50, 90, 5)]
+    lp, targets = packed_logprobs(model, seqs, 0.7)
+    lp_e, targets_e, ent = packed_logprobs(model, seqs, 0.7, entropy=True)
+    assert torch.equal(lp_e, lp) and torch.equal(targets_e, targets) and not ent.requires_grad
+    assert ent.shape == lp.shape and ent.dtype == torch.float32
+    assert torch.equal(packed_logprobs(model, seqs[1:2], 0.7, entropy=True)[2], ent[ENTROPY_ROWS - 51:ENTROPY_ROWS + 38])
+    ids, cu = pack(seqs)
+    with torch.no_grad():
+        hidden = model(ids, cu)
+        rows = torch.cat([torch.arange(int(a), int(b) - 1) for a, b in zip(cu[:-1], cu[1:])])
+        logits = hidden[rows].double() @ model.lm_head_weight.double().T
+        logits = logits if cap is None else cap * torch.tanh(logits / cap)
+        truth = token_entropy(torch.log_softmax(logits / 0.7, -1))
+    assert float((ent.double() - truth).abs().max()) <= contract.tolerance("vocab_logprobs", torch.float32).atol
 
 
 def test_positions_from_cu_seqlens():

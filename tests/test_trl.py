@@ -54,6 +54,18 @@ def _mismatch(trainer) -> list[dict]:
     return rows
 
 
+def test_packed_rows_stand_on_trls_label_grid():
+    """The rollout route's packed logprobs, row by row, at the columns of labels[:, 1:] whose token has
+    a next one, left or right padded; 0 outside the completion; a row with a hole is refused."""
+    attention_mask = torch.tensor([[0, 1, 1, 1], [1, 1, 0, 0]])
+    completion = torch.tensor([[False, False, True], [True, False, False]])
+    on_grid = lockstep_trl._on_grid(torch.tensor([1.0, 2.0, 3.0]), attention_mask, completion)
+    assert on_grid.tolist() == [[0.0, 0.0, 2.0], [3.0, 0.0, 0.0]]
+    with pytest.raises(ValueError, match=r"^attention_mask: expected each row's tokens in one run, 2 of them with a "
+                                         r"next token in all; got 1$"):
+        lockstep_trl._on_grid(torch.tensor([1.0, 2.0]), torch.tensor([[1, 0, 1, 1]]), torch.ones(1, 3, dtype=torch.bool))
+
+
 @pytest.mark.parametrize("precision", PRECISIONS)
 def test_exact_makes_generate_and_training_agree_bitwise(precision):
     trainer = _trainer(precision)

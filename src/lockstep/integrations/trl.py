@@ -16,8 +16,9 @@ as the training forward's: the two are equal bit for bit.
 
 `rollout_func()` samples with lockstep's Engine over a lockstep Transformer whose parameters *are*
 the trainer model's (no weight copy: an optimizer step is seen by the next rollout), and the training
-forward runs that same Transformer on the unpadded sequences. The Engine's logprobs go to TRL as the
-sampling logprobs, and equal the trainer's bit for bit.
+forward is lockstep's trainer's own `packed_logprobs` (with the entropy TRL logs) over that same
+Transformer and the unpadded sequences. The Engine's logprobs go to TRL as the sampling logprobs, and
+equal the trainer's bit for bit.
 
 Both (and `measure(trainer)`, which changes nothing and only measures) log, per step, into TRL's
 metrics: `lockstep/max_abs_dlogp` (max |training - sampling logprob| over the step's tokens),
@@ -37,6 +38,7 @@ from torch import Tensor
 
 from .. import ops
 from ..mismatch import FIELDS, mismatch
+from ..model import packed_logprobs, token_entropy
 
 METRICS = tuple(f"lockstep/{name}" for name in FIELDS)
 
@@ -87,9 +89,21 @@ def _head(hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float,
     softcap: the model's final-logit softcapping."""
     log_probs = ops.selected_logprobs(hidden, weight, targets, temperature=temperature, softcap=softcap)
     with torch.no_grad():
-        full = ops.vocab_logprobs(hidden, weight, temperature=temperature, softcap=softcap)
-        entropy = -(full.exp() * torch.where(torch.isfinite(full), full, 0.0)).sum(-1)
+        entropy = token_entropy(ops.vocab_logprobs(hidden, weight, temperature=temperature, softcap=softcap))
     return log_probs, entropy
+
+
+def _on_grid(values: Tensor, attention_mask: Tensor, mask: Tensor) -> Tensor:
+    """Values of packed_logprobs' rows (float [sum(len_b - 1)], sequence by sequence) on TRL's grid of
+    labels[:, 1:] ([B, T - 1]): row b's len_b - 1 values stand at its columns whose token has a next
+    one, and 0 where mask ([B, T - 1] bool) is False. attention_mask: [B, T], each row's tokens in one
+    run (padding on the left, the right or both)."""
+    kept = attention_mask.bool()
+    grid = kept[:, :-1] & kept[:, 1:]
+    if int(grid.sum()) != values.numel():
+        raise ValueError(f"attention_mask: expected each row's tokens in one run, {values.numel()} of them with a "
+                         f"next token in all; got {int(grid.sum())}")
+    return torch.where(mask, values.new_zeros(grid.shape).masked_scatter(grid, values), 0.0)
 
 
 def _wrap_training_forward(model, comparison: _Comparison, head: Callable | None) -> None:
@@ -231,24 +245,11 @@ def rollout_func(max_num_seqs: int = 64, max_num_batched_tokens: int = 1024, blo
         temperature = trainer.temperature
 
         def training_head(self, input_ids, attention_mask, labels, num_items_in_batch):
-            rows = [input_ids[b][attention_mask[b].bool()] for b in range(input_ids.shape[0])]
-            lens = [len(r) for r in rows]
-            from ..model import pack
-
-            ids, cu = pack(rows, input_ids.device)
-            hidden = model(ids, cu)
-            targets = labels[:, 1:]
-            mask = targets != -100
-            picked_h, picked_t = [], []
-            for b, n in enumerate(lens):
-                start = int(attention_mask[b].long().argmax()) if attention_mask[b].any() else 0
-                row_mask = mask[b, start:start + n - 1]
-                picked_h.append(hidden[int(cu[b]):int(cu[b]) + n - 1][row_mask])
-                picked_t.append(targets[b, start:start + n - 1][row_mask])
-            lp, ent = _head(torch.cat(picked_h), model.lm_head_weight, torch.cat(picked_t), temperature,
-                            model.config.final_logit_softcapping)
-            return _fused_output(hidden.new_zeros(mask.shape, dtype=lp.dtype).masked_scatter(mask, lp),
-                                 hidden.new_zeros(mask.shape, dtype=ent.dtype).masked_scatter(mask, ent), mask,
+            kept = attention_mask.bool()
+            lp, _, ent = packed_logprobs(model, [input_ids[b][kept[b]] for b in range(input_ids.shape[0])],
+                                         temperature, entropy=True)
+            mask = labels[:, 1:] != -100
+            return _fused_output(_on_grid(lp, attention_mask, mask), _on_grid(ent, attention_mask, mask), mask,
                                  num_items_in_batch)
 
         _wrap_training_forward(hf_model, comparison, head=training_head)

@@ -328,12 +328,25 @@ def pack(sequences: list, device: str | torch.device = "cpu") -> tuple[Tensor, T
     return torch.cat(ids), torch.tensor(cu, dtype=torch.int64, device=device)
 
 
-def packed_logprobs(model: Transformer, sequences: list, temperature: float = 1.0,
-                    first_unit: int = 0) -> tuple[Tensor, Tensor]:
+# Rows per vocab_logprobs call when packed_logprobs adds the entropy: it bounds the [rows, V] float32
+# logprobs held at once, and any split gives the same bits (vocab_logprobs is batch invariant).
+ENTROPY_ROWS = 256
+
+
+def token_entropy(vocab_logprobs: Tensor) -> Tensor:
+    """The entropy of each row's next-token distribution from its logprobs over the whole vocabulary
+    (-inf where a token has probability 0): [..., V] float -> [...] of the same dtype."""
+    return -(vocab_logprobs.exp() * torch.where(torch.isfinite(vocab_logprobs), vocab_logprobs, 0.0)).sum(-1)
+
+
+def packed_logprobs(model: Transformer, sequences: list, temperature: float = 1.0, first_unit: int = 0,
+                    entropy: bool = False) -> tuple[Tensor, ...]:
     """The logprob of every token after the first of each sequence, from one packed forward and
     `selected_logprobs` (the full logits only for a few rows): float32 [sum(len_i - 1)], sequence by sequence, and
     the target ids int64 [sum(len_i - 1)]. Differentiable. temperature scales the logits as the
-    engine's sampler did.
+    engine's sampler did. With entropy=True, a third tensor: the entropy of each of those rows'
+    next-token distribution at temperature (`token_entropy` of `vocab_logprobs`), float32
+    [sum(len_i - 1)], without gradient.
 
     Inside a unit tree (lockstep.numerics.grad_tree), sequence i is unit first_unit + i, so the backward
     pass keeps each sequence's weight gradients apart; outside one, first_unit does nothing."""
@@ -346,7 +359,12 @@ def packed_logprobs(model: Transformer, sequences: list, temperature: float = 1.
     targets = ids[rows + 1]
     kept = cu - torch.arange(cu.numel(), device=cu.device)       # sequence i keeps len_i - 1 rows
     with grad_tree.unit_rows(kept, first_unit):
-        return model.selected_logprobs(hidden[rows], targets, temperature=temperature), targets
+        lp = model.selected_logprobs(hidden[rows], targets, temperature=temperature)
+    if not entropy:
+        return lp, targets
+    with torch.no_grad():
+        ent = torch.cat([token_entropy(model.vocab_logprobs(h, temperature)) for h in hidden[rows].split(ENTROPY_ROWS)])
+    return lp, targets, ent
 
 
 def logprobs(model: Transformer, sequences: list, temperature: float = 1.0) -> list[Tensor]:
