@@ -75,6 +75,58 @@ def _key_addr(k_base, b, keys, key_ok, ks, table_ptr, table_stride, block_size, 
 
 
 @triton.jit
+def _tile(base, first, idx, head, stride_t, stride_h, d):
+    """Pointers [N, BLOCK_D] to a tile of q, k, v (or their gradients): tokens first + idx [N] of head
+    `head`, features d [BLOCK_D]. Each term is added to the pointer in turn: summing the 32-bit
+    offsets first could overflow where the pointer sums do not."""
+    return base + (first + idx)[:, None] * stride_t + head * stride_h + d[None, :]
+
+
+@triton.jit
+def _sequence(b, cu_q_ptr, cu_k_ptr, lens_ptr, PAGED: tl.constexpr):
+    """Sequence b's first query and query count, and its first key (0 in a paged cache, whose keys
+    the block table finds) and key count."""
+    qs = tl.load(cu_q_ptr + b)
+    len_q = tl.load(cu_q_ptr + b + 1) - qs
+    if PAGED:
+        ks = 0
+        len_k = tl.load(lens_ptr + b)
+    else:
+        ks = tl.load(cu_k_ptr + b)
+        len_k = tl.load(cu_k_ptr + b + 1) - ks
+    return qs, len_q, ks, len_k
+
+
+@triton.jit
+def _query_block(blk_seq_ptr, blk_q0_ptr, cu_q_ptr, cu_k_ptr, lens_ptr, Hq, Hkv, D, window, CAUSAL: tl.constexpr,
+                 HAS_WINDOW: tl.constexpr, PAGED: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
+                 BLOCK_D: tl.constexpr):
+    """Where program (i, h) of the forward and dq kernels works: queries [q0, q0 + BLOCK_Q) of
+    sequence b = blk_seq[i], query head h. Returns b, h, its kv head hk, the sequence's first query
+    qs, first key ks and key count len_k, the rows (query indices in the sequence), which are real
+    (row_ok), their positions among the keys (pos), the feature lanes d and which are real (d_ok),
+    and the key range [lo, hi) that the rows can see, lo a multiple of BLOCK_K."""
+    i = tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.load(blk_seq_ptr + i)
+    q0 = tl.load(blk_q0_ptr + i)
+    qs, len_q, ks, len_k = _sequence(b, cu_q_ptr, cu_k_ptr, lens_ptr, PAGED)
+    hk = h // (Hq // Hkv)
+    rows = q0 + tl.arange(0, BLOCK_Q)
+    row_ok = rows < len_q
+    pos = len_k - len_q + rows
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < D
+    hi = len_k
+    if CAUSAL:
+        hi = tl.minimum(len_k, len_k - len_q + tl.minimum(q0 + BLOCK_Q, len_q))
+    lo = 0
+    if HAS_WINDOW:
+        lo = tl.maximum(0, len_k - len_q + q0 - window + 1) // BLOCK_K * BLOCK_K
+    return b, h, hk, qs, ks, len_k, rows, row_ok, pos, d, d_ok, lo, hi
+
+
+@triton.jit
 def _visible(keys, key_ok, pos, row_ok, window, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr):
     vis = key_ok[None, :] & row_ok[:, None]
     if CAUSAL:
@@ -102,35 +154,13 @@ def attn_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, m_ptr, l_ptr, blk_seq_ptr, blk_q
                     BLOCK_D: tl.constexpr):
     """Program (i, h): queries [q0, q0 + BLOCK_Q) of sequence b = blk_seq[i], head h, over key blocks
     from key 0 in order."""
-    i = tl.program_id(0)
-    h = tl.program_id(1)
-    b = tl.load(blk_seq_ptr + i)
-    q0 = tl.load(blk_q0_ptr + i)
-    qs = tl.load(cu_q_ptr + b)
-    len_q = tl.load(cu_q_ptr + b + 1) - qs
-    if PAGED:
-        ks = 0
-        len_k = tl.load(lens_ptr + b)
-    else:
-        ks = tl.load(cu_k_ptr + b)
-        len_k = tl.load(cu_k_ptr + b + 1) - ks
-    hk = h // (Hq // Hkv)
-    rows = q0 + tl.arange(0, BLOCK_Q)
-    row_ok = rows < len_q
-    pos = len_k - len_q + rows
-    d = tl.arange(0, BLOCK_D)
-    d_ok = d < D
-    q = tl.load(q_ptr + (qs + rows)[:, None] * stride_qt + h * stride_qh + d[None, :],
-                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    b, h, hk, qs, ks, len_k, rows, row_ok, pos, d, d_ok, lo, hi = _query_block(
+        blk_seq_ptr, blk_q0_ptr, cu_q_ptr, cu_k_ptr, lens_ptr, Hq, Hkv, D, window, CAUSAL, HAS_WINDOW, PAGED, BLOCK_Q,
+        BLOCK_K, BLOCK_D)
+    q = tl.load(_tile(q_ptr, qs, rows, h, stride_qt, stride_qh, d), mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     m_i = tl.full((BLOCK_Q,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_Q,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_Q, BLOCK_D), dtype=tl.float32)
-    hi = len_k
-    if CAUSAL:
-        hi = tl.minimum(len_k, len_k - len_q + tl.minimum(q0 + BLOCK_Q, len_q))
-    lo = 0
-    if HAS_WINDOW:
-        lo = tl.maximum(0, len_k - len_q + q0 - window + 1) // BLOCK_K * BLOCK_K
     for k0 in range(lo, hi, BLOCK_K):
         keys = k0 + tl.arange(0, BLOCK_K)
         key_ok = keys < len_k
@@ -148,7 +178,7 @@ def attn_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, m_ptr, l_ptr, blk_seq_ptr, blk_q
         acc = acc * alpha[:, None] + dot_mixed(p, v, PRECISION)
         m_i = new
     out = acc / tl.where(l_i == 0, 1.0, l_i)[:, None]
-    tl.store(o_ptr + (qs + rows)[:, None] * stride_qt + h * stride_qh + d[None, :], cast_out(out, o_ptr),
+    tl.store(_tile(o_ptr, qs, rows, h, stride_qt, stride_qh, d), cast_out(out, o_ptr),
              mask=row_ok[:, None] & d_ok[None, :])
     tl.store(m_ptr + (qs + rows) * Hq + h, m_i, mask=row_ok)
     tl.store(l_ptr + (qs + rows) * Hq + h, l_i, mask=row_ok)
@@ -160,40 +190,23 @@ def attn_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, m_ptr, l_ptr, dq_ptr, delta_
                        n_blocks, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr,
                        BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr):
     """Program (i, h): delta and dq of one block of queries, over the key blocks in order (twice)."""
-    i = tl.program_id(0)
-    h = tl.program_id(1)
-    b = tl.load(blk_seq_ptr + i)
-    q0 = tl.load(blk_q0_ptr + i)
-    qs = tl.load(cu_q_ptr + b)
-    len_q = tl.load(cu_q_ptr + b + 1) - qs
-    ks = tl.load(cu_k_ptr + b)
-    len_k = tl.load(cu_k_ptr + b + 1) - ks
-    hk = h // (Hq // Hkv)
-    rows = q0 + tl.arange(0, BLOCK_Q)
-    row_ok = rows < len_q
-    pos = len_k - len_q + rows
-    d = tl.arange(0, BLOCK_D)
-    d_ok = d < D
+    b, h, hk, qs, ks, len_k, rows, row_ok, pos, d, d_ok, lo, hi = _query_block(
+        blk_seq_ptr, blk_q0_ptr, cu_q_ptr, cu_k_ptr, cu_k_ptr, Hq, Hkv, D, window, CAUSAL, HAS_WINDOW, False, BLOCK_Q,
+        BLOCK_K, BLOCK_D)
     qmask = row_ok[:, None] & d_ok[None, :]
-    q = tl.load(q_ptr + (qs + rows)[:, None] * stride_qt + h * stride_qh + d[None, :], mask=qmask, other=0.0)
-    do = tl.load(do_ptr + (qs + rows)[:, None] * stride_qt + h * stride_qh + d[None, :], mask=qmask, other=0.0)
+    q = tl.load(_tile(q_ptr, qs, rows, h, stride_qt, stride_qh, d), mask=qmask, other=0.0)
+    do = tl.load(_tile(do_ptr, qs, rows, h, stride_qt, stride_qh, d), mask=qmask, other=0.0)
     m_i = tl.load(m_ptr + (qs + rows) * Hq + h, mask=row_ok, other=0.0)
     l_i = tl.load(l_ptr + (qs + rows) * Hq + h, mask=row_ok, other=1.0)
     shift = tl.where(m_i == float("-inf"), 0.0, m_i)
     l_safe = tl.where(l_i == 0, 1.0, l_i)
-    hi = len_k
-    if CAUSAL:
-        hi = tl.minimum(len_k, len_k - len_q + tl.minimum(q0 + BLOCK_Q, len_q))
-    lo = 0
-    if HAS_WINDOW:
-        lo = tl.maximum(0, len_k - len_q + q0 - window + 1) // BLOCK_K * BLOCK_K
     delta = tl.zeros((BLOCK_Q,), dtype=tl.float32)
     for k0 in range(lo, hi, BLOCK_K):
         keys = k0 + tl.arange(0, BLOCK_K)
         key_ok = keys < len_k
         kmask = key_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_ptr + (ks + keys)[:, None] * stride_kt + hk * stride_kh + d[None, :], mask=kmask, other=0.0)
-        v = tl.load(v_ptr + (ks + keys)[:, None] * stride_kt + hk * stride_kh + d[None, :], mask=kmask, other=0.0)
+        k = tl.load(_tile(k_ptr, ks, keys, hk, stride_kt, stride_kh, d), mask=kmask, other=0.0)
+        v = tl.load(_tile(v_ptr, ks, keys, hk, stride_kt, stride_kh, d), mask=kmask, other=0.0)
         p, dp = _probs_and_dp(q, do, k, v, keys, key_ok, pos, row_ok, shift, l_safe, scale, window, CAUSAL,
                               HAS_WINDOW, PRECISION)
         delta += tl.sum(p * dp, axis=1)
@@ -202,14 +215,13 @@ def attn_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, m_ptr, l_ptr, dq_ptr, delta_
         keys = k0 + tl.arange(0, BLOCK_K)
         key_ok = keys < len_k
         kmask = key_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_ptr + (ks + keys)[:, None] * stride_kt + hk * stride_kh + d[None, :], mask=kmask, other=0.0)
-        v = tl.load(v_ptr + (ks + keys)[:, None] * stride_kt + hk * stride_kh + d[None, :], mask=kmask, other=0.0)
+        k = tl.load(_tile(k_ptr, ks, keys, hk, stride_kt, stride_kh, d), mask=kmask, other=0.0)
+        v = tl.load(_tile(v_ptr, ks, keys, hk, stride_kt, stride_kh, d), mask=kmask, other=0.0)
         p, dp = _probs_and_dp(q, do, k, v, keys, key_ok, pos, row_ok, shift, l_safe, scale, window, CAUSAL,
                               HAS_WINDOW, PRECISION)
         ds = p * (dp - delta[:, None])
         dq += dot_mixed(ds, k, PRECISION) * scale
-    tl.store(dq_ptr + (qs + rows)[:, None] * stride_qt + h * stride_qh + d[None, :], cast_out(dq, dq_ptr),
-             mask=qmask)
+    tl.store(_tile(dq_ptr, qs, rows, h, stride_qt, stride_qh, d), cast_out(dq, dq_ptr), mask=qmask)
     tl.store(delta_ptr + (qs + rows) * Hq + h, delta, mask=row_ok)
 
 
@@ -225,18 +237,15 @@ def attn_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, m_ptr, l_ptr, delta_ptr, d
     hk = tl.program_id(1)
     b = tl.load(kblk_seq_ptr + j)
     k0 = tl.load(kblk_k0_ptr + j)
-    qs = tl.load(cu_q_ptr + b)
-    len_q = tl.load(cu_q_ptr + b + 1) - qs
-    ks = tl.load(cu_k_ptr + b)
-    len_k = tl.load(cu_k_ptr + b + 1) - ks
+    qs, len_q, ks, len_k = _sequence(b, cu_q_ptr, cu_k_ptr, cu_k_ptr, False)
     group = Hq // Hkv
     keys = k0 + tl.arange(0, BLOCK_K)
     key_ok = keys < len_k
     d = tl.arange(0, BLOCK_D)
     d_ok = d < D
     kmask = key_ok[:, None] & d_ok[None, :]
-    k = tl.load(k_ptr + (ks + keys)[:, None] * stride_kt + hk * stride_kh + d[None, :], mask=kmask, other=0.0)
-    v = tl.load(v_ptr + (ks + keys)[:, None] * stride_kt + hk * stride_kh + d[None, :], mask=kmask, other=0.0)
+    k = tl.load(_tile(k_ptr, ks, keys, hk, stride_kt, stride_kh, d), mask=kmask, other=0.0)
+    v = tl.load(_tile(v_ptr, ks, keys, hk, stride_kt, stride_kh, d), mask=kmask, other=0.0)
     dk = tl.zeros((BLOCK_K, BLOCK_D), dtype=tl.float32)
     dv = tl.zeros((BLOCK_K, BLOCK_D), dtype=tl.float32)
     first_q = 0
@@ -252,9 +261,8 @@ def attn_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, m_ptr, l_ptr, delta_ptr, d
             row_ok = rows < len_q
             pos = len_k - len_q + rows
             qmask = row_ok[:, None] & d_ok[None, :]
-            q = tl.load(q_ptr + (qs + rows)[:, None] * stride_qt + h * stride_qh + d[None, :], mask=qmask, other=0.0)
-            do = tl.load(do_ptr + (qs + rows)[:, None] * stride_qt + h * stride_qh + d[None, :], mask=qmask,
-                         other=0.0)
+            q = tl.load(_tile(q_ptr, qs, rows, h, stride_qt, stride_qh, d), mask=qmask, other=0.0)
+            do = tl.load(_tile(do_ptr, qs, rows, h, stride_qt, stride_qh, d), mask=qmask, other=0.0)
             m_i = tl.load(m_ptr + (qs + rows) * Hq + h, mask=row_ok, other=0.0)
             l_i = tl.load(l_ptr + (qs + rows) * Hq + h, mask=row_ok, other=1.0)
             delta = tl.load(delta_ptr + (qs + rows) * Hq + h, mask=row_ok, other=0.0)
@@ -264,10 +272,8 @@ def attn_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, m_ptr, l_ptr, delta_ptr, d
             dv += dot_mixed(tl.trans(p), do, PRECISION)
             ds = p * (dp - delta[:, None])
             dk += dot_mixed(tl.trans(ds), q, PRECISION) * scale
-    tl.store(dk_ptr + (ks + keys)[:, None] * stride_kt + hk * stride_kh + d[None, :], cast_out(dk, dk_ptr),
-             mask=kmask)
-    tl.store(dv_ptr + (ks + keys)[:, None] * stride_kt + hk * stride_kh + d[None, :], cast_out(dv, dv_ptr),
-             mask=kmask)
+    tl.store(_tile(dk_ptr, ks, keys, hk, stride_kt, stride_kh, d), cast_out(dk, dk_ptr), mask=kmask)
+    tl.store(_tile(dv_ptr, ks, keys, hk, stride_kt, stride_kh, d), cast_out(dv, dv_ptr), mask=kmask)
 
 
 def _blocks(lengths: list[int], step: int, device) -> tuple[torch.Tensor, torch.Tensor]:
