@@ -8,7 +8,7 @@ The GEMM's strides are specialized (ADR 0014): they follow the layout and the fe
 from __future__ import annotations
 
 import os
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 import triton
@@ -176,30 +176,51 @@ def row_lse(x_ptr, V, scale, BLOCK: tl.constexpr):
 ELEMENTWISE_BLOCK = 1024
 
 
-def gated_function(fwd_kernel, bwd_kernel, **constants):
+def launch(kernel, programs: int, *args, **constants) -> None:
+    """Run `kernel` over a 1-D grid of `programs` programs, and nothing where there are none: an
+    empty batch has no grid to launch."""
+    if programs:
+        kernel[(programs,)](*args, **constants)
+
+
+def kernel_function(op: str, forward: Callable, backward: Callable) -> type[torch.autograd.Function]:
+    """An autograd Function of one output from two launchers: `forward(*inputs)` returns (output,
+    tensors to save) and `backward(saved, grad)` the inputs' gradients, grad the output's gradient
+    made contiguous. A second derivative through it is refused under the name `op`
+    (first_order_only)."""
+
+    class KernelFunction(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, *inputs):
+            out, saved = forward(*inputs)
+            ctx.save_for_backward(*saved)
+            return out
+
+        @staticmethod
+        @first_order_only(op)
+        def backward(ctx, grad):
+            return backward(ctx.saved_tensors, grad.contiguous())
+
+    return KernelFunction
+
+
+def gated_function(fwd_kernel, bwd_kernel, **constants) -> type[torch.autograd.Function]:
     """An autograd Function for a gated activation y = act(gate) * up whose Triton kernels take
     (gate, up, y, n) forward and (gate, up, dy, dgate, dup, n) backward, each program one block of
     ELEMENTWISE_BLOCK elements; `constants` are the kernels' other constexpr arguments."""
 
-    class Gated(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, gate, up):
-            y = torch.empty_like(gate)
-            n = gate.numel()
-            if n:
-                fwd_kernel[(triton.cdiv(n, ELEMENTWISE_BLOCK),)](gate, up, y, n, BLOCK=ELEMENTWISE_BLOCK, **constants)
-            ctx.save_for_backward(gate, up)
-            return y
+    def forward(gate, up):
+        y = torch.empty_like(gate)
+        n = gate.numel()
+        launch(fwd_kernel, triton.cdiv(n, ELEMENTWISE_BLOCK), gate, up, y, n, BLOCK=ELEMENTWISE_BLOCK, **constants)
+        return y, (gate, up)
 
-        @staticmethod
-        @first_order_only("silu_mul / gelu_mul")
-        def backward(ctx, dy):
-            gate, up = ctx.saved_tensors
-            dg, du = torch.empty_like(gate), torch.empty_like(up)
-            n = gate.numel()
-            if n:
-                bwd_kernel[(triton.cdiv(n, ELEMENTWISE_BLOCK),)](gate, up, dy.contiguous(), dg, du, n,
-                                                                BLOCK=ELEMENTWISE_BLOCK, **constants)
-            return dg, du
+    def backward(saved, dy):
+        gate, up = saved
+        dg, du = torch.empty_like(gate), torch.empty_like(up)
+        n = gate.numel()
+        launch(bwd_kernel, triton.cdiv(n, ELEMENTWISE_BLOCK), gate, up, dy, dg, du, n, BLOCK=ELEMENTWISE_BLOCK,
+               **constants)
+        return dg, du
 
-    return Gated
+    return kernel_function("silu_mul / gelu_mul", forward, backward)

@@ -9,8 +9,7 @@ import triton.language as tl
 
 from ...numerics.fixed_order import accumulate_dtype
 from ...registry import register
-from ...numerics.second_order import first_order_only
-from .common import cast_out, lane_block, row_lse
+from .common import cast_out, kernel_function, lane_block, launch, row_lse
 
 
 @triton.jit(do_not_specialize=["V"])
@@ -43,25 +42,22 @@ def log_softmax_bwd_kernel(x_ptr, lse_ptr, g_ptr, dx_ptr, V, BLOCK: tl.constexpr
         tl.store(dx_ptr + row * V + v0 + lanes, cast_out((g - tl.exp(x - lse) * total), dx_ptr), mask=m)
 
 
-class _LogSoftmax(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        m, v = x.shape
-        y = torch.empty_like(x)
-        lse = torch.empty(m, dtype=accumulate_dtype(x.dtype), device=x.device)
-        if m:
-            log_softmax_fwd_kernel[(m,)](x, y, lse, v, BLOCK=lane_block(v))
-        ctx.save_for_backward(x, lse)
-        return y
+def _forward(x):
+    m, v = x.shape
+    y = torch.empty_like(x)
+    lse = torch.empty(m, dtype=accumulate_dtype(x.dtype), device=x.device)
+    launch(log_softmax_fwd_kernel, m, x, y, lse, v, BLOCK=lane_block(v))
+    return y, (x, lse)
 
-    @staticmethod
-    @first_order_only("log_softmax")
-    def backward(ctx, g):
-        x, lse = ctx.saved_tensors
-        dx = torch.empty_like(x)
-        if x.shape[0]:
-            log_softmax_bwd_kernel[(x.shape[0],)](x, lse, g.contiguous(), dx, x.shape[1], BLOCK=lane_block(x.shape[1]))
-        return dx
+
+def _backward(saved, g):
+    x, lse = saved
+    dx = torch.empty_like(x)
+    launch(log_softmax_bwd_kernel, x.shape[0], x, lse, g, dx, x.shape[1], BLOCK=lane_block(x.shape[1]))
+    return dx
+
+
+_LogSoftmax = kernel_function("log_softmax", _forward, _backward)
 
 
 @register("triton", "log_softmax")
