@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
+from typing import Callable
 
 import torch
 from torch import Tensor
@@ -71,7 +72,7 @@ def compare(a: Recorder, b: Recorder, view_a: RowView | None = None, view_b: Row
     first: dict[str, Divergence | None] = {}
     compared: dict[str, int] = {}
     per_op: list[dict] = []
-    for phase in ("forward", "backward"):
+    for phase in PHASES:
         ra, rb = getattr(a, phase), getattr(b, phase)
         div, count = None, 0
         for x, y in zip(ra, rb):
@@ -96,20 +97,62 @@ def compare(a: Recorder, b: Recorder, view_a: RowView | None = None, view_b: Row
     return Comparison(compared, first, per_op)
 
 
+PHASES = ("forward", "backward")
+
+
+@dataclass(frozen=True)
+class PhaseOutcome:
+    """What a report shows of one phase of a comparison, text or HTML alike: the op records
+    compared on both sides and the first divergence, if any."""
+    phase: str                            # "forward" or "backward"
+    compared: int
+    first: Divergence | None
+
+    @property
+    def status(self) -> str:
+        """"not compared" (no op records on both sides), "identical" or "diverged"."""
+        if not self.compared:
+            return "not compared"
+        return "identical" if self.first is None else "diverged"
+
+    @property
+    def module(self) -> str:
+        """The diverging op's module path; "<top>" for an op called outside any submodule."""
+        return self.first.module or "<top>"
+
+    def sizes(self, number: Callable[[float], str]) -> str:
+        """The divergence's sizes in words, the max abs diff written by `number`."""
+        d = self.first
+        return (f"max abs diff {number(d.max_abs_diff)}, max ulp diff {d.max_ulp_diff}, "
+                f"{d.differing}/{d.elements} elements differ")
+
+    @property
+    def unlisted(self) -> int:
+        """Contaminated records beyond the names the divergence lists."""
+        return self.first.contaminated_count - len(self.first.contaminated)
+
+
+def outcomes(c: Comparison | dict) -> list[PhaseOutcome]:
+    """The forward and backward outcomes of `c`, a Comparison or its to_dict() form (parity.json,
+    a trajectory's first_diverging_op)."""
+    d = c.to_dict() if isinstance(c, Comparison) else c
+    return [PhaseOutcome(phase, d["compared"].get(phase, 0),
+                         Divergence(**d["first"][phase]) if d["first"].get(phase) else None) for phase in PHASES]
+
+
 def format_comparison(c: Comparison, label_a: str, label_b: str) -> str:
+    """`c` as text: a line per phase, and the records the first divergence contaminated."""
     lines = [f"parity: {label_a}  vs  {label_b}"]
-    for phase in ("forward", "backward"):
-        d = c.first[phase]
-        if c.compared[phase] == 0:
-            lines.append(f"  {phase:8s}: not compared (no op records on both sides; a KV-cache layout has no backward)")
-        elif d is None:
-            lines.append(f"  {phase:8s}: identical ({c.compared[phase]} op records compared)")
+    for o in outcomes(c):
+        d = o.first
+        if o.status == "not compared":
+            lines.append(f"  {o.phase:8s}: not compared (no op records on both sides; a KV-cache layout has no backward)")
+        elif o.status == "identical":
+            lines.append(f"  {o.phase:8s}: identical ({o.compared} op records compared)")
         else:
-            lines.append(f"  {phase:8s}: first divergence at #{d.index} {d.module or '<top>'} {d.op} [{d.slot}]: "
-                         f"max abs diff {d.max_abs_diff:.3e}, max ulp diff {d.max_ulp_diff}, "
-                         f"{d.differing}/{d.elements} elements differ")
+            lines.append(f"  {o.phase:8s}: first divergence at #{d.index} {o.module} {d.op} [{d.slot}]: "
+                         + o.sizes(lambda x: f"{x:.3e}"))
             if d.contaminated_count:
-                more = d.contaminated_count - len(d.contaminated)
                 lines.append(f"            then {d.contaminated_count} later records differ: "
-                             + ", ".join(d.contaminated) + (f", ... (+{more})" if more > 0 else ""))
+                             + ", ".join(d.contaminated) + (f", ... (+{o.unlisted})" if o.unlisted > 0 else ""))
     return "\n".join(lines)

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from .. import contract, registry
-from .compare import compare
+from .compare import compare, outcomes
 from .recorder import Recorder
 
 
@@ -219,10 +219,9 @@ def format_trajectory(result: dict) -> str:
     lines.append(f"first step outside the contract (loss {result['loss_tol']}, params {result['param_tol']}{error}): "
                  f"{first if first is not None else 'none'}")
     if result["first_diverging_op"]:
-        c = result["first_diverging_op"]
-        for phase in ("forward", "backward"):
-            d = c["first"][phase]
-            lines.append(f"  at that step, {phase}: " + ("identical" if d is None else
-                         f"first divergence {d['module'] or '<top>'} {d['op']} [{d['slot']}], max abs diff "
-                         f"{d['max_abs_diff']:.3e}, max ulp diff {d['max_ulp_diff']}"))
+        for o in outcomes(result["first_diverging_op"]):
+            d = o.first
+            lines.append(f"  at that step, {o.phase}: " + ("identical" if d is None else
+                         f"first divergence {o.module} {d.op} [{d.slot}], max abs diff "
+                         f"{d.max_abs_diff:.3e}, max ulp diff {d.max_ulp_diff}"))
     return "\n".join(lines)

@@ -10,6 +10,8 @@ import math
 import os
 import re
 
+from ..parity.compare import outcomes
+
 CSS = """
 body{font:14px/1.45 system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:24px auto;max-width:1180px;color:#1d232a;padding:0 16px}
 h1{font-size:22px}h2{font-size:18px;margin-top:32px;border-bottom:1px solid #dde;padding-bottom:4px}
@@ -234,17 +236,16 @@ def _verify_section(v: dict) -> str:
 
 def _parity_section(p: dict) -> str:
     out = [f"<h2>First divergence: {html.escape(p.get('a', 'A'))} vs {html.escape(p.get('b', 'B'))}</h2>"]
-    for phase in ("forward", "backward"):
-        d = p["first"].get(phase)
-        if not p["compared"].get(phase):
-            out.append(f"<p class=na>{phase}: not compared (no op records on both sides)</p>")
-        elif d is None:
-            out.append(f"<p class=pass>{phase}: identical ({p['compared'][phase]} op records compared)</p>")
+    for o in outcomes(p):
+        d = o.first
+        if o.status == "not compared":
+            out.append(f"<p class=na>{o.phase}: not compared (no op records on both sides)</p>")
+        elif o.status == "identical":
+            out.append(f"<p class=pass>{o.phase}: identical ({o.compared} op records compared)</p>")
         else:
-            out.append(f"<p class=fail>{phase}: first divergence at record #{d['index']} <b>{html.escape(d['module'] or '<top>')}"
-                       f" {html.escape(d['op'])}</b> [{html.escape(d['slot'])}]: max abs diff {_fmt(d['max_abs_diff'])}, "
-                       f"max ulp diff {d['max_ulp_diff']}, {d['differing']}/{d['elements']} elements differ; "
-                       f"{d['contaminated_count']} later records contaminated.</p>")
+            out.append(f"<p class=fail>{o.phase}: first divergence at record #{d.index} <b>{html.escape(o.module)}"
+                       f" {html.escape(d.op)}</b> [{html.escape(d.slot)}]: {o.sizes(_fmt)}; "
+                       f"{d.contaminated_count} later records contaminated.</p>")
     out.append("<h2>Per-layer divergence heat map</h2><p class=note>max |a - b| of each op's output (forward) and "
                "input gradients (backward); green is bitwise equal.</p>")
     out.append(heat_map(p["per_op"], "forward"))
