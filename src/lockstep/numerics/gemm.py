@@ -44,9 +44,8 @@ def torch_matmul_rows(a: Tensor, b: Tensor, bias: Tensor | None = None) -> Tenso
         bias = None if bias is None else bias.float()
     batched = a.dim() == 3
     n = b.shape[-1]
-    # fp32 CPU GEMMs with many columns run in COLUMN_CHUNK-column calls: MKL's fp32 kernels are
-    # faster so (up to 1.9x for an 8-row tile against a 152k vocabulary), and bf16's are not. The
-    # bits are those of one call.
+    # fp32 CPU GEMMs with many columns run in COLUMN_CHUNK-column calls, where MKL's fp32 kernels are
+    # faster (bf16's are not; docs/benchmarks.md). The bits are those of one call.
     columns = COLUMN_CHUNK if a.dtype == torch.float32 and a.device.type == "cpu" and not batched else n
 
     def gemm(rows: Tensor, out: Tensor | None = None) -> Tensor:

@@ -15,9 +15,9 @@ import torch
 ROW_TILE = 128
 TAIL_TILES = (64, 32, 16, 8)
 TAIL_TILE = TAIL_TILES[-1]
-# bf16 on a CPU adds a 4-row tile: oneDNN's bf16 GEMM gives 4 rows the bits of 128 (and runs them
-# at about GEMV speed, where an 8-row tile costs 1.3x), so decode's one row pays for 4, not 8. MKL's
-# fp32 4-row tile is not faster than its 8-row one.
+# bf16 on a CPU adds a 4-row tile: oneDNN's bf16 GEMM gives 4 rows the bits of 128 and runs them
+# at about GEMV speed, so decode's one row pays for 4, not 8. MKL's fp32 4-row tile is not faster
+# than its 8-row one.
 CPU_BF16_TAIL_TILES = TAIL_TILES + (4,)
 
 

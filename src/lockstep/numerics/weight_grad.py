@@ -89,8 +89,9 @@ def torch_weight_grad(grad_out: Tensor, inp: Tensor, out: Tensor | None = None,
     return out
 
 
-# The LM head's weight-gradient blocks on PyTorch's GEMMs (docs/adr/0034): 128-row blocks, each one
-# chain on MKL, left it at 3.5x eager PyTorch's error; 32 were within eager's at 1.02-1.03x the time.
+# The LM head's weight-gradient blocks on PyTorch's GEMMs (docs/adr/0034): each block is one chain on
+# MKL, so the block's length sets the error; 128-row blocks left it well past eager PyTorch's, 32-row
+# blocks within it.
 LM_HEAD_ROW_BLOCK = 32
 
 
@@ -104,8 +105,8 @@ def lm_head_weight_grad(grad_out: Tensor, inp: Tensor, out: Tensor | None = None
     return torch_weight_grad(grad_out, inp, out, rows_per_block=LM_HEAD_ROW_BLOCK)
 
 
-# pairwise_weight_grad's leaf: 16 rows were twice as exact again and cost 1.43x the old attention
-# backward, where 32 cost 1.21x (docs/adr/0033).
+# pairwise_weight_grad's leaf: the shortest chain whose cost stays near the blocked order's (16 rows
+# are more exact still and cost markedly more; docs/adr/0033).
 LEAF_ROWS = 32
 # Leaves multiplied at a time. A power of two, so each chunk is a whole subtree of the pairwise fold
 # and chunking changes no bit; it bounds the products held at once to 64 [N, K] per batch entry (all
@@ -121,8 +122,8 @@ def pairwise_weight_grad(grad_out: Tensor, inp: Tensor) -> Tensor:
     into GEMMs CHUNK_LEAVES leaves at a time (on the selected CPU kernels when there are some); the
     leaves are then added pairwise, neighbours first, an odd last one passed up a level. The order
     depends on M alone. weight_grad's 128-row blocks are each summed in one chain on some BLASes
-    (MKL's GEMM at these shapes), which put attention's dk and dv, sums over queries, at up to 2.6x
-    eager PyTorch's error (docs/adr/0033)."""
+    (MKL's GEMM at these shapes), which put attention's dk and dv, sums over queries, at several
+    times eager PyTorch's error (docs/adr/0033)."""
     if grad_out.dim() != 3 or inp.dim() != 3:
         raise ValueError(f"grad_out, inp: expected 3-D tensors [B, M, N] and [B, M, K], got shapes "
                          f"{tuple(grad_out.shape)} and {tuple(inp.shape)}")
