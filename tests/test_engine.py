@@ -146,6 +146,15 @@ def test_bad_request_fails_alone(model, prompt, sp, message):
     assert outs[0].finish_reason == outs[2].finish_reason == "length"
 
 
+def test_engine_encode_is_deprecated_and_still_encodes(model):
+    m = Transformer.from_config(ModelConfig.tiny("llama", vocab_size=300), seed=1)
+    m.tokenizer = ByteTokenizer()
+    with pytest.warns(DeprecationWarning, match=r"Engine.encode is deprecated; use lockstep.engine.requests.encode_prompt"):
+        assert Engine(m).encode("hi") == [256, 104, 105]
+    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match=r"prompt: token ids must be in \[0, 300\)"):
+        Engine(model).encode([1, 999])
+
+
 def test_stream_yields_every_request(model):
     engine = Engine(model, max_num_seqs=2)
     for p in _prompts():

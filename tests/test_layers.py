@@ -48,17 +48,12 @@ def is_package(name: str) -> bool:
 
 def imports(name: str) -> list[tuple[str, list[str], int]]:
     """(imported module, names taken from it, line) for every import in module `name`, function-level
-    imports included."""
+    imports and those under `if TYPE_CHECKING:` included."""
     tree = ast.parse(MODULES[name].read_text())
     package = name if is_package(name) else name.rpartition(".")[0]
     out = []
-    # Imports under `if TYPE_CHECKING:` are for annotations only: no dependency at run time.
-    typing_only = {id(n) for block in ast.walk(tree) if isinstance(block, ast.If)
-                   and isinstance(block.test, ast.Name) and block.test.id == "TYPE_CHECKING"
-                   for stmt in block.body for n in ast.walk(stmt)}
+    # Imports under `if TYPE_CHECKING:` count: an annotation is a dependency for whoever reads the module.
     for node in ast.walk(tree):
-        if id(node) in typing_only:
-            continue
         if isinstance(node, ast.Import):
             out += [(a.name, [], node.lineno) for a in node.names if a.name.startswith("lockstep")]
         elif isinstance(node, ast.ImportFrom):
@@ -129,6 +124,14 @@ def test_no_import_cycles():
         if m not in done:
             visit(m, [m], {m})
     assert not cycles, cycles
+
+
+def test_an_import_for_annotations_only_still_counts(tmp_path, monkeypatch):
+    # A circle closed by an import under `if TYPE_CHECKING:` is still a circle for its reader.
+    fake = tmp_path / "annotated.py"
+    fake.write_text("from typing import TYPE_CHECKING\n\nif TYPE_CHECKING:\n    from .engine import Engine\n")
+    monkeypatch.setitem(MODULES, "lockstep.engine.annotated", fake)
+    assert ("lockstep.engine.engine", ["Engine"], 4) in imports("lockstep.engine.annotated")
 
 
 def test_no_private_names_cross_modules():

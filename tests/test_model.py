@@ -270,9 +270,10 @@ def test_a_folder_without_a_tokenizer_warns_once_when_text_is_encoded_as_bytes(t
         model.tokenizer.encode("again")
     assert len([w for w in caught if "tokenizer.json" in str(w.message)]) == 1
     # The built-in byte tokenizer of a tiny model is the model's own: its checkpoints say so, and no warning.
-    tiny = Transformer.from_config(ModelConfig.tiny("llama", vocab_size=300))
-    from lockstep.model import load_tokenizer
-    tiny.tokenizer = load_tokenizer(None)
+    from lockstep.model import ByteTokenizer, with_byte_tokenizer
+
+    tiny = with_byte_tokenizer(Transformer.from_config(ModelConfig.tiny("llama", vocab_size=300)))
+    assert isinstance(tiny.tokenizer, ByteTokenizer) and tiny.tokenizer.fallback_for is None
     tiny.save(str(tmp_path / "t"))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -319,3 +320,29 @@ def test_gemma_final_logit_softcapping_matches_transformers_and_keeps_invariance
     other = [torch.arange(3, 20), seq, torch.arange(50, 61)]
     assert torch.equal(logprobs(ours, other)[1], lp)
     assert torch.equal(cached_logprobs(ours, seq, 7), lp)
+
+
+def test_with_byte_tokenizer_gives_bytes_only_to_a_model_without_one(tmp_path):
+    import re
+    import warnings
+
+    from lockstep.model import ByteTokenizer, with_byte_tokenizer
+
+    tiny = Transformer.from_config(ModelConfig.tiny("llama", vocab_size=300))
+    assert with_byte_tokenizer(tiny) is tiny and isinstance(tiny.tokenizer, ByteTokenizer)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")              # the tiny model's own tokenizer: silent
+        assert tiny.tokenizer.encode("hi") == [256, 104, 105]
+    model = load_model(str(_word_tokenizer_folder(tmp_path / "source")))
+    own = model.tokenizer
+    assert with_byte_tokenizer(model) is model and model.tokenizer is own
+    # A folder without tokenizer.json keeps its stand-in, which says what it does on its first string.
+    tiny.tokenizer = None
+    tiny.save(str(tmp_path / "bare"))
+    bare = load_model(str(tmp_path / "bare"))
+    stand_in = bare.tokenizer
+    assert with_byte_tokenizer(bare).tokenizer is stand_in
+    text = (f"{tmp_path / 'bare'} has no tokenizer.json: text is encoded as UTF-8 bytes (ids 0-255), not with the "
+            "model's own tokenizer; pass token ids, or add the tokenizer files")
+    with pytest.warns(UserWarning, match=f"^{re.escape(text)}$"):
+        assert bare.tokenizer.encode("hi") == [256, 104, 105]

@@ -296,6 +296,37 @@ def test_checkpoint_of_another_model_is_refused(tmp_path):
         other.resume(str(tmp_path))
 
 
+@pytest.mark.parametrize("missing", ["rng", "weight"])
+def test_an_incomplete_checkpoint_is_named_on_resume(tmp_path, missing):
+    import json
+    import re
+
+    from safetensors.torch import load_file, save_file
+
+    t = _trainer()
+    _run(t, 1)
+    ckpt = t.save(str(tmp_path))
+    if missing == "rng":            # read from trainer_state.json
+        state_file = os.path.join(ckpt, "trainer_state.json")
+        with open(state_file) as f:
+            state = json.load(f)
+        del state["rng"]
+        with open(state_file, "w") as f:
+            json.dump(state, f)
+        what = "KeyError: 'rng'"
+    else:                           # met by the trainer as it puts the weights in place
+        weights = os.path.join(ckpt, "model.safetensors")
+        tensors = load_file(weights)
+        name = sorted(tensors)[0]
+        del tensors[name]
+        save_file(tensors, weights, metadata={"format": "pt"})
+        what = f"KeyError: '{name}'"
+    fresh = _trainer()
+    with pytest.raises(ValueError, match=re.escape(f"resume: checkpoint {ckpt} is incomplete or damaged ({what})")):
+        fresh.resume(str(tmp_path))
+    assert fresh.step_idx == 0 and fresh.resumed_extra == {}
+
+
 def test_nan_loss_stops_with_the_step_named(tmp_path, monkeypatch):
     t = _trainer()
     _run(t, 1)

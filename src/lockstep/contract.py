@@ -81,10 +81,6 @@ def backend_ops(backend: str) -> list[str]:
                          f"{sorted(load()['backends'])}") from None
 
 
-def backend_dtypes(backend: str) -> list[torch.dtype]:
-    return [DTYPE_NAMES[d] for d in load()["backends"][backend]["dtypes"]]
-
-
 def tolerance(op: str, dtype: torch.dtype, kind: str = "forward") -> Tolerance:
     """The contract's tolerance for `op` at `dtype`; kind is "forward" or "gradient".
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import sys
 import time
+import warnings
 from typing import Callable, Iterator
 from typing import Sequence as Seq
 
@@ -24,6 +25,7 @@ from ..model import Transformer
 from ..sampling import Draw, SamplingParams
 from .block_manager import BlockManager
 from .model_runner import ModelRunner
+from .requests import RequestLimits, encode_prompt, validate_request
 from .scheduler import Scheduler
 from .sequence import RequestOutput, Sequence
 
@@ -49,6 +51,8 @@ class Engine:
             num_blocks = max_num_seqs * ceil_div(min(self.max_len, 4096), block_size)
         checks.int_at_least("num_blocks", num_blocks)
         self.block_size = block_size
+        # What every request is checked against (lockstep.engine.requests), here and in `lockstep serve`.
+        self.limits = RequestLimits(model.config.vocab_size, self.max_len, block_size, num_blocks)
         self.scheduler = Scheduler(BlockManager(num_blocks, block_size, prefix_caching), max_num_seqs,
                                    max_num_batched_tokens)
         self.runner = ModelRunner(model, num_blocks, block_size)
@@ -74,13 +78,11 @@ class Engine:
         """Queue a request (n completions); returns its id. A bad request (lockstep.engine.requests:
         the check `lockstep serve` runs too) finishes at once, every one of its completions with
         finish_reason "error" and the check's message."""
-        from .requests import validate_request
-
         sampling = sampling or SamplingParams()
         rid = self._next_id
         self._next_id += 1
         try:
-            ids = validate_request(self, prompt, sampling)
+            ids = validate_request(self.limits, self.model.tokenizer, prompt, sampling)
         except (TypeError, ValueError) as e:
             n = sampling.n if _valid_n(getattr(sampling, "n", 1)) else 1
             self._done.extend(RequestOutput(rid, [], finish_reason="error", error=str(e), index=i) for i in range(n))
@@ -91,9 +93,10 @@ class Engine:
 
     def encode(self, prompt: Seq[int] | str) -> list[int]:
         """A prompt as token ids (a string through the model's tokenizer), checked against the vocabulary;
-        an InvalidRequest (a ValueError, "prompt: ...") otherwise."""
-        from .requests import encode_prompt
-
+        an InvalidRequest (a ValueError, "prompt: ...") otherwise. Deprecated: use
+        lockstep.engine.requests.encode_prompt(prompt, model.tokenizer, model.config.vocab_size)."""
+        warnings.warn("Engine.encode is deprecated; use lockstep.engine.requests.encode_prompt(prompt, "
+                      "model.tokenizer, model.config.vocab_size)", DeprecationWarning, stacklevel=2)
         return encode_prompt(prompt, self.model.tokenizer, self.model.config.vocab_size)
 
     def abort(self, request_id: int) -> None:

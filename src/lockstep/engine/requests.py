@@ -9,19 +9,28 @@ so the message and the error body's `param` name what the client sent.
 What is checked: the prompt (token ids in the vocabulary, or a string and a tokenizer; at least one
 token), the SamplingParams (`SamplingParams.validate`), the model's context (the prompt and
 max_new_tokens together), the KV cache (a request must fit in it alone), and stop strings (they
-need a tokenizer).
+need a tokenizer). The check reads the model's tokenizer and a `RequestLimits`, which the engine
+builds once.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Mapping
+from dataclasses import dataclass
+from typing import Mapping
 from typing import Sequence as Seq
 
 from ..numerics.fixed_order import ceil_div
 from ..sampling import SamplingParams
 
-if TYPE_CHECKING:
-    from .engine import Engine
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """What a request must fit: the model's vocabulary and context (max_len tokens), and the KV
+    cache's num_blocks blocks of block_size tokens."""
+    vocab_size: int
+    max_len: int
+    block_size: int
+    num_blocks: int
 
 
 class InvalidRequest(ValueError):
@@ -56,32 +65,32 @@ def encode_prompt(prompt: Seq[int] | str, tokenizer, vocab_size: int, field: str
     return ids
 
 
-def validate_request(engine: "Engine", prompt: Seq[int] | str, sampling: SamplingParams,
+def validate_request(limits: RequestLimits, tokenizer, prompt: Seq[int] | str, sampling: SamplingParams,
                      names: Mapping[str, str] | None = None) -> list[int]:
-    """The prompt's token ids, once the request is known to fit `engine` (its model, context and KV
-    cache); else an InvalidRequest naming the field, renamed through `names`."""
+    """The prompt's token ids, once the request is known to fit `limits` (an engine's model, context
+    and KV cache: `Engine.limits`) and the model's `tokenizer` (None: token ids only); else an
+    InvalidRequest naming the field, renamed through `names`."""
     name = _renamer(names)
     if not isinstance(sampling, SamplingParams):
         raise InvalidRequest(name("sampling"), f"expected a SamplingParams, got {type(sampling).__name__}")
-    model = engine.model
-    ids = encode_prompt(prompt, model.tokenizer, model.config.vocab_size, name("prompt"))
+    ids = encode_prompt(prompt, tokenizer, limits.vocab_size, name("prompt"))
     try:
-        sampling.validate(model.config.vocab_size)
+        sampling.validate(limits.vocab_size)
     except ValueError as e:                       # SamplingParams' messages start with the field too
         field, _, reason = str(e).partition(": ")
         raise InvalidRequest(name(field), reason) from None
-    n, new, context = len(ids), sampling.max_new_tokens, engine.max_len
+    n, new, context = len(ids), sampling.max_new_tokens, limits.max_len
     if n >= context:
         raise InvalidRequest(name("prompt"), f"{n} tokens + at least 1 new token exceed the model's context of "
                                              f"{context}")
     if n + new > context:
         raise InvalidRequest(name("max_new_tokens"), f"{new} new tokens after a {n}-token prompt exceed the "
                                                      f"model's context of {context} (at most {context - n})")
-    need, have = ceil_div(n + new, engine.block_size), engine.blocks.num_blocks
+    need, have = ceil_div(n + new, limits.block_size), limits.num_blocks
     if need > have:
-        field = "prompt" if ceil_div(n + 1, engine.block_size) > have else "max_new_tokens"
+        field = "prompt" if ceil_div(n + 1, limits.block_size) > have else "max_new_tokens"
         raise InvalidRequest(name(field), f"the request needs {need} KV-cache blocks ({n} + {new} tokens), the "
                                           f"cache has {have}")
-    if sampling.stop and model.tokenizer is None:
+    if sampling.stop and tokenizer is None:
         raise InvalidRequest(name("stop"), "stop strings need a model with a tokenizer; use stop_token_ids")
     return ids

@@ -10,8 +10,12 @@ import json
 import os
 import shutil
 import warnings
+from typing import TYPE_CHECKING
 
 from .config import ModelConfig
+
+if TYPE_CHECKING:
+    from .transformer import Transformer
 
 # The files of a Hugging Face tokenizer that a checkpoint folder may hold.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
@@ -116,3 +120,11 @@ def load_tokenizer(path: str | None, config: ModelConfig | None = None):
     if path and os.path.exists(os.path.join(path, BYTES_MARKER)):
         return ByteTokenizer()
     return ByteTokenizer(fallback_for=path)
+
+
+def with_byte_tokenizer(model: Transformer) -> Transformer:
+    """`model`, given the built-in byte tokenizer if it has none (the tiny model, built rather than
+    read from a folder, reads and writes UTF-8 bytes); a model with a tokenizer keeps its own."""
+    if model.tokenizer is None:
+        model.tokenizer = ByteTokenizer()
+    return model

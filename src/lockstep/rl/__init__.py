@@ -33,7 +33,7 @@ import torch
 
 from .. import checks
 from ..mismatch import mismatch
-from ..model import Transformer, load_tokenizer, logprobs, model_from_source
+from ..model import Transformer, logprobs, model_from_source, with_byte_tokenizer
 from ..registry import use_backend
 from ..train import PolicyLoss, TrainConfig, Trainer, read_log, truncate_log
 from .rollout import RolloutClient, Rollout
@@ -173,9 +173,7 @@ def _run(cfg: RLConfig, out: str, task: ArithmeticTask, server_url: str | None, 
     dtype = DTYPES[cfg.dtype]
     ckpt_dir = os.path.join(out, "checkpoints")
     ldist.from_rank0(lambda: _check_out(out, resume), "out")
-    model = model_from_source(cfg.model, dtype, "llama", cfg.seed, vocab_size=320)
-    if model.tokenizer is None:                      # the tiny model: the built-in byte tokenizer
-        model.tokenizer = load_tokenizer(None)
+    model = with_byte_tokenizer(model_from_source(cfg.model, dtype, "llama", cfg.seed, vocab_size=320))
     sync = None
     if distributed:
         ldist.check_consistent(model, asdict(cfg))

@@ -54,13 +54,6 @@ class Problem:
     thing: str = ""
     templates: list[int] = field(default_factory=list)
 
-    def expression(self) -> str:
-        """The arithmetic the story asks for, with its answer: "3 * 4 - 2 = 10"."""
-        parts = [str(self.operands[0])]
-        for op, x in zip(self.operations, self.operands[1:]):
-            parts += [op, str(x)]
-        return " ".join(parts) + f" = {self.answer}"
-
 
 def evaluate(operands: list[int], operations: list[str]) -> int:
     """The operations applied left to right (the order the story tells them in)."""

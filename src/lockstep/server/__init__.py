@@ -16,7 +16,7 @@ import os
 
 import torch
 
-from ..model import ByteTokenizer, Transformer, load_model, model_from_source
+from ..model import Transformer, load_model, model_from_source, with_byte_tokenizer
 from .app import Server, create_app
 
 __all__ = ["Server", "create_app", "build_server", "serve", "weights_from_folder"]
@@ -39,9 +39,7 @@ def build_server(source: str, dtype: torch.dtype = torch.float32, family: str = 
                  **engine_kwargs) -> Server:
     """A Server for `source` ("tiny", "smollm2", a checkpoint folder or a GGUF file) computing on `backend` ("eager" shows
     what stock PyTorch would serve); engine_kwargs go to Engine."""
-    model = model_from_source(source, dtype, family, seed)
-    if model.tokenizer is None:                      # the tiny model reads and writes UTF-8 bytes
-        model.tokenizer = ByteTokenizer()
+    model = with_byte_tokenizer(model_from_source(source, dtype, family, seed))
     return Server(model, name or (os.path.basename(os.path.abspath(source)) if source != "tiny" else f"tiny-{family}"),
                   engine_kwargs, model_dir=source if os.path.isdir(source) else None, api_key=api_key,
                   load_weights=lambda path: weights_from_folder(path, model), backend=backend, model_path=source)

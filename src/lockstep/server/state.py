@@ -87,7 +87,8 @@ class Server:
         """The engine's own check of a request (lockstep.engine.requests); a 400 naming the field as
         `names` spell the engine's names in this API."""
         try:
-            validate_request(self.worker.engine, prompt, params, names)
+            engine = self.worker.engine
+            validate_request(engine.limits, engine.model.tokenizer, prompt, params, names)
         except InvalidRequest as e:
             raise RequestError(400, str(e), e.field) from None
 
@@ -95,8 +96,8 @@ class Server:
         """New tokens the longest prompt leaves in the context and in the KV cache, which may be
         smaller (at least 1, so that a prompt too long is refused by the check, naming the prompt):
         the default budget of a request that names none."""
-        engine = self.worker.engine
-        capacity = min(self.context, engine.blocks.num_blocks * engine.block_size)
+        limits = self.worker.engine.limits
+        capacity = min(self.context, limits.num_blocks * limits.block_size)
         return max(1, capacity - max(len(p) for p in prompts))
 
     def finish_sampling(self, params: SamplingParams, ignore_eos: bool, seeded: bool) -> SamplingParams:

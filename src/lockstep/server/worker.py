@@ -187,9 +187,8 @@ class EngineWorker:
                     self._update = (tensors, label, aborted, done)
             elif kind == "flush":
                 idle = not self.engine.has_unfinished() and not self._jobs and self._update is None
-                if idle:                         # through the scheduler where it owns the blocks' changes
-                    forget = getattr(self.engine.scheduler, "forget_prefixes", None)
-                    (forget or self.engine.blocks.forget_prefixes)()
+                if idle:                         # the scheduler alone changes the blocks
+                    self.engine.scheduler.forget_prefixes()
                 self._settle(payload, idle)
 
     @staticmethod

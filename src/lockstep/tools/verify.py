@@ -13,7 +13,6 @@ its input embeddings is bitwise the same alone and in a batch.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import random
 import time
@@ -210,8 +209,3 @@ def _format_row(r: dict) -> str:
     return (f"{r['dtype']:9s} {r['sampling']:26s} {r['path']:14s} settings={r['settings']:<2d} "
             f"tokens={r['tokens']:<5d} agreement={100 * r['token_agreement']:6.2f}%  max_abs_dlogp={f(r['max_abs_dlogp']):9s} "
             f"approx_kl0={f(r['approx_kl0']):9s} clipfrac0={f(r['clipfrac0'])}")
-
-
-def write_json(report: VerifyReport, path: str) -> None:
-    with open(path, "w") as fh:
-        json.dump(asdict(report), fh, indent=1)

@@ -4,6 +4,9 @@ A checkpoint holds safetensors weights, the optimizer state, the RNG state, the 
 position, whole (never a rank's shard), so a run resumes at another layout. It is written to a
 temporary folder and renamed into place, so a crash never leaves a checkpoint that loads
 half-written. Resuming continues bitwise like an uninterrupted run.
+
+The module reads and writes a `TrainerState`, the data alone: the Trainer builds one to save and
+puts the one it loads in place itself.
 """
 
 from __future__ import annotations
@@ -13,23 +16,40 @@ import json
 import os
 import re
 import shutil
-from dataclasses import asdict
-from typing import TYPE_CHECKING
-
+from dataclasses import asdict, dataclass, field
 import torch
+from torch import Tensor
 
 from ..dist.collectives import from_rank0
-from ..model import ModelConfig
+from ..model import ModelConfig, Transformer
 from ..model.files import read_json, read_tensors, safetensors_files
 
-if TYPE_CHECKING:
-    from .trainer import Trainer
+
+@dataclass
+class TrainerState:
+    """A run's state as a checkpoint holds it, whole (no rank's shard).
+
+    params: {name: tensor} of the model; optimizer: the optimizer's state tensors ("kind.name"); rng:
+    the trainer's torch.Generator state (uint8); data: the dataset's position (None when windows are
+    given); settings: what defines the run (Trainer.settings: train_config, dtype, data, window,
+    layout); extra: the caller's own JSON state, such as an RL loop's."""
+    step: int
+    params: dict[str, Tensor]
+    optimizer: dict[str, Tensor]
+    rng: Tensor
+    data: dict | None
+    settings: dict
+    extra: dict = field(default_factory=dict)
+
 
 # What a resumed run may change (logged); every other setting defines the run and must match. The
 # micro-batch size, the accumulation steps and the global batch setting may change as long as the
 # window (sequences per step) stays: they are the layout, like the data- and tensor-parallel sizes.
 LAYOUT_SETTINGS = ("micro_batch_tokens", "accum", "global_batch_tokens")
 RESUMABLE = ("steps", "save_every", "log_every", "keep_checkpoints") + LAYOUT_SETTINGS
+# Trainer.settings' names -> trainer_state.json's.
+_SETTINGS_KEYS = {"train_config": "train_config", "dtype": "dtype", "data": "data_fingerprint", "window": "window",
+                  "layout": "layout"}
 
 
 def model_fingerprint(config: ModelConfig) -> str:
@@ -51,31 +71,29 @@ def latest_checkpoint(out_dir: str) -> str:
     return path
 
 
-def save(trainer: "Trainer", out_dir: str, extra: dict | None = None) -> str:
-    """Write out_dir/step-NNNNNN atomically and point out_dir/latest at it. Every rank calls
-    it; rank 0 writes (every data-parallel rank holds the same bits, and shards are gathered).
-    `extra` (JSON) is the caller's own state, such as an RL loop's; `resume` puts it back in
-    `trainer.resumed_extra`."""
-    params, state_tensors = trainer.full_state()
-    name = f"step-{trainer.step_idx:06d}"
+def save(state: TrainerState, model: Transformer, out_dir: str, keep: int, world: int = 1) -> str:
+    """Write `state` (and `model`'s config) to out_dir/step-NNNNNN atomically, point out_dir/latest at
+    it and keep the newest `keep` checkpoints (`prune`). Every one of the `world` ranks calls it;
+    rank 0 writes (every data-parallel rank holds the same bits, and shards are gathered)."""
+    name = f"step-{state.step:06d}"
     final = os.path.join(out_dir, name)
 
     def write() -> None:
         try:
-            _write(trainer, out_dir, name, params, state_tensors, extra)
+            _write(state, model, out_dir, name)
         except Exception as e:              # safetensors reports a full disk as its own error type
             raise OSError(f"checkpoint {final}: not written ({type(e).__name__}: {e}); the previous checkpoint "
                           f"in {out_dir}, if any, is kept") from e
-        prune(out_dir, trainer.cfg.keep_checkpoints)
+        prune(out_dir, keep)
 
-    if trainer.sync.world == 1:
+    if world == 1:
         write()
     else:       # rank 0 writes and its error reaches every rank, so none waits for it at a later collective
         from_rank0(write, "checkpoint")
     return final
 
 
-def _write(trainer: "Trainer", out_dir: str, name: str, params: dict, state_tensors: dict, extra: dict | None) -> None:
+def _write(state: TrainerState, model: Transformer, out_dir: str, name: str) -> None:
     """Write the checkpoint into a temporary folder, rename it to out_dir/name, then point
     out_dir/latest at it; a failure at any point removes the temporary folder."""
     from safetensors.torch import save_file
@@ -85,16 +103,13 @@ def _write(trainer: "Trainer", out_dir: str, name: str, params: dict, state_tens
     tmp = os.path.join(out_dir, f".tmp-{name}-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        trainer.model.save(tmp, tensors=params)
-        save_file({k: v.contiguous() for k, v in state_tensors.items()}, os.path.join(tmp, "optimizer.safetensors"))
-        settings = trainer.settings()
-        data = trainer.data.state() if trainer.data is not None else None
-        state = {"step": trainer.step_idx, "data": data, "rng": trainer.rng.get_state().tolist(),
-                 "model_fingerprint": model_fingerprint(trainer.model.config), "train_config": settings["train_config"],
-                 "dtype": settings["dtype"], "data_fingerprint": settings["data"], "window": settings["window"],
-                 "layout": settings["layout"], "extra": extra or {}}
+        model.save(tmp, tensors=state.params)
+        save_file({k: v.contiguous() for k, v in state.optimizer.items()}, os.path.join(tmp, "optimizer.safetensors"))
+        record = {"step": state.step, "data": state.data, "rng": state.rng.tolist(),
+                  "model_fingerprint": model_fingerprint(model.config),
+                  **{key: state.settings[name] for name, key in _SETTINGS_KEYS.items()}, "extra": state.extra or {}}
         with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
-            json.dump(state, f)
+            json.dump(record, f)
         for f_name in os.listdir(tmp):
             with open(os.path.join(tmp, f_name), "rb") as f:
                 os.fsync(f.fileno())
@@ -125,42 +140,40 @@ def prune(out_dir: str, keep: int) -> list[str]:
     return [os.path.join(out_dir, n) for n in doomed]
 
 
-def resume(trainer: "Trainer", out_dir: str) -> int:
-    """Load out_dir/latest, at this trainer's layout whatever the checkpoint's; returns the step.
-    Refuses a checkpoint of another model, and a change of any setting that defines the run
-    (`changes_from` says which); the allowed changes, the layout's included, are kept in
-    `trainer.resumed_changes`."""
-    path = latest_checkpoint(out_dir)
-    state = read_json(os.path.join(path, "trainer_state.json"), "trainer_state.json")
-    if state.get("model_fingerprint") != model_fingerprint(trainer.model.config):
+def load(path: str, config: ModelConfig, settings: dict) -> tuple[TrainerState, dict]:
+    """The checkpoint in folder `path` (`latest_checkpoint` finds a run's newest) as a TrainerState,
+    with the allowed changes of setting ({name: [old, new]}, the layout's included). Refuses a
+    checkpoint of another model than `config`, and a change of any setting that defines the run
+    (`changes_from` compares the checkpoint with `settings`, a trainer's)."""
+    record = read_json(os.path.join(path, "trainer_state.json"), "trainer_state.json")
+    if record.get("model_fingerprint") != model_fingerprint(config):
         raise ValueError(f"resume: checkpoint {path} belongs to another model (config fingerprint "
-                         f"{state.get('model_fingerprint')}, this model {model_fingerprint(trainer.model.config)})")
-    trainer.resumed_changes = changes_from(trainer, state, path)
+                         f"{record.get('model_fingerprint')}, this model {model_fingerprint(config)})")
+    changes = changes_from(settings, record, path)
     weights = {}
     for f in safetensors_files(path):
         weights.update(read_tensors(f))
     optimizer = read_tensors(os.path.join(path, "optimizer.safetensors"))
     try:
-        with torch.no_grad():
-            for n, p in trainer.named:
-                p.copy_(trainer.sync.shard_tensor(n, weights[n]))
-        shards = {k: trainer.sync.shard_tensor(k.split(".", 1)[1], v) for k, v in optimizer.items()}
-        trainer.opt.load_state_tensors(shards, state["step"])
-        if trainer.data is not None:
-            trainer.data.load_state(state["data"])
-        trainer.rng.set_state(torch.tensor(state["rng"], dtype=torch.uint8))
+        state = TrainerState(record["step"], weights, optimizer, torch.tensor(record["rng"], dtype=torch.uint8),
+                             record.get("data"), {k: record.get(v) for k, v in _SETTINGS_KEYS.items()},
+                             record.get("extra", {}))
     except (KeyError, TypeError, RuntimeError) as e:
-        raise ValueError(f"resume: checkpoint {path} is incomplete or damaged ({type(e).__name__}: {e})") from None
-    trainer.step_idx = state["step"]
-    trainer.resumed_extra = state.get("extra", {})
-    return trainer.step_idx
+        raise damaged(path, e) from None
+    return state, changes
 
 
-def changes_from(trainer: "Trainer", state: dict, path: str = "the checkpoint") -> dict:
-    """The settings that differ between a checkpoint's `state` and this trainer, as
-    {name: [old, new]}, the layout's included. Raises ValueError, naming the setting and both
-    values, when one that defines the run differs (RESUMABLE lists the settings that may)."""
-    now = trainer.settings()
+def damaged(path: str, error: Exception) -> ValueError:
+    """The error for checkpoint `path` when reading it or putting its state in place failed with
+    `error` (a missing entry, a tensor of another shape): the checkpoint is incomplete or damaged."""
+    return ValueError(f"resume: checkpoint {path} is incomplete or damaged ({type(error).__name__}: {error})")
+
+
+def changes_from(now: dict, state: dict, path: str = "the checkpoint") -> dict:
+    """The settings that differ between a checkpoint's `state` (trainer_state.json) and `now` (a
+    trainer's settings), as {name: [old, new]}, the layout's included. Raises ValueError, naming the
+    setting and both values, when one that defines the run differs (RESUMABLE lists the settings
+    that may)."""
     old_cfg = state.get("train_config", {})
     changes, refused = {}, []
     for name, new in now["train_config"].items():

@@ -14,16 +14,14 @@ from dataclasses import asdict
 import torch
 
 from .. import checks
-from ..model import Transformer, load_tokenizer, model_from_source
+from ..model import Transformer, model_from_source, with_byte_tokenizer
 from .data import PackedDataset, read_texts
 from .trainer import TrainConfig, Trainer
 
 
 def make_model_and_tokens(model_arg: str, data_path: str, dtype: torch.dtype, seed: int) -> tuple[Transformer, list[int]]:
     """Load (or build the tiny) model and tokenize the data; token ids beyond the vocab are refused."""
-    model = model_from_source(model_arg, dtype, "llama", seed, vocab_size=320)
-    if model.tokenizer is None:                   # the tiny model: the built-in byte tokenizer
-        model.tokenizer = load_tokenizer(None)
+    model = with_byte_tokenizer(model_from_source(model_arg, dtype, "llama", seed, vocab_size=320))
     tokenizer = model.tokenizer
     texts = read_texts(data_path)
     tokens: list[int] = []

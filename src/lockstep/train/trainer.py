@@ -30,6 +30,7 @@ from ..numerics.fixed_order import row_sum
 from ..model import Transformer, packed_logprobs, params_digest
 from ..model.moe import record_router_logits
 from . import checkpoint
+from .checkpoint import TrainerState
 from .data import PackedDataset, micro_batches, sequences_of
 from .losses import CrossEntropy, RouterAuxLoss, TokenLoss
 from .optim import AdamW, AdamWConfig, check_betas_and_eps, clip_scale, grad_norm, lr_at
@@ -123,6 +124,9 @@ class Trainer:
         self.step_idx = 0
         self.rng = torch.Generator().manual_seed(cfg.seed)
         self.grads: dict[str, Tensor] = {}
+        # Set by `resume`: the settings a resumed run changed ({name: [old, new]}) and the checkpoint's extra.
+        self.resumed_changes: dict = {}
+        self.resumed_extra: dict = {}
 
     @property
     def layout(self) -> dict:
@@ -266,12 +270,37 @@ class Trainer:
         return params, state
 
     def save(self, out_dir: str, extra: dict | None = None) -> str:
-        """checkpoint.save: out_dir/step-NNNNNN, atomically; `extra` (JSON) travels with it."""
-        return checkpoint.save(self, out_dir, extra)
+        """checkpoint.save: out_dir/step-NNNNNN, atomically; `extra` (JSON) travels with it and
+        `resume` puts it back in `resumed_extra`. Every rank calls it."""
+        params, optimizer = self.full_state()
+        state = TrainerState(self.step_idx, params, optimizer, self.rng.get_state(),
+                             self.data.state() if self.data is not None else None, self.settings(), extra or {})
+        return checkpoint.save(state, self.model, out_dir, self.cfg.keep_checkpoints, self.sync.world)
 
     def resume(self, out_dir: str) -> int:
-        """checkpoint.resume: load out_dir/latest at this trainer's layout; returns the step."""
-        return checkpoint.resume(self, out_dir)
+        """Load out_dir/latest (checkpoint.load) at this trainer's layout, whatever the checkpoint's;
+        returns the step. The allowed changes of setting, the layout's included, are kept in
+        `resumed_changes`, the checkpoint's `extra` in `resumed_extra`."""
+        path = checkpoint.latest_checkpoint(out_dir)
+        state, changes = checkpoint.load(path, self.model.config, self.settings())
+        try:
+            self._load_state(state)
+        except (KeyError, TypeError, RuntimeError) as e:    # a tensor missing or of another shape
+            raise checkpoint.damaged(path, e) from None
+        self.step_idx, self.resumed_changes, self.resumed_extra = state.step, changes, state.extra
+        return self.step_idx
+
+    def _load_state(self, state: TrainerState) -> None:
+        """Put a checkpoint's whole tensors in place as this rank's shards, with the optimizer's,
+        the data's and the RNG's state."""
+        with torch.no_grad():
+            for n, p in self.named:
+                p.copy_(self.sync.shard_tensor(n, state.params[n]))
+        shards = {k: self.sync.shard_tensor(k.split(".", 1)[1], v) for k, v in state.optimizer.items()}
+        self.opt.load_state_tensors(shards, state.step)
+        if self.data is not None:
+            self.data.load_state(state.data)
+        self.rng.set_state(state.rng)
 
     def params_digest(self) -> str:
         """sha256 of this rank's parameters (its shards under tensor parallelism), by name."""

@@ -138,13 +138,6 @@ def group_forward(q: Tensor, k: Tensor, v: Tensor, len_k: list[int], scale: floa
     return _unrows(out, s_count, len_q, hq), torch.stack([run_max, run_sum])
 
 
-def sequence_forward(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool,
-                     window: int | None) -> tuple[Tensor, Tensor]:
-    """One sequence: q [len_q, Hq, D], k, v [len_k, Hkv, D]; a group of one."""
-    out, stats = group_forward(q[None], k[None], v[None], [k.shape[0]], scale, causal, window)
-    return out[0], stats
-
-
 def sequence_backward(q: Tensor, k: Tensor, v: Tensor, grad_out: Tensor, stats: Tensor,
                       scale: float, causal: bool, window: int | None,
                       mask: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
