@@ -151,7 +151,7 @@ def test_the_gemm_pipelines_its_loads(gpu_audit_output):
 
 PLANTED = textwrap.dedent("""
     import json, os, sys
-    from lockstep import gpu_audit
+    from lockstep.tools import gpu_audit
     import torch, triton, triton.language as tl
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource

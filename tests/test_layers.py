@@ -1,5 +1,5 @@
 """The package's structure: one-way layers, no import cycles, no private names across modules, and
-an `import lockstep` that loads only what it says it loads (README, "Layout")."""
+an `import lockstep` that loads only what it says it loads (docs/architecture.md)."""
 
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ from lockstep.integrations import hf
 from lockstep import mode
 from lockstep.mode import dispatch
 from lockstep import contract, ops, registry
-from lockstep.numerics import fixed_order
+from lockstep.numerics import cpu_kernels, fixed_order
 
 import _reblocking_blas
 from _models import hf_config
@@ -389,7 +389,7 @@ def test_gemma_softcapping_under_the_mode_and_its_refusal_by_patch():
         inside = torch.tanh(x)
         assert torch.equal(inside, torch.tanh(torch.stack([x, x], 1)[:, 0]))
     # The mode's exp is the CPU backend's (native: lockstep's own, ADR 0010).
-    with fixed_order.cpu_kernels("native" if registry.cpu_backend() == "native" else "torch"):
+    with cpu_kernels.cpu_kernels("native" if registry.cpu_backend() == "native" else "torch"):
         expected = 1.0 - 2.0 / (fixed_order.exp(x * 2.0) + 1.0)
     assert torch.equal(inside, expected)
 

@@ -76,7 +76,7 @@ def test_a_wheel_holds_every_file_of_the_package_and_runs_the_native_backend(whe
                                "print(ops.linear(torch.ones(2, 3), torch.ones(4, 3)).sum().item())\n"
                                "from lockstep.backends.native import bits\n"
                                "print(bits.describe(bits.compare(bits.recorded()['kernels'])) or 'same')\n"
-                               "from lockstep import backend_bits\n"
+                               "from lockstep.tools import backend_bits\n"
                                "print(', '.join(backend_bits.compare(bits.recorded())['differ']) or 'same')\n",
                          tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -84,15 +84,15 @@ def test_bash_snippet_runs(index, tmp_path):
 @pytest.mark.parametrize("index", range(len(_blocks("console"))))
 def test_console_snippet_says_what_the_command_prints(index, tmp_path):
     body = _blocks("console")[index]
-    sessions, current = [], None
+    runs, current = [], None
     for line in body.splitlines():
         if line.startswith("$ "):
             current = (line[2:], [])
-            sessions.append(current)
+            runs.append(current)
         elif current is not None:
             current[1].append(line)
-    assert sessions
-    for command, shown in sessions:
+    assert runs
+    for command, shown in runs:
         proc = _run(_command(command), tmp_path)
         expected_status = 1 if "exits 1" in command else 0
         assert proc.returncode == expected_status, f"{command}\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}"

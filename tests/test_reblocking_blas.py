@@ -15,7 +15,8 @@ import _reblocking_blas
 
 CHILD = r"""
 import sys, torch, _reblocking_blas
-from lockstep import fixed_order, ops, registry
+from lockstep import ops, registry
+from lockstep.numerics import gemm as numerics_gemm
 mode = sys.argv[1]
 gen = torch.Generator().manual_seed(0)
 x, w = torch.randn(37, 1024, generator=gen), torch.randn(300, 1024, generator=gen)
@@ -34,10 +35,10 @@ def blocks(a, b, threads):
 
 expected = {(rows, t): blocks(x[:rows], w.t(), t) for rows in (3, 37) for t in (1, 2)}
 torch.set_num_threads(2)
-stock_premises = set(fixed_order.torch_gemm_broken_premises())  # this machine's MKL's, before install
-fixed_order._gemm_broken_premises.cache_clear()
+stock_premises = set(numerics_gemm.torch_gemm_broken_premises())  # this machine's MKL's, before install
+numerics_gemm._gemm_broken_premises.cache_clear()
 # what the probe should see of the documented arithmetic: that of the stock kernel on K's blocks
-documented_premises = set(fixed_order.gemm_broken_premises(lambda a, b: blocks(a, b, 2)))
+documented_premises = set(numerics_gemm.gemm_broken_premises(lambda a, b: blocks(a, b, 2)))
 # widened before it is sliced, as the stand-in does: the blocks then have the stand-in's strides,
 # on which a BLAS may choose its kernel
 expected_bf16 = (blocks(x[:5].bfloat16().float(), w.t().bfloat16().float(), 2)
@@ -74,7 +75,7 @@ checks["portable_moves"] = all(moved["portable"])
 # verdicts at a block of K need not be its verdicts at the whole K (on a Xeon, MKL's blocking
 # follows the shape), and the stand-in runs the stock kernel on blocks.
 torch.set_num_threads(2)
-seen = set(fixed_order.torch_gemm_broken_premises())
+seen = set(numerics_gemm.torch_gemm_broken_premises())
 print("premises: stock", sorted(stock_premises), "documented", sorted(documented_premises),
       "under the stand-in", sorted(seen), file=sys.stderr)
 checks["probe_sees_the_documented_arithmetic"] = seen == documented_premises

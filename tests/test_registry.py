@@ -1,4 +1,4 @@
-"""Every op's faces are where its name says (README, "Layout"), and contract.toml's tables say the
+"""Every op's faces are where its name says (docs/architecture.md), and contract.toml's tables say the
 truth: which ops each backend implements, and the numbers docs/contract.md shows."""
 
 from __future__ import annotations

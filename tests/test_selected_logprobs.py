@@ -252,7 +252,8 @@ def test_lm_head_weight_grad_is_its_stated_order(rows):
     """fixed_order.lm_head_weight_grad on PyTorch's GEMMs: 32-row blocks (the last zero-padded),
     the first written and each next added in place, restated here block by block, bit for bit; on
     the CPU kernels, weight_grad's bits."""
-    from lockstep.numerics.fixed_order import LM_HEAD_ROW_BLOCK, cpu_kernels, lm_head_weight_grad, weight_grad
+    from lockstep.numerics.fixed_order import LM_HEAD_ROW_BLOCK, lm_head_weight_grad, weight_grad
+    from lockstep.numerics.cpu_kernels import cpu_kernels
 
     gen = torch.Generator().manual_seed(rows)
     g, x = torch.randn(rows, 40, generator=gen), torch.randn(rows, 24, generator=gen)

@@ -57,7 +57,7 @@ def test_the_batched_log_sum_exp_of_few_rows_has_the_bits_of_the_chunk_loop(dtyp
     temperature, and a vocabulary whose last chunk is short."""
     from lockstep.backends.native.cpu import KERNELS
     from lockstep.backends.portable import selected_logprobs as portable
-    from lockstep.numerics.fixed_order import cpu_kernels
+    from lockstep.numerics.cpu_kernels import cpu_kernels
 
     assert KERNELS.lse_fold is not None
     gen = torch.Generator().manual_seed(0)
@@ -83,7 +83,7 @@ def test_a_few_rows_logits_from_one_gemm_have_the_chunked_bits(dtype, monkeypatc
     computation, NaN and Inf rows, caps, temperatures and a short last chunk included. PyTorch's
     GEMMs never take that path."""
     from lockstep.backends.portable import selected_logprobs as portable
-    from lockstep.numerics.fixed_order import cpu_kernels
+    from lockstep.numerics.cpu_kernels import cpu_kernels
 
     gen = torch.Generator().manual_seed(3)
     h = (torch.randn(5, 64, generator=gen) * 3).to(dtype)

@@ -170,7 +170,7 @@ def portable_caveat() -> str:
 def cpu_backend_kernels() -> Iterator[None]:
     """The block's fixed_order GEMMs, exp, log and sqrt on the CPU backend's kernels: lockstep's
     native ones where they build, whose bits do not follow the CPU's vector unit; else PyTorch's."""
-    from .numerics.fixed_order import cpu_kernels
+    from .numerics.cpu_kernels import cpu_kernels
 
     with cpu_kernels("native" if cpu_backend() == "native" else "torch"):
         yield

@@ -199,8 +199,7 @@ class Transformer(nn.Module):
         machine: exact_math.normal's draws, not torch.randn's, whose vector and scalar samplers
         give other normals (ADR 0021). Parameters draw in named_parameters order from one
         generator; each is 0.02 x its draws in float64, rounded to float32 and then to `dtype`, so
-        a model in another dtype is the float32 one cast. About 30 ns a value on 2 threads (5.3-6.5
-        s for 219M parameters, where torch.randn took 0.83 s; docs/benchmarks.md)."""
+        a model in another dtype is the float32 one cast."""
         model = cls(config)
         gen = torch.Generator().manual_seed(seed)
         with torch.no_grad():
@@ -293,7 +292,7 @@ class Transformer(nn.Module):
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> KVCache:
         """The paged cache, uninitialised. Every reader reads only the slots below its sequence's
         length, which its steps have written; a block handed back holds a finished sequence's values
-        anyway. Zero-filling costs 65 ms per 268 MB layer tensor, 0.5 s for an engine of 32 requests.
+        anyway, so zero-filling would be a full pass over every layer's cache for nothing.
         tests/test_engine.py fills the cache with NaN and checks that no bit changes."""
         c = self.model.layers[0].self_attn.c           # this rank's heads under tensor parallelism
         shape = (num_blocks, block_size, c.num_kv_heads, c.head_dim)

@@ -1,11 +1,11 @@
-"""The native backend's CPU kernels as one set (fixed_order.CpuKernels), and the block that selects them."""
+"""The native backend's CPU kernels as one set (lockstep.numerics.cpu_kernels.CpuKernels), and the block that selects them."""
 
 from __future__ import annotations
 
 import contextlib
 from typing import Iterator
 
-from ...numerics.fixed_order import CpuKernels, cpu_kernels, register_cpu_kernels
+from ...numerics.cpu_kernels import CpuKernels, cpu_kernels, register_cpu_kernels
 from . import gemm, rows, silu, unary
 
 KERNELS = CpuKernels("native", gemm.matmul_rows, gemm.weight_grad, unary.exp, unary.log, rows.row_sum,

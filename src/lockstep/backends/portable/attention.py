@@ -19,8 +19,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ...numerics.fixed_order import (KEY_BLOCK, accumulate_dtype, exp, matmul_rows, pairwise_weight_grad,
-                                     records_cpu_kernels, restores_cpu_kernels, row_sum)
+from ...numerics.fixed_order import KEY_BLOCK, accumulate_dtype, exp, matmul_rows, pairwise_weight_grad, row_sum
+from ...numerics.cpu_kernels import records_cpu_kernels, restores_cpu_kernels
 from ...paged_cache import gather_packed
 from ...registry import register
 from ...numerics.second_order import first_order_only

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ...numerics.fixed_order import (accumulate_dtype, exp, records_cpu_kernels, reduce_losses, restores_cpu_kernels,
-                                     row_scale, shifted_and_lse)
+from ...numerics.fixed_order import accumulate_dtype, exp, reduce_losses, row_scale, shifted_and_lse
+from ...numerics.cpu_kernels import records_cpu_kernels, restores_cpu_kernels
 from ...registry import register
 from ...numerics.second_order import first_order_only
 

@@ -6,8 +6,8 @@ import torch
 from torch import Tensor
 
 from ...numerics import grad_tree
-from ...numerics.fixed_order import (column_sum, matmul_rows, records_cpu_kernels, restores_cpu_kernels,
-                                     split_matmul_rows, weight_grad, weight_grad_node)
+from ...numerics.fixed_order import column_sum, matmul_rows, split_matmul_rows, weight_grad, weight_grad_node
+from ...numerics.cpu_kernels import records_cpu_kernels, restores_cpu_kernels
 from ...registry import register
 from ...numerics.second_order import first_order_only
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ...numerics.fixed_order import (accumulate_dtype, log_softmax_rows, log_softmax_rows_backward,
-                                     records_cpu_kernels, restores_cpu_kernels)
+from ...numerics.fixed_order import accumulate_dtype, log_softmax_rows, log_softmax_rows_backward
+from ...numerics.cpu_kernels import records_cpu_kernels, restores_cpu_kernels
 from ...registry import register
 from ...numerics.second_order import first_order_only
 

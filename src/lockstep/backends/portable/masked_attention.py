@@ -7,7 +7,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ...numerics.fixed_order import accumulate_dtype, log, records_cpu_kernels, restores_cpu_kernels
+from ...numerics.fixed_order import accumulate_dtype, log
+from ...numerics.cpu_kernels import records_cpu_kernels, restores_cpu_kernels
 from ...registry import register
 from ...numerics.second_order import first_order_only
 from . import attention as portable_attention

@@ -18,9 +18,9 @@ import torch
 from torch import Tensor
 
 from ...numerics import grad_tree
-from ...numerics.fixed_order import (accumulate_dtype, columns_at_any_width, exp, log, lm_head_weight_grad,
-                                     logit_grad, lse_fold, matmul_rows, records_cpu_kernels, restores_cpu_kernels,
-                                     row_max, row_sum, scaled_logits, weight_grad_node)
+from ...numerics.fixed_order import (accumulate_dtype, exp, log, lm_head_weight_grad, logit_grad, lse_fold,
+                                     matmul_rows, row_max, row_sum, scaled_logits, weight_grad_node)
+from ...numerics.cpu_kernels import columns_at_any_width, records_cpu_kernels, restores_cpu_kernels
 from ...registry import register
 from ...numerics.second_order import first_order_only
 from ...numerics.softcap import softcap as capped

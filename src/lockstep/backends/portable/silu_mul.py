@@ -14,7 +14,8 @@ import torch
 from torch import Tensor
 
 from ...numerics.chunks import row_chunks
-from ...numerics.fixed_order import accumulate_dtype, exp, records_cpu_kernels, restores_cpu_kernels
+from ...numerics.fixed_order import accumulate_dtype, exp
+from ...numerics.cpu_kernels import records_cpu_kernels, restores_cpu_kernels
 from ...registry import register
 from ...numerics.second_order import first_order_only
 
