@@ -14,6 +14,7 @@ whether they drew the recording's; the digests hold for the torch releases the r
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 
 import torch
 
@@ -27,7 +28,9 @@ from ..model.moe import route
 from ..registry import use_backend
 from ..rotary import LinearRopeScaling, Llama3RopeScaling, rope_cos_sin, rope_inv_freq
 from ..backends.native import bits
+from ..backends.native.build import isa_name
 from ..backends.native.gemm import gemm_nt
+from .bench import machine
 
 # Big enough that the GEMMs of linear, the LM head and attention run on several threads (kernels.c
 # keeps products under 2^18 multiply-adds on one), small enough for the scalar path.
@@ -257,3 +260,37 @@ def compare(recorded: dict) -> dict:
     listed = this in recorded["torch"]
     return {"torch": this, "listed": listed, "sections": len(recorded["native_backend"]), "differ": differ,
             "counted": bool(differ) and listed and GENERATORS not in differ}
+
+
+def against_recording(log: Callable[[str], None] = print) -> dict:
+    """Compare this machine's native bits with the recorded ones (docs/adr/0026), logging one line
+    for each part as it is done: the kernels on every instruction set this CPU runs
+    (bits.compare), then the whole backend (`compare`) on the instruction set in use. Returns
+    {"recorded_on", "instruction_sets", "differ": {isa: kernel groups}, "backend": compare's
+    result, "failed"}; a difference in the whole backend fails only where `compare` counts it.
+    Raises ValueError where the recording cannot be read."""
+    recorded = bits.recorded()
+    found, on = bits.compare(recorded["kernels"]), recorded["recorded_on"]
+    differ = {isa: names for isa, names in found.items() if names}
+    if differ:
+        log(f"native bits: FAIL: {bits.mismatch(f'On this machine ({machine()}) the kernels', differ, on)}")
+    else:
+        log(f"native bits: the recorded ones on {', '.join(found)} (recorded on {on['machine']}, {on['isa']})")
+    backend = compare(recorded)
+    if not backend["differ"]:
+        log(f"native backend bits: the recorded ones in all {backend['sections']} sections (ops forward and "
+            f"backward, attention, the model's arithmetic, training) under torch {backend['torch']}")
+    elif backend["counted"]:
+        what = f"On this machine ({machine()}, torch {backend['torch']}) the native backend"
+        log(f"native backend bits: FAIL: {bits.mismatch(what, {isa_name(): backend['differ']}, on)}")
+    elif GENERATORS in backend["differ"]:
+        log(f"native backend bits: other than the recorded ones in {len(backend['differ'])} of "
+            f"{backend['sections']} sections, and torch's generators draw other numbers here than on "
+            f"{on['machine']} (torch {backend['torch']} or this C library), so the inputs differ and this is not "
+            "counted as a failure")
+    else:
+        log(f"native backend bits: other than the recorded ones in {', '.join(backend['differ'])} under torch "
+            f"{backend['torch']}, which the recording does not list (torch {', '.join(recorded['torch'])}): its "
+            "generators may draw other inputs, so this is not counted as a failure")
+    return {"recorded_on": on, "instruction_sets": list(found), "differ": differ, "backend": backend,
+            "failed": bool(differ) or backend["counted"]}
