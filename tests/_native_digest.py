@@ -1,4 +1,4 @@
-"""Print the native backend's digests (lockstep.tools.backend_bits), for tests/test_native.py.
+"""Print the native backend's digests (lockstep.tools.backend_bits), for tests/test_native_bits.py.
 
 One digest per section (an op in a dtype, training, ...) per thread count (1, 2, 3) of one process;
 the instruction set and the BLAS selections come from the environment, which the kernel libraries
@@ -41,7 +41,7 @@ def stock_linear() -> str:
 
 
 ABOUT = ("The native backend's bits, the same on every machine: `lockstep check` compares this machine's kernels "
-         "and whole native backend with them, and so does tests/test_native.py. `torch` lists the releases under "
+         "and whole native backend with them, and so does tests/test_native_bits.py. `torch` lists the releases under "
          "which the whole backend gave these bits. After a change that alters them on purpose, rerun `python "
          "tests/_native_digest.py --record` under a listed release and say why in the commit; run it under another "
          "release to add that release where it gives these bits (docs/adr/0026).")
@@ -49,7 +49,7 @@ ABOUT = ("The native backend's bits, the same on every machine: `lockstep check`
 
 def measure() -> dict:
     """This machine's bits in recorded_bits.json's form: the torch-free digest of every kernel (one
-    thread count and instruction set stand for all: tests/test_native.py ties them) and the whole
+    thread count and instruction set stand for all: tests/test_native_bits.py ties them) and the whole
     backend's sections on 1 thread, with what they were computed on and this torch release."""
     import numpy as np
 

@@ -1,4 +1,4 @@
-"""A stand-in for MKL on an Intel Xeon (issue 27, docs/adr/0024), for running the suite on any machine.
+"""A stand-in for MKL on an Intel Xeon (docs/adr/0024), for running the suite on any machine.
 
 On an Intel Xeon, MKL sums an fp32 GEMM's K in blocks that follow the thread count (and, under
 MKL_ENABLE_INSTRUCTIONS, the row count), so a product's bits change with both. On the AMD machines
@@ -11,7 +11,7 @@ K in k_block's blocks (one per thread), each block by the stock kernel on operan
 (fp64 stays fp64), the blocks added in order, a bias added in the same precision and the result
 rounded once. So the suite shows on any machine what depends on the BLAS keeping its order: the
 portable backend, the float64 reference and stock PyTorch reach these ops; lockstep's native
-kernels never do (tests/test_native.py audits that). Arguments the stand-in does not take (other
+kernels never do (tests/test_native_audit.py audits that). Arguments the stand-in does not take (other
 dtypes, mismatched shapes) go to the stock kernel, which accepts or refuses them as usual.
 """
 

@@ -30,7 +30,7 @@ def test_route_breaks_ties_toward_the_lower_expert_and_orders_slots():
 
 def test_router_probabilities_take_the_cpu_backends_exp():
     """The router's exp is the native kernels', the same on every CPU: PyTorch's fp32 exp may take
-    MKL's vector math, whose bits follow the instruction set (ADR 0010). tests/test_native.py digests
+    MKL's vector math, whose bits follow the instruction set (ADR 0010). tests/test_native_bits.py digests
     the router under each kernel selection."""
     from lockstep.numerics import cpu_kernels, fixed_order
     from lockstep import ops

@@ -4,7 +4,9 @@ which."""
 
 from __future__ import annotations
 
+import fnmatch
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -12,6 +14,13 @@ import zipfile
 from pathlib import Path
 
 import pytest
+
+from lockstep.backends.native import build
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "src" / "lockstep"
@@ -48,7 +57,7 @@ def run_installed(site: Path, code: str, tmp_path: Path, blocked: tuple[str, ...
     """`code` in a fresh interpreter that imports lockstep from `site`, with the `blocked` modules
     unimportable (a None in sys.modules is how Python marks one). `fresh_cache`: the native kernels
     are compiled from the installed source into an empty cache folder; otherwise the suite's cache
-    folder serves them (the installed kernels.c is the clone's, so its key is the same), or, where
+    folder serves them (the installed sources are the clone's, so their key is the same), or, where
     the suite has not built them yet, they are compiled into it."""
     prelude = "".join(f"import sys; sys.modules[{name!r}] = None\n" for name in blocked)
     env = {**os.environ, "PYTHONPATH": str(site)}
@@ -67,8 +76,9 @@ def test_a_wheel_holds_every_file_of_the_package_and_runs_the_native_backend(whe
     names = set(zipfile.ZipFile(wheel).namelist())
     data = {p.relative_to(PACKAGE.parent).as_posix() for p in PACKAGE.rglob("*")
             if p.is_file() and p.suffix not in (".py", ".pyc") and "__pycache__" not in p.parts}
-    assert {"lockstep/contract.toml", "lockstep/backends/native/kernels.c",
+    assert {"lockstep/contract.toml", "lockstep/backends/native/kernels.c", "lockstep/backends/native/kernels.h",
             "lockstep/backends/native/recorded_bits.json"} <= data
+    assert {p.relative_to(PACKAGE.parent).as_posix() for p in build.SOURCES} <= data
     assert data <= names, sorted(data - names)
 
     proc = run_installed(site, "import torch, lockstep\nfrom lockstep import ops, registry\n"
@@ -87,6 +97,36 @@ def test_a_wheel_holds_every_file_of_the_package_and_runs_the_native_backend(whe
     assert backend == "native", proc.stderr
     assert float(total) == 24.0
     assert "native CPU backend is not in use" not in proc.stderr
+
+
+def test_the_package_data_holds_every_file_the_kernels_compile_and_each_names_the_build(tmp_path):
+    """kernels.c is one translation unit with the files it includes, which are the build's sources
+    (build.SOURCES): pyproject.toml's package data matches each, so a wheel carries it, and a change
+    to any one of them names another cached library, so a build of the old sources is not loaded."""
+    patterns = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["lockstep"]
+    folder, included, todo = build.SOURCE.parent, {build.SOURCE.name}, [build.SOURCE.name]
+    while todo:
+        for name in re.findall(r'^#include "([^"]+)"', (folder / todo.pop()).read_text(), flags=re.M):
+            if name not in included:
+                included.add(name)
+                todo.append(name)
+    assert sorted(included) == [p.name for p in build.SOURCES]
+    for path in build.SOURCES:
+        assert any(fnmatch.fnmatch(path.relative_to(PACKAGE).as_posix(), p) for p in patterns), path.name
+
+    copies = [Path(shutil.copy(p, tmp_path)) for p in build.SOURCES]
+    cc = build.compiler()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(build, "SOURCES", tuple(copies))
+        first = build.cached_library(cc)
+        keys = {first}
+        for copy in copies:
+            text = copy.read_bytes()
+            copy.write_bytes(text + b"\n")
+            keys.add(build.cached_library(cc))
+            copy.write_bytes(text)
+        assert build.cached_library(cc) == first
+    assert len(keys) == len(copies) + 1
 
 
 def test_the_core_jobs_run_without_any_extra(wheel_install, tmp_path):

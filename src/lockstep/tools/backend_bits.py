@@ -32,7 +32,7 @@ from ..backends.native.build import isa_name
 from ..backends.native.gemm import gemm_nt
 from .bench import machine
 
-# Big enough that the GEMMs of linear, the LM head and attention run on several threads (kernels.c
+# Big enough that the GEMMs of linear, the LM head and attention run on several threads (gemm.c
 # keeps products under 2^18 multiply-adds on one), small enough for the scalar path.
 SIZES = Sizes(hidden=264, out_features=100, heads=2, head_dim=16, ffn=40, vocab=4200, lm_hidden=72, embed_vocab=20,
               pool=40)

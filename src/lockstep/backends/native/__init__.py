@@ -1,5 +1,6 @@
-"""The native backend: lockstep's own CPU kernels (kernels.c), one reduction order on every x86 CPU,
-instruction set and thread count (docs/adr/0010-native-cpu-backend.md).
+"""The native backend: lockstep's own CPU kernels (kernels.c and the C files it includes), one
+reduction order on every x86 CPU, instruction set and thread count
+(docs/adr/0010-native-cpu-backend.md).
 
 The ops are the portable backend's, with their GEMMs (forward, dX, dW, attention's products, the LM
 head) and their exp, log and sqrt on the native kernels (cpu.py). Importing this package builds the

@@ -1,6 +1,7 @@
-"""Native attention: the forward is lockstep's own kernel (kernels.c, `ls_attention_fwd`), which reads
-a paged KV cache through its block table in place (docs/adr/0016-native-attention.md); the backward
-is another (`ls_attention_bwd`), from the forward's softmax statistics (docs/adr/0022-native-attention-backward.md).
+"""Native attention: the forward is lockstep's own kernel (attention.c, `ls_attention_fwd`), which
+reads a paged KV cache through its block table in place (docs/adr/0016-native-attention.md); the
+backward is another (attention_backward.c, `ls_attention_bwd`), from the forward's softmax
+statistics (docs/adr/0022-native-attention-backward.md).
 
 The kernel computes each query row on its own, in 64-key blocks anchored at key 0, so a query's
 bits do not depend on the other queries of its call: one query (decode) gives the same bits as

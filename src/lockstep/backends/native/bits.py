@@ -4,12 +4,12 @@
 `lockstep check` compares this machine's digests, on every instruction set it runs, with those in
 recorded_bits.json, which were computed on the machine the file names; the test suite does too.
 The digests need only Python, numpy and a build of kernels.c, no torch, so this file also runs as
-a script where torch does not: under an emulator for another architecture (tests/test_native.py
+a script where torch does not: under an emulator for another architecture (tests/test_native_bits.py
 runs an aarch64 build under QEMU, in the user space that .ci/arm-sysroot makes).
 
 Its inputs come from splitmix64 in numpy's uint64 arithmetic, as integers times powers of two (exact
 in every dtype), bf16 bit patterns that reach every case of the bf16 order (denormals, products near
-2^-126, Inf and NaN, as kernels.c's self-test draws them), and special values written as bits; no
+2^-126, Inf and NaN, as isa.c's self-test draws them), and special values written as bits; no
 platform's floating-point library touches them. Before hashing, every NaN becomes one quiet NaN: the
 contract counts any NaN equal to any other, and x86 and ARM produce NaNs of other signs. It covers
 every kernel but the blocked transpose (a move): the GEMM (fp32, bf16 and fp16 operands, fp32 and
@@ -89,7 +89,7 @@ def values(rng: Stream, n: int, dtype: int, scale: float = 1.0, specials: bool =
 
 
 def bf16_edges(rng: Stream, n: int) -> np.ndarray:
-    """n bf16 bit patterns as kernels.c's VDPBF16PS self-test draws them: zeros and denormals, Inf
+    """n bf16 bit patterns as isa.c's VDPBF16PS self-test draws them: zeros and denormals, Inf
     and NaN, values whose products land near 2^-126, and ordinary ones."""
     kind, man, sign = rng.integers(0, 16, n), rng.integers(0, 128, n), rng.integers(0, 2, n) << 15
     e = np.where(kind == 0, 0, np.where(kind == 1, 255, np.where(kind < 6, 60 + rng.integers(0, 8, n),

@@ -1,6 +1,7 @@
-"""Build and load the native kernels (kernels.c) with the machine's C compiler.
+"""Build and load the native kernels (kernels.c, which includes the other C files beside it) with
+the machine's C compiler.
 
-The library is compiled on first use into a cache folder and reused while the source, the compiler
+The library is compiled on first use into a cache folder and reused while the sources, the compiler
 and the flags stay the same: a fresh Linux machine needs only `cc`, no CUDA and no second torch.
 CC picks another compiler, as a command as make takes it ("clang", "ccache gcc", "zig cc"); the bits
 do not depend on which one builds it (tests build with GCC and with clang).
@@ -35,6 +36,9 @@ import tempfile
 from pathlib import Path
 
 SOURCE = Path(__file__).with_name("kernels.c")
+# What the cache key reads: kernels.c is one translation unit with the files it includes, so a
+# change to any of them is a change to the library.
+SOURCES = tuple(sorted(p for p in SOURCE.parent.iterdir() if p.suffix in (".c", ".h")))
 # -ffp-contract=off: the compiler must not fuse a multiply and an add that the source keeps apart.
 # -frounding-math: nor move arithmetic across the MXCSR changes around the bf16 tiles.
 FLAGS = ["-O3", "-std=gnu11", "-shared", "-fPIC", "-pthread", "-ffp-contract=off", "-fno-fast-math", "-frounding-math"]
@@ -97,11 +101,14 @@ def assembler_version(cc: list[str]) -> str:
 
 
 def cached_library(cc: list[str]) -> Path:
-    """Where the library that `cc` builds is cached: named by the source, the flags, the builds
+    """Where the library that `cc` builds is cached: named by the sources, the flags, the builds
     tried, the command and what it and its assembler say their versions are."""
     versions = [compiler_version(cc), assembler_version(cc)]
     named = "\0".join([*cc, *FLAGS, repr(BUILDS), *versions])
-    key = hashlib.sha256(SOURCE.read_bytes() + named.encode()).hexdigest()[:16]
+    # Each file by its name and its bytes' digest: a file renamed, or bytes moved from one file to
+    # another, names another library.
+    sources = b"".join(p.name.encode() + b"\0" + hashlib.sha256(p.read_bytes()).digest() for p in SOURCES)
+    key = hashlib.sha256(sources + named.encode()).hexdigest()[:16]
     return cache_dir() / f"native-{key}.so"
 
 
@@ -179,7 +186,8 @@ def _compile_widest(cc: list[str], out: str) -> tuple[str, str]:
         if done.returncode == 0:
             return left_out, first_error
         lines = done.stderr.strip().splitlines()
-        # Not "kernels.c: In function ...", nor "Assembler messages:": the line that says what failed.
+        # Not "In file included from ...", "gemm.c: In function ...", nor "Assembler messages:": the
+        # line that says what failed.
         error = next((line for line in lines if "error" in line.lower()), lines[0] if lines else "(no message)")
         first_error = first_error or error
         if done.returncode < 0 or any(reason in done.stderr for reason in _PASSING_FAILURES):

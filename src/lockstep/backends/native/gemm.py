@@ -1,7 +1,7 @@
-"""The native GEMMs: `matmul_rows` and `weight_grad` on lockstep's own kernels (kernels.c).
+"""The native GEMMs: `matmul_rows` and `weight_grad` on lockstep's own kernels (gemm.c).
 
 Every GEMM becomes one "NT" product C[m, n] = dot(A[m, :], B[n, :]) over rows whose K elements are
-contiguous, which kernels.c computes in one fixed order per output (16 lanes over K, each one FMA
+contiguous, which gemm.c computes in one fixed order per output (16 lanes over K, each one FMA
 chain from k = 0, folded by a fixed tree). Operands in another layout are copied into that one
 first: a copy moves values and changes no bit. bf16 and fp16 operands go to the kernel as they are
 and are widened exactly there; other mixes are widened to fp32 here, which gives the same values.
@@ -99,7 +99,7 @@ def gemm_nt(a: Tensor, b: Tensor, bias: Tensor | None = None, out: Tensor | None
     added once after each dot. out_dtype fp32 keeps each dot's fp32 result; bf16 rounds it in the
     kernel to the bits `.to(torch.bfloat16)` gives, without an fp32 copy. `out`: a tensor of that
     shape and dtype with unit column stride, written in place. parts > 1: each dot cut into that
-    many slices of K, each stored in out_dtype and summed by the canonical tree in it (kernels.c's
+    many slices of K, each stored in out_dtype and summed by the canonical tree in it (gemm.c's
     gemm_split_tile); `split_parts_supported` says where the kernel takes that. float64 operands
     (either one; the other is widened exactly) need out_dtype float64 and parts 1, and take a
     float64 bias."""
@@ -180,7 +180,7 @@ def matmul_rows(a: Tensor, b: Tensor, bias: Tensor | None = None) -> Tensor:
     return gemm_nt(a, b.transpose(-1, -2), bias, out_dtype=out_dtype).to(a.dtype)
 
 
-# kernels.c's limits on a split dot: MAX_PARTS slices, each under KC_FROM_BYTES.
+# gemm.c's limits on a split dot: MAX_PARTS slices, each under KC_FROM_BYTES.
 _MAX_PARTS, _SLICE_BYTES = 16, 8192
 
 

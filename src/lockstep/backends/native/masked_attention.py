@@ -1,8 +1,8 @@
-"""Native masked attention: the attention kernels (kernels.c, `ls_attention_fwd` and
-`ls_attention_bwd`) under the explicit mask, each query's blocks anchored at the first key it can
-see; the forward reads k and v in place, the backward starts from its softmax statistics
-(docs/adr/0016-native-attention.md, docs/adr/0022-native-attention-backward.md). float64 takes the
-portable op."""
+"""Native masked attention: the attention kernels (`ls_attention_fwd` in attention.c,
+`ls_attention_bwd` in attention_backward.c) under the explicit mask, each query's blocks anchored
+at the first key it can see; the forward reads k and v in place, the backward starts from its
+softmax statistics (docs/adr/0016-native-attention.md, docs/adr/0022-native-attention-backward.md).
+float64 takes the portable op."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Native rms_norm: the forward is one C pass per row (kernels.c, `ls_rms_norm_fwd`) and the
+"""Native rms_norm: the forward is one C pass per row (rows.c, `ls_rms_norm_fwd`) and the
 backward one pass over rows for d x and one over column strips for the weight's gradient
 (`ls_rms_norm_bwd`, every unit of a unit tree in the one call); both perform the portable op's
 operations in the portable order, so they give its bits on every CPU (fp32 and bf16 results are

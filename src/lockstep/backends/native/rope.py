@@ -1,4 +1,4 @@
-"""Native rope: fp32 and bf16 in one C pass (kernels.c, `ls_rope`), forward and backward, with the
+"""Native rope: fp32 and bf16 in one C pass (rows.c, `ls_rope`), forward and backward, with the
 portable op's angles (rotary.rope_cos_sin) and its operations element for element, so both
 backends give the same bits (NaN compared as NaN); fp16, empty tensors and heads wider than 512
 take the portable op."""
@@ -15,7 +15,7 @@ from .build import isa, library
 from .cpu import native_kernels
 from .gemm import OUT_CODES
 
-_MAX_HEAD_DIM = 512  # kernels.c's ROW_BLOCK
+_MAX_HEAD_DIM = 512  # rows.c's ROW_BLOCK
 
 
 def _rotate_in_c(x: Tensor, cos: Tensor, sin: Tensor, style: str) -> Tensor:

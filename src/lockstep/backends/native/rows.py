@@ -1,6 +1,6 @@
-"""Native row reductions (kernels.c, `ls_rows`, `ls_logit_rows`): fixed_order.row_sum, log_softmax's
-forward and backward on it, and the LM head's per-chunk lse_fold and logit_grad, in C. The
-arithmetic is fixed_order's, operation for operation, so they give the bits of fixed_order's
+"""Native row reductions (rows.c's `ls_rows`, lm_head.c's `ls_logit_rows`): fixed_order.row_sum,
+log_softmax's forward and backward on it, and the LM head's per-chunk lse_fold and logit_grad, in
+C. The arithmetic is fixed_order's, operation for operation, so they give the bits of fixed_order's
 PyTorch compositions on the native exp and log; they exist for speed, since those compositions
 pad, copy and allocate several times the rows' size."""
 

@@ -1,4 +1,4 @@
-"""Native SiLU (kernels.c, `ls_silu`): one C pass each for silu_mul's forward and backward (gated,
+"""Native SiLU (rows.c, `ls_silu`): one C pass each for silu_mul's forward and backward (gated,
 silu_mul.py) and for SiLU alone (`silu`, `silu_backward`: the CPU kernels' forms of fixed_order.silu
 and its backward, which the batch-invariant mode runs), in fp32 and bf16, performing the
 compositions' operations element for element, so they give the compositions' bits (NaN compared

@@ -1,7 +1,8 @@
-"""Native exp, log and sqrt (kernels.c): one algorithm in the scalar, AVX2 and AVX-512 paths (for
+"""Native exp, log and sqrt (exp_log.c): one algorithm in the scalar, AVX2 and AVX-512 paths (for
 sqrt, the IEEE instruction), so the same bits on every CPU, where torch.exp, torch.log and
 torch.sqrt take MKL's vector math, whose bits follow the CPU's maker and vector unit. float64 has
-its own algorithms in double precision (docs/adr/0027); every other dtype is computed in fp32."""
+its own algorithms in double precision (float64.c, docs/adr/0027); every other dtype is computed in
+fp32."""
 
 from __future__ import annotations
 
