@@ -21,7 +21,7 @@ from typing import Callable, Iterator
 
 import torch
 
-# Every op a backend can implement; each has its faces under its own name (README, "Layout").
+# Every op a backend can implement; each has its faces under its own name (docs/architecture.md).
 OPS = (
     "embedding",
     "rms_norm",

@@ -153,7 +153,7 @@ def engine_greedy(model: Transformer, prompts: list[list[int]], max_new_tokens: 
     started = time.time()
     sp = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens, stop_token_ids=[eos] if eos is not None else [])
     # Every placement under the default scheduler, and the other settings in one 8-prompt batch:
-    # on 2 CPU cores each run costs seconds, and `make verify` has 10 minutes.
+    # every run is a whole generate call, and `make verify` must stay short on a 2-core machine.
     runs = [(size, position, ENGINE_SETTINGS[0]) for size, position in PLACEMENTS if size in (1, 4, 8)]
     runs += [(PLACEMENTS[-2][0], PLACEMENTS[-2][1], s) for s in ENGINE_SETTINGS[1:]]
     for size, position, (name, max_num_seqs, budget, tight, prefix) in runs:

@@ -133,8 +133,8 @@ def resource_usage(cubin_path: str) -> dict[str, int]:
 def disassembly(kernel: CompiledKernel, cubin_path: str) -> str:
     """cuobjdump -sass of `kernel`'s cubin, kept next to the cubin in Triton's cache.
 
-    cuobjdump takes about 0.35 s of a core to start its disassembler, whatever the cubin's size: for
-    a whole audit whose compiles Triton's cache already holds, that was three quarters of the time.
+    Starting cuobjdump's disassembler costs far more than disassembling one cubin, so a whole audit
+    whose compiles Triton's cache already holds would spend most of its time there.
     The cache entry's key (kernel.hash) covers the source, the target, the options and the ptxas
     version, and cuobjdump comes with that ptxas, so one entry has one disassembly."""
     sass = _kept(kernel, ".sass")

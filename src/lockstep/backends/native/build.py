@@ -196,8 +196,8 @@ def _compile_widest(cc: list[str], out: str) -> tuple[str, str]:
 
 
 def _compile(cc: list[str], folder: Path | None = None, rebuild: bool = False) -> Path:
-    """The library `cc` builds: from the cache folder, compiled into it on first use (about 20 s of
-    a core), or compiled into `folder` when one is given. `rebuild`: compile even over a file
+    """The library `cc` builds: from the cache folder, compiled into it on first use (seconds of a
+    core), or compiled into `folder` when one is given. `rebuild`: compile even over a file
     already there (one that would not load)."""
     cached = cached_library(cc)
     if folder is None and cached.exists() and not rebuild:

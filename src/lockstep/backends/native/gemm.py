@@ -29,7 +29,7 @@ OUT_CODES = {torch.float32: 0, torch.bfloat16: 1}
 # lets it go: so at most one buffer is held, and only until the next GEMM. The LM head's backward
 # makes two copies the size of its weight in consecutive calls (d(hidden) needs the weight
 # transposed, the weight gradient the logits' gradient transposed); the second then reuses the
-# first's memory instead of page-faulting a fresh one in (311 MB: about 0.07 s on the project's VM).
+# first's memory instead of page-faulting a fresh one in (hundreds of MB at a real vocabulary).
 _REUSE_FROM_BYTES = 64 << 20
 _kept: list[Tensor] = []  # at most one uint8 buffer
 _kept_lock = threading.Lock()
@@ -192,9 +192,9 @@ def split_parts_supported(a: Tensor, b: Tensor, parts: int) -> bool:
             and parts & (parts - 1) == 0 and k % parts == 0 and k // parts * a.element_size() < _SLICE_BYTES)
 
 
-# Up to this many rows a split product runs as one call: it saves the composition's per-call costs
-# (decode: 1 x 1024 x 3072 in 4 parts 0.11 -> 0.055 ms on 2 threads). More rows run faster as the
-# composition, whose slices are a quarter of the row each and so stay in cache (1024 rows: 1.2x).
+# Up to this many rows a split product runs as one call, which saves the composition's per-call
+# costs (decode's case); more rows run faster as the composition, whose slices are a part of the
+# row each and so stay in cache (docs/benchmarks.md).
 _SPLIT_IN_ONE_CALL_ROWS = 32
 
 

@@ -93,7 +93,7 @@ static int x86_isas(void) {
 #endif
 
 /* Looked up once: every exported call checks its instruction set, and under a hypervisor each
- * CPUID traps (about 13 us a call). */
+ * CPUID traps to the hypervisor. */
 static int isa_mask;
 static pthread_once_t isa_once = PTHREAD_ONCE_INIT;
 

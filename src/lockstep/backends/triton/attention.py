@@ -37,12 +37,12 @@ class AttentionConfig(NamedTuple):
 # every BLOCK_Q (a key block a row cannot see is an exact no-op), so the tile is free to follow
 # speed, but the MMA instruction follows it: on an H200, 64 and 128 query rows gave other bits than
 # 16 and 32, each still batch invariant and with decode == prefill (bench_attention_tiles.py,
-# docs/gpu.md). (64, 4 warps) made prefill 2.3-3x faster than 16 rows and left decode as it was;
-# (128, 8 warps) was faster still at 8k-long prefill and 1.4x slower at a 32-sequence decode.
+# docs/gpu.md). (64, 4 warps) speeds prefill and leaves decode as it was; (128, 8 warps) wins
+# only at long prefill and loses at a many-sequence decode.
 FWD_CONFIGS = {None: AttentionConfig(BLOCK_Q), 90: AttentionConfig(64, 4, 3)}
 # The backward's query tile. It does fix an order: dK and dV sum the query rows BLOCK_Q at a time,
-# anchored at query 0 whatever the batch. 64 made forward + backward 1.8x faster than 16 on an
-# H200; 128 did not compile under Triton 3.6.
+# anchored at query 0 whatever the batch. 64 is the fastest that
+# compiles on Hopper (docs/gpu.md); 128 did not compile under Triton 3.6.
 BWD_BLOCK_Q = {None: BLOCK_Q, 90: 64}
 # Both tables were measured in bf16, and fp32 keeps the default tile on every GPU (ADR 0030): its
 # tiles, multiplied on FFMA, do not fit in registers at 64 query rows, where ptxas wrote 3.7-63 KB of

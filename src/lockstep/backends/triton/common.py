@@ -30,8 +30,8 @@ class GemmConfig(NamedTuple):
 # One GEMM configuration per dtype and GPU architecture; none depends on M. The Hopper (sm_90)
 # entries were chosen from `lockstep gpu-audit`'s figures (docs/gpu.md): wgmma works on a warpgroup
 # tile of 64 x N, and 64 x 128 x 64 keeps 238 registers and no spills where 128 x 128 reaches 255.
-# On an H200, 128 x 128 x 64 with 8 warps ran 10-15% faster at M >= 2048 and 1.5x slower at M = 1
-# (benchmarks/bench_gemm_tiles.py, docs/gpu.md); the default stays until the engine is measured.
+# A 128 x 128 x 64 tile with 8 warps wins at large M and loses at M = 1 (benchmarks/bench_gemm_tiles.py,
+# docs/gpu.md), so the default stays until the engine, which decodes at small M, is measured with it.
 # BLOCK_K fixes the order of each output's sum, so another architecture may give other bits
 # (docs/contract.md, section 7).
 GEMM_CONFIGS = {
