@@ -23,8 +23,9 @@ verify: $(STAMP)
 check: $(STAMP)
 	$(BIN)/lockstep check
 
+# One worker per core, at most 4 (each holds a real model at times); tests/_scheduling.py orders them.
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n auto --maxprocesses 4
 
 bench: $(STAMP)
 	$(BIN)/lockstep bench

@@ -1,15 +1,13 @@
-import json
 import os
-import pathlib
 import shutil
-import signal
-import subprocess
-import sys
 import tempfile
 import warnings
 
 import pytest
 import torch
+
+import _audit_process
+import _scheduling
 
 # Without a GPU the Triton kernels run under Triton's interpreter, which triton reads when it is
 # first imported: set it before anything imports triton.
@@ -27,135 +25,113 @@ def _reads_gpu_audit(item) -> bool:
     return "gpu_audit_output" in getattr(item, "fixturenames", ())
 
 
+_durations: _scheduling.DurationRecorder | None = None
+
+
+def _xdist_controller(config) -> bool:
+    return getattr(config.option, "dist", "no") != "no" and not hasattr(config, "workerinput")
+
+
+def pytest_configure(config):
+    """Under xdist the controller makes a folder that its workers share: the units of its schedule
+    (_scheduling) and the GPU audit (_audit_process). LOCKSTEP_RECORD_DURATIONS asks for the run's
+    durations (_scheduling)."""
+    global _durations
+    _durations = None if os.environ.get("PYTEST_XDIST_WORKER") else _scheduling.recorder()
+    if _xdist_controller(config):
+        config._lockstep_shared = os.environ["LOCKSTEP_XDIST_SHARED"] = tempfile.mkdtemp(prefix="lockstep-xdist-")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """`-n N` alone (xdist's "load") runs the units of _scheduling, longest first."""
+    if config.option.dist == "load":
+        return _scheduling.LongestFirst(config, log, config._lockstep_shared)
+    return None
+
+
+def _shared_audit() -> str | None:
+    """The GPU audit's folder under xdist (the controller's shared folder), else None."""
+    shared = os.environ.get("LOCKSTEP_XDIST_SHARED") if os.environ.get("PYTEST_XDIST_WORKER") else None
+    return os.path.join(shared, "audit") if shared else None
+
+
 def pytest_collection_modifyitems(config, items):
     """GPU tests run wherever CUDA is present; elsewhere they are deselected and counted aloud. The
-    tests that read the GPU audit run last (_GpuAudit)."""
-    if not os.environ.get("PYTEST_XDIST_WORKER"):
-        items.sort(key=_reads_gpu_audit)
+    tests that read the GPU audit run last (_audit_process); under xdist the longest work goes first
+    and tests that share an expensive fixture share a worker (_scheduling)."""
     if torch.cuda.is_available():
-        return
-    gpu = [item for item in items if "gpu" in item.keywords]
-    if gpu:
-        items[:] = [item for item in items if "gpu" not in item.keywords]
-        config.hook.pytest_deselected(items=gpu)
-        config._lockstep_gpu_deselected = len(gpu)
+        gpu = []
+    else:
+        gpu = [item for item in items if "gpu" in item.keywords]
+        if gpu:
+            items[:] = [item for item in items if "gpu" not in item.keywords]
+            config.hook.pytest_deselected(items=gpu)
+            config._lockstep_gpu_deselected = len(gpu)
+    if os.environ.get("PYTEST_XDIST_WORKER") and os.environ.get("LOCKSTEP_XDIST_SHARED"):
+        _scheduling.write_units(os.environ["LOCKSTEP_XDIST_SHARED"], _scheduling.order(items, last=_reads_gpu_audit))
+    else:
+        items.sort(key=_reads_gpu_audit)
 
 
 @pytest.hookimpl(trylast=True)          # after -k, -m, --deselect and --lf have had their say
 def pytest_collection_finish(session):
-    """A serial run whose tests read the GPU audit starts it now, at the lowest priority (_GpuAudit)."""
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        return
+    """A run whose tests read the GPU audit starts it now, at the lowest priority (_audit_process): a
+    serial run itself, under xdist the first worker to claim the audit's folder."""
     option = session.config.option
-    if session.items and _reads_gpu_audit(session.items[-1]) and not (option.collectonly or option.setupplan):
-        session.config._lockstep_gpu_audit = _GpuAudit(nice=19)
-
-
-# Runs `lockstep gpu-audit` in its own process group at the given priority (argv: nice, output
-# folder, the CLI's arguments). As soon as its parent, pytest, is gone, it removes the folder and
-# takes the whole group down, the audit's compile workers included: a pytest killed from outside
-# runs none of its own clean-up.
-_AUDIT_BOOTSTRAP = """
-import os, runpy, shutil, signal, sys, threading, time
-parent, out = os.getppid(), sys.argv[2]
-os.setpgrp()
-os.nice(int(sys.argv[1]))
-def watch():
-    while os.getppid() == parent:
-        time.sleep(1)
-    shutil.rmtree(out, ignore_errors=True)
-    os.killpg(0, signal.SIGKILL)
-threading.Thread(target=watch, daemon=True).start()
-sys.argv = ["lockstep"] + sys.argv[3:]
-runpy.run_module("lockstep.cli", run_name="__main__")
-"""
-
-
-class _GpuAudit:
-    """`lockstep gpu-audit` in a process of its own (the Triton backend must be imported with
-    TRITON_INTERPRET=0, which this process cannot undo), its output in a temporary folder.
-
-    On a fresh machine the audit compiles 538 binaries, about 12 minutes of one core, and the
-    serial suite leaves about a third of 2 cores idle; so a serial run starts it once its tests are
-    collected, at the lowest priority, and runs its tests last (ADR 0029)."""
-
-    def __init__(self, nice: int = 0):
-        self.out = tempfile.mkdtemp(prefix="lockstep-gpu-audit-")
-        self.log = open(os.path.join(self.out, "audit.log"), "w+")
-        self.stdout = open(os.path.join(self.out, "audit.txt"), "w+")
-        self.process = None
-        env = dict(os.environ)
-        env.pop("TRITON_INTERPRET", None)
-        try:
-            self.process = subprocess.Popen(
-                [sys.executable, "-c", _AUDIT_BOOTSTRAP, str(nice), self.out,
-                 "gpu-audit", "--out", self.out, "--json", os.path.join(self.out, "audit.json")],
-                stdin=subprocess.DEVNULL, stdout=self.stdout, stderr=self.log, env=env)
-        except BaseException:
-            self.stop(keep=False)
-            raise
-
-    def _log_tail(self) -> str:
-        self.log.seek(0)
-        return self.log.read()[-3000:]
-
-    def result(self, timeout: float) -> tuple[pathlib.Path, list[dict], str]:
-        """(output folder, the JSON records, stdout), once the audit has finished."""
-        try:
-            returncode = self.process.wait(timeout)
-        except subprocess.TimeoutExpired:
-            so_far = self._log_tail()
-            self.stop(keep=True)
-            raise AssertionError(f"lockstep gpu-audit did not finish in {timeout:.0f} s; its output so far, kept in "
-                                 f"{self.out}:\n{so_far}") from None
-        if returncode < 0:
-            raise AssertionError(f"lockstep gpu-audit was killed by signal {-returncode} (out of memory?); output "
-                                 f"in {self.out}:\n{self._log_tail()}")
-        if returncode != 0:
-            raise AssertionError(f"lockstep gpu-audit exited with {returncode}; output in {self.out}:\n{self._log_tail()}")
-        self.stdout.seek(0)
-        with open(os.path.join(self.out, "audit.json")) as f:
-            return pathlib.Path(self.out), json.load(f), self.stdout.read()
-
-    def stop(self, keep: bool) -> None:
-        """Stops the audit and its workers if they still run; the folder goes unless `keep`."""
-        if self.process is not None:
-            try:
-                os.killpg(self.process.pid, signal.SIGKILL)     # the workers too, should the audit have died first
-            except ProcessLookupError:
-                pass
-            if self.process.poll() is None:     # killed before its bootstrap made its group
-                self.process.kill()
-            self.process.wait()
-        if not self.log.closed:
-            self.log.close()
-            self.stdout.close()
-        if not keep:
-            shutil.rmtree(self.out, ignore_errors=True)
+    if not any(_reads_gpu_audit(item) for item in session.items) or option.collectonly or option.setupplan:
+        return
+    shared = _shared_audit()
+    if shared is None:
+        session.config._lockstep_gpu_audit = _audit_process.GpuAudit(nice=19)
+        return
+    try:
+        os.mkdir(shared)
+    except FileExistsError:
+        return
+    session.config._lockstep_gpu_audit = _audit_process.GpuAudit(nice=19, out=shared, watched=os.getppid())
 
 
 @pytest.fixture(scope="session")
 def gpu_audit_output(request):
     """The GPU audit's output folder, its JSON records and its stdout (tests/test_gpu_audit.py)."""
     audit = getattr(request.config, "_lockstep_gpu_audit", None)
-    if audit is None:                   # under xdist, or a run that was not going to ask for it
-        audit = request.config._lockstep_gpu_audit = _GpuAudit()
+    shared = _shared_audit()
+    if audit is None and shared and os.path.isdir(shared):
+        return _audit_process.wait_for_audit(shared, timeout=1500)      # another worker started it
+    if audit is None:                   # a run that was not going to ask for it
+        audit = request.config._lockstep_gpu_audit = _audit_process.GpuAudit()
     return audit.result(timeout=1500)
 
 
 def pytest_sessionfinish(session, exitstatus):
-    """The audit's output stays when a test failed, as pytest keeps a failed test's tmp_path."""
+    """The audit's output stays when a test failed, as pytest keeps a failed test's tmp_path. Under
+    xdist the controller stops the audit that one of its workers started."""
+    failed, kept = exitstatus != 0, None
     audit = getattr(session.config, "_lockstep_gpu_audit", None)
-    if audit is not None:
-        audit.stop(keep=exitstatus != 0)
-        if exitstatus != 0 and os.path.isdir(audit.out):
-            session.config._lockstep_gpu_audit_kept = audit.out
+    if audit is not None and not os.environ.get("PYTEST_XDIST_WORKER"):
+        audit.stop(keep=failed)
+        kept = audit.out
+    shared = getattr(session.config, "_lockstep_shared", None)
+    if shared is not None:
+        audit_folder = os.path.join(shared, "audit")
+        if os.path.isdir(audit_folder):
+            _audit_process.stop_audit(audit_folder, keep=True)
+            kept = audit_folder
+        if not failed:
+            shutil.rmtree(shared, ignore_errors=True)
+    if failed and kept and os.path.isdir(kept):
+        session.config._lockstep_gpu_audit_kept = kept
+    if _durations is not None:
+        _durations.write()
 
 
 def pytest_runtest_logreport(report):
     """With LOCKSTEP_FAILURE_LOG set, each failure's report is appended to that file as it happens
     (by the controller under xdist, once), so that a run stopped by a time limit, as on the GPU
     machine, still says why its failures failed."""
+    if _durations is not None:
+        _durations.add(report)
     path = os.environ.get("LOCKSTEP_FAILURE_LOG")
     if path and report.failed and not os.environ.get("PYTEST_XDIST_WORKER"):
         try:

@@ -1,5 +1,6 @@
 """The suite's own reporting, which the GPU machine's scripts (.ci/gpu, .ci/cpu-native) rely on."""
 
+import json
 import os
 import subprocess
 import sys
@@ -29,3 +30,43 @@ def test_a_failure_is_logged_as_it_happens(tmp_path, workers):
     text = log.read_text()
     assert text.startswith("==== test_planted.py::test_fails (call)\n") and "AssertionError: planted" in text
     assert text.count("==== ") == 1 and "test_passes" not in text
+
+
+def test_tests_that_share_an_expensive_fixture_run_on_one_worker_and_the_longest_first(tmp_path):
+    """Under `make test`'s workers (tests/_scheduling.py) a module fixture of SHARED_FIXTURES is made
+    once: the tests that use it form one unit on one worker. The heaviest unit (durations.json) starts
+    first. xdist's own loadgroup split such tests across workers under pytest 9."""
+    (tmp_path / "test_planted.py").write_text(
+        "import os, pytest\n\n"
+        "@pytest.fixture(scope='module')\n"
+        "def wheel_install():\n"
+        "    with open('made.txt', 'a') as f:\n"
+        "        f.write(os.environ['PYTEST_XDIST_WORKER'] + '\\n')\n\n"
+        + "".join(f"def test_shares_{i}(wheel_install):\n    pass\n\n" for i in range(6))
+        + "".join(f"def test_alone_{i}():\n    pass\n\n" for i in range(6)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
+    env.pop("PYTEST_XDIST_WORKER", None)
+    out = subprocess.run([sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "-p", "conftest", "--rootdir",
+                          str(tmp_path), "-n", "2", str(tmp_path / "test_planted.py")],
+                         env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert len((tmp_path / "made.txt").read_text().split()) == 1, out.stdout[-2000:]
+    assert out.stdout.count("PASSED") == 12, out.stdout[-2000:]
+
+
+def test_the_heaviest_unit_goes_first_and_the_audits_readers_last():
+    import _scheduling
+    from types import SimpleNamespace as Item
+
+    known = json.loads(_scheduling.DURATIONS.read_text())
+    slow = max(known, key=known.get)
+    items = [Item(nodeid="tests/test_a.py::test_light", fixturenames=[]),
+             Item(nodeid="tests/test_gpu_audit.py::test_reads", fixturenames=["gpu_audit_output"]),
+             Item(nodeid="tests/test_b.py::test_one", fixturenames=["reduced_build"]),
+             Item(nodeid=slow, fixturenames=[]),
+             Item(nodeid="tests/test_b.py::test_two", fixturenames=["tmp_path", "reduced_build"])]
+    units = _scheduling.order(items, last=lambda i: "gpu_audit_output" in i.fixturenames)
+    assert [i.nodeid for i in items] == [slow, "tests/test_b.py::test_one", "tests/test_b.py::test_two",
+                                         "tests/test_a.py::test_light", "tests/test_gpu_audit.py::test_reads"]
+    assert units == {"tests/test_b.py::test_one": "tests/test_b.py::reduced_build",
+                     "tests/test_b.py::test_two": "tests/test_b.py::reduced_build"}

@@ -16,7 +16,7 @@ from lockstep.harness.specs import Sizes  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SMALL = Sizes(hidden=96, out_features=40, heads=2, head_dim=16, ffn=64, vocab=1100, lm_hidden=32, embed_vocab=20,
-              pool=80)      # > every Triton tile (GEMM 32/64 rows, 64-row partial sums); small for the interpreter
+              pool=70)      # > every Triton tile (GEMM 32/64 rows, 64-row partial sums); small for the interpreter
 OPS = ["linear", "rms_norm", "rope", "silu_mul", "gelu_mul", "embedding", "log_softmax", "selected_logprobs", "vocab_logprobs",
        "cross_entropy"]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]

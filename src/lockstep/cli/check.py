@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import sys
 import time
 from typing import TYPE_CHECKING
 
@@ -13,7 +12,7 @@ import torch
 
 from .. import contract
 from .arguments import backend_name, check_name, dtype_list, model_arguments
-from .output import fmt, prepare_outputs, table, write_outputs
+from .output import fmt, live_status, prepare_outputs, table, write_outputs
 
 if TYPE_CHECKING:
     from ..harness import OpReport
@@ -52,16 +51,14 @@ def cmd_check(args: argparse.Namespace) -> int:
     print("  ".join(h.ljust(w) for h, w in zip(HEADER, WIDTHS)))
     print("  ".join("-" * w for w in WIDTHS))
     reports, failed, started = [], 0, time.time()
+    show, clear = live_status()
 
     def starting(name: str, dtype: torch.dtype, i: int, n: int) -> None:
-        print(f"\rchecking {name} {contract.dtype_name(dtype)} ({i + 1}/{n}, {time.time() - started:.0f}s)",
-              end="", file=sys.stderr, flush=True)
+        show(f"checking {name} {contract.dtype_name(dtype)} ({i + 1}/{n})")
 
-    live = sys.stderr.isatty()
     for r in harness.run_checks(names, args.dtype, backend, grad=not args.no_grad, seed=args.seed, device=args.device,
-                                large=args.large, starting=starting if live else None):
-        if live:
-            print("\r\033[K", end="", file=sys.stderr, flush=True)
+                                large=args.large, starting=starting if show else None):
+        clear()
         reports.append(r)
         print(_row(r), flush=True)
         if args.verbose:

@@ -7,6 +7,9 @@ import importlib.util
 import json
 import math
 import os
+import sys
+import time
+from typing import Callable
 
 from .arguments import UsageError
 
@@ -63,3 +66,21 @@ def write_outputs(args: argparse.Namespace, data: dict, title: str, sections: di
 
         write_html(json.loads(json.dumps(data if sections is None else sections, default=str)), args.html, title)
         print(f"report: {args.html}")
+
+
+def live_status() -> tuple[Callable[[str], None] | None, Callable[[], None]]:
+    """(show, clear) for a long command's progress: `show(text)` rewrites one status line on stderr,
+    with the seconds since the first call; `clear()` removes it before a result line. On a stderr
+    that is not a terminal (a log, CI) show is None and clear does nothing, so logs hold results only."""
+    if not sys.stderr.isatty():
+        return None, lambda: None
+    started: list[float] = []
+
+    def show(text: str) -> None:
+        started[:] = started or [time.time()]
+        print(f"\r\033[K{text} ({time.time() - started[0]:.0f}s)", end="", file=sys.stderr, flush=True)
+
+    def clear() -> None:
+        print("\r\033[K", end="", file=sys.stderr, flush=True)
+
+    return show, clear

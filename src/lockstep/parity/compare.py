@@ -126,6 +126,15 @@ class PhaseOutcome:
         return (f"max abs diff {number(d.max_abs_diff)}, max ulp diff {d.max_ulp_diff}, "
                 f"{d.differing}/{d.elements} elements differ")
 
+    def headline(self, number: Callable[[float], str]) -> str:
+        """The phase's outcome in one sentence, numbers written by `number`."""
+        if self.status == "not compared":
+            return "not compared (no op records on both sides; a KV-cache layout has no backward)"
+        if self.status == "identical":
+            return f"identical ({self.compared} op records compared)"
+        d = self.first
+        return f"first divergence at #{d.index} {self.module} {d.op} [{d.slot}]: {self.sizes(number)}"
+
     @property
     def unlisted(self) -> int:
         """Contaminated records beyond the names the divergence lists."""
@@ -145,14 +154,8 @@ def format_comparison(c: Comparison, label_a: str, label_b: str) -> str:
     lines = [f"parity: {label_a}  vs  {label_b}"]
     for o in outcomes(c):
         d = o.first
-        if o.status == "not compared":
-            lines.append(f"  {o.phase:8s}: not compared (no op records on both sides; a KV-cache layout has no backward)")
-        elif o.status == "identical":
-            lines.append(f"  {o.phase:8s}: identical ({o.compared} op records compared)")
-        else:
-            lines.append(f"  {o.phase:8s}: first divergence at #{d.index} {o.module} {d.op} [{d.slot}]: "
-                         + o.sizes(lambda x: f"{x:.3e}"))
-            if d.contaminated_count:
-                lines.append(f"            then {d.contaminated_count} later records differ: "
-                             + ", ".join(d.contaminated) + (f", ... (+{o.unlisted})" if o.unlisted > 0 else ""))
+        lines.append(f"  {o.phase:8s}: " + o.headline(lambda x: f"{x:.3e}"))
+        if d is not None and d.contaminated_count:
+            lines.append(f"            then {d.contaminated_count} later records differ: "
+                         + ", ".join(d.contaminated) + (f", ... (+{o.unlisted})" if o.unlisted > 0 else ""))
     return "\n".join(lines)

@@ -130,11 +130,12 @@ def _until_eos(ids: list[int], eos: int | None) -> list[int]:
 
 
 def transformers_greedy(hf, prompts: list[list[int]], max_new_tokens: int, pad: int, eos: int | None,
-                        decode, path: str) -> Completions:
+                        decode, path: str, progress: Callable[[str], None] = lambda text: None) -> Completions:
     """The prompt under test decoded greedily by `hf.generate` at every placement."""
     out = Completions(path)
     started = time.time()
-    for size, position in PLACEMENTS:
+    for i, (size, position) in enumerate(PLACEMENTS):
+        progress(f"{path}: batch {size}, position {position} ({i + 1}/{len(PLACEMENTS)})")
         ids, mask = left_padded(batch_of(prompts, size, position), pad)
         with torch.no_grad():
             generated = hf.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new_tokens,
@@ -146,7 +147,7 @@ def transformers_greedy(hf, prompts: list[list[int]], max_new_tokens: int, pad: 
 
 
 def engine_greedy(model: Transformer, prompts: list[list[int]], max_new_tokens: int, eos: int | None,
-                  decode) -> Completions:
+                  decode, progress: Callable[[str], None] = lambda text: None) -> Completions:
     """The prompt under test decoded greedily by lockstep's Engine at every placement (default
     scheduler), and in the largest batch under every scheduler setting."""
     out = Completions("lockstep Engine")
@@ -156,7 +157,8 @@ def engine_greedy(model: Transformer, prompts: list[list[int]], max_new_tokens: 
     # every run is a whole generate call, and `make verify` must stay short on a 2-core machine.
     runs = [(size, position, ENGINE_SETTINGS[0]) for size, position in PLACEMENTS if size in (1, 4, 8)]
     runs += [(PLACEMENTS[-2][0], PLACEMENTS[-2][1], s) for s in ENGINE_SETTINGS[1:]]
-    for size, position, (name, max_num_seqs, budget, tight, prefix) in runs:
+    for i, (size, position, (name, max_num_seqs, budget, tight, prefix)) in enumerate(runs):
+        progress(f"lockstep Engine: batch {size}, position {position}, {name} ({i + 1}/{len(runs)})")
         batch = batch_of(prompts, size, position)
         block_size = 16
         num_blocks = 2 * ceil_div(max(map(len, batch)) + max_new_tokens, block_size) + 1 if tight else None
@@ -195,9 +197,11 @@ def stock_logprob_mismatch(hf, prompts: list[list[int]], max_new_tokens: int, pa
 
 
 def run(model_for: Callable[[torch.dtype], Transformer], dtype: torch.dtype, max_new_tokens: int = 48, mismatch_dtypes=(torch.bfloat16, torch.float32),
-        log=print) -> ExperimentReport:
+        log=print, progress: Callable[[str], None] | None = None) -> ExperimentReport:
     """The whole experiment in `dtype`, and the stock logprob mismatch in each of mismatch_dtypes.
-    model_for(dtype) returns the lockstep model (a real checkpoint with a chat template)."""
+    model_for(dtype) returns the lockstep model (a real checkpoint with a chat template); `log` takes
+    each result line, `progress` (if given) a line before each generate call."""
+    progress = progress or (lambda text: None)
     from ..mode import batch_invariant
 
     model = model_for(dtype)
@@ -207,15 +211,16 @@ def run(model_for: Callable[[torch.dtype], Transformer], dtype: torch.dtype, max
     pad = eos if eos is not None else 0            # masked out; SmolLM2's own pad token is its eos
     report = ExperimentReport(contract.dtype_name(dtype), max_new_tokens, QUESTIONS[0])
     hf = transformers_model(model, dtype)
-    paths = [transformers_greedy(hf, prompts, max_new_tokens, pad, eos, tok.decode, "stock transformers")]
+    paths = [transformers_greedy(hf, prompts, max_new_tokens, pad, eos, tok.decode, "stock transformers", progress)]
     with batch_invariant():
         paths.append(transformers_greedy(hf, prompts, max_new_tokens, pad, eos, tok.decode,
-                                         "transformers + batch_invariant()"))
-    paths.append(engine_greedy(model, prompts, max_new_tokens, eos, tok.decode))
+                                         "transformers + batch_invariant()", progress))
+    paths.append(engine_greedy(model, prompts, max_new_tokens, eos, tok.decode, progress))
     for c in paths:
         report.paths.append(c.summary())
         log(f"{report.dtype:9s} {c.path:34s} runs={len(c.runs):<3d} unique completions={c.unique}  ({c.seconds:.0f} s)")
     for mdtype in mismatch_dtypes:
+        progress(f"stock transformers in {contract.dtype_name(mdtype)}: sampler vs training logprobs")
         stock = hf if mdtype == dtype else transformers_model(model, mdtype)
         row = {"dtype": contract.dtype_name(mdtype), **stock_logprob_mismatch(stock, prompts, max_new_tokens, pad, eos)}
         report.stock_logprob_mismatch.append(row)

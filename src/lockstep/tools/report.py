@@ -236,16 +236,10 @@ def _verify_section(v: dict) -> str:
 
 def _parity_section(p: dict) -> str:
     out = [f"<h2>First divergence: {html.escape(p.get('a', 'A'))} vs {html.escape(p.get('b', 'B'))}</h2>"]
+    css = {"not compared": "na", "identical": "pass", "diverged": "fail"}
     for o in outcomes(p):
-        d = o.first
-        if o.status == "not compared":
-            out.append(f"<p class=na>{o.phase}: not compared (no op records on both sides)</p>")
-        elif o.status == "identical":
-            out.append(f"<p class=pass>{o.phase}: identical ({o.compared} op records compared)</p>")
-        else:
-            out.append(f"<p class=fail>{o.phase}: first divergence at record #{d.index} <b>{html.escape(o.module)}"
-                       f" {html.escape(d.op)}</b> [{html.escape(d.slot)}]: {o.sizes(_fmt)}; "
-                       f"{d.contaminated_count} later records contaminated.</p>")
+        later = f"; {o.first.contaminated_count} later records contaminated." if o.status == "diverged" else ""
+        out.append(f"<p class={css[o.status]}>{o.phase}: {html.escape(o.headline(_fmt))}{later}</p>")
     out.append("<h2>Per-layer divergence heat map</h2><p class=note>max |a - b| of each op's output (forward) and "
                "input gradients (backward); green is bitwise equal.</p>")
     out.append(heat_map(p["per_op"], "forward"))

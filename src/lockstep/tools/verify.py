@@ -57,12 +57,14 @@ SETTINGS = (
 
 @dataclass
 class Aggregates:
-    max_abs_dlogp: float = 0.0
-    approx_kl0: float = 0.0
-    clipfrac0: float = 0.0
-    tokens: int = 0
-    token_agreement: float = 1.0
-    settings: int = 0
+    """One row of the gate, over every engine setting: the engine's logprobs against the trainer's
+    recomputation of the same tokens (lockstep.mismatch). Exact means no difference at all."""
+    max_abs_dlogp: float = 0.0      # max |trainer - engine| logprob over every token
+    approx_kl0: float = 0.0         # k3 estimate of KL(engine || trainer), before any update
+    clipfrac0: float = 0.0          # share of tokens whose ratio falls outside the contract's clip range
+    tokens: int = 0                 # tokens compared
+    token_agreement: float = 1.0    # share of first completions that equal the first setting's
+    settings: int = 0               # engine settings run (SETTINGS)
 
     @property
     def exact(self) -> bool:
@@ -169,8 +171,13 @@ def samplings(max_new_tokens: int, seed: int) -> list[tuple[str, SamplingParams]
 
 def run(make_model: Callable[[torch.dtype], Transformer], dtypes: list[torch.dtype], prompts: list[list[int]] | None = None,
         max_new_tokens: int = 16, seed: int = 0, settings: tuple[Setting, ...] | None = None,
-        with_eager: bool = True, log: Callable[[str], None] = print) -> VerifyReport:
+        with_eager: bool = True, log: Callable[[str], None] = print,
+        progress: Callable[[str], None] | None = None) -> VerifyReport:
+    """The gate for each of `dtypes`: every engine setting against the trainer's logprobs, for each
+    sampling, and the eager rows beside them; `log` takes each result line, `progress` (if given) a
+    line before each step."""
     settings = settings or SETTINGS
+    progress = progress or (lambda text: None)
     clip = tuple(contract.load()["chain"]["clip_range"])
     report = VerifyReport()
     for dtype in dtypes:
@@ -179,7 +186,11 @@ def run(make_model: Callable[[torch.dtype], Transformer], dtypes: list[torch.dty
         for label, sp in samplings(max_new_tokens, seed):
             temp = sp.temperature if sp.temperature > 0 else 1.0
             started = time.time()
-            runs = [_generate(model, ps, sp, s, max_new_tokens) for s in settings]
+            runs = []
+            for i, s in enumerate(settings):
+                progress(f"{contract.dtype_name(dtype)} {label}: engine setting {i + 1}/{len(settings)}, {s.name}")
+                runs.append(_generate(model, ps, sp, s, max_new_tokens))
+            progress(f"{contract.dtype_name(dtype)} {label}: the trainer's logprobs of every completion")
             agg = _compare(model, ps, runs, temp, clip, alone_too=True)
             row = {"dtype": contract.dtype_name(dtype), "sampling": label, "path": "lockstep", **asdict(agg),
                    "exact": agg.exact, "seconds": round(time.time() - started, 2)}
@@ -187,6 +198,7 @@ def run(make_model: Callable[[torch.dtype], Transformer], dtypes: list[torch.dty
             report.passed &= agg.exact
             log(_format_row(row))
             if with_eager:
+                progress(f"{contract.dtype_name(dtype)} {label}: eager PyTorch")
                 with use_backend("eager"):
                     eager_settings = (settings[0], settings[1])
                     eruns = [_generate(model, ps, sp, s, max_new_tokens) for s in eager_settings]
@@ -195,6 +207,7 @@ def run(make_model: Callable[[torch.dtype], Transformer], dtypes: list[torch.dty
                        **asdict(eagg), "exact": eagg.exact}
                 report.rows.append(row)
                 log(_format_row(row))
+        progress(f"{contract.dtype_name(dtype)}: the backward chain")
         ok = backward_chain_ok(model, ps)
         report.backward_chain[contract.dtype_name(dtype)] = ok
         report.passed &= ok

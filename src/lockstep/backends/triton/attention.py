@@ -146,6 +146,21 @@ def _probs_and_dp(q, do, k, v, keys, key_ok, pos, row_ok, shift, l_safe, scale, 
     return p, dot(do, tl.trans(v), PRECISION)
 
 
+@triton.jit
+def _key_block_probs(q, do, k_ptr, v_ptr, k0, ks, len_k, hk, stride_kt, stride_kh, d, d_ok, pos, row_ok, shift, l_safe,
+                     scale, window, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr,
+                     BLOCK_K: tl.constexpr):
+    """The key block at k0 of a query block's backward: its keys, p and dp (both dq passes recompute them)."""
+    keys = k0 + tl.arange(0, BLOCK_K)
+    key_ok = keys < len_k
+    kmask = key_ok[:, None] & d_ok[None, :]
+    k = tl.load(_tile(k_ptr, ks, keys, hk, stride_kt, stride_kh, d), mask=kmask, other=0.0)
+    v = tl.load(_tile(v_ptr, ks, keys, hk, stride_kt, stride_kh, d), mask=kmask, other=0.0)
+    p, dp = _probs_and_dp(q, do, k, v, keys, key_ok, pos, row_ok, shift, l_safe, scale, window, CAUSAL, HAS_WINDOW,
+                          PRECISION)
+    return k, p, dp
+
+
 @triton.jit(do_not_specialize=INT_ARGS + ["scale"])
 def attn_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, m_ptr, l_ptr, blk_seq_ptr, blk_q0_ptr, cu_q_ptr, cu_k_ptr,
                     lens_ptr, table_ptr, Hq, Hkv, D, scale, window, stride_qt, stride_qh, stride_kt, stride_kh,
@@ -202,23 +217,13 @@ def attn_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, m_ptr, l_ptr, dq_ptr, delta_
     l_safe = tl.where(l_i == 0, 1.0, l_i)
     delta = tl.zeros((BLOCK_Q,), dtype=tl.float32)
     for k0 in range(lo, hi, BLOCK_K):
-        keys = k0 + tl.arange(0, BLOCK_K)
-        key_ok = keys < len_k
-        kmask = key_ok[:, None] & d_ok[None, :]
-        k = tl.load(_tile(k_ptr, ks, keys, hk, stride_kt, stride_kh, d), mask=kmask, other=0.0)
-        v = tl.load(_tile(v_ptr, ks, keys, hk, stride_kt, stride_kh, d), mask=kmask, other=0.0)
-        p, dp = _probs_and_dp(q, do, k, v, keys, key_ok, pos, row_ok, shift, l_safe, scale, window, CAUSAL,
-                              HAS_WINDOW, PRECISION)
+        k, p, dp = _key_block_probs(q, do, k_ptr, v_ptr, k0, ks, len_k, hk, stride_kt, stride_kh, d, d_ok, pos,
+                                    row_ok, shift, l_safe, scale, window, CAUSAL, HAS_WINDOW, PRECISION, BLOCK_K)
         delta += tl.sum(p * dp, axis=1)
     dq = tl.zeros((BLOCK_Q, BLOCK_D), dtype=tl.float32)
     for k0 in range(lo, hi, BLOCK_K):
-        keys = k0 + tl.arange(0, BLOCK_K)
-        key_ok = keys < len_k
-        kmask = key_ok[:, None] & d_ok[None, :]
-        k = tl.load(_tile(k_ptr, ks, keys, hk, stride_kt, stride_kh, d), mask=kmask, other=0.0)
-        v = tl.load(_tile(v_ptr, ks, keys, hk, stride_kt, stride_kh, d), mask=kmask, other=0.0)
-        p, dp = _probs_and_dp(q, do, k, v, keys, key_ok, pos, row_ok, shift, l_safe, scale, window, CAUSAL,
-                              HAS_WINDOW, PRECISION)
+        k, p, dp = _key_block_probs(q, do, k_ptr, v_ptr, k0, ks, len_k, hk, stride_kt, stride_kh, d, d_ok, pos,
+                                    row_ok, shift, l_safe, scale, window, CAUSAL, HAS_WINDOW, PRECISION, BLOCK_K)
         ds = p * (dp - delta[:, None])
         dq += dot_mixed(ds, k, PRECISION) * scale
     tl.store(_tile(dq_ptr, qs, rows, h, stride_qt, stride_qh, d), cast_out(dq, dq_ptr), mask=qmask)
