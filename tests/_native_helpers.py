@@ -34,15 +34,12 @@ def isa(monkeypatch):
 @pytest.fixture(scope="module")
 def unfused():
     """The native kernel set without its fused row reductions, split products and SiLU:
-    fixed_order's PyTorch compositions on the native GEMMs, exp and log."""
+    fixed_order's PyTorch compositions on the native GEMMs, exp and log (a `kernels` argument)."""
     from lockstep.backends.native.cpu import KERNELS
-    from lockstep.numerics.cpu_kernels import register_cpu_kernels
 
-    register_cpu_kernels(KERNELS._replace(name="native-unfused", row_sum=None, log_softmax=None,
-                                          log_softmax_backward=None, lse_fold=None, logit_grad=None,
-                                          split_matmul_rows=None, silu=None, silu_backward=None,
-                                          weight_grad_node=None))
-    return "native-unfused"
+    return KERNELS._replace(name="native-unfused", row_sum=None, log_softmax=None, log_softmax_backward=None,
+                            lse_fold=None, logit_grad=None, split_matmul_rows=None, silu=None, silu_backward=None,
+                            weight_grad_node=None)
 
 
 def _fma32(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:

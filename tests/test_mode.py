@@ -15,7 +15,7 @@ from lockstep.integrations import hf
 from lockstep import mode
 from lockstep.mode import dispatch
 from lockstep import contract, ops, registry
-from lockstep.numerics import cpu_kernels, fixed_order
+from lockstep.numerics import fixed_order
 
 import _reblocking_blas
 from _models import hf_config
@@ -389,8 +389,7 @@ def test_gemma_softcapping_under_the_mode_and_its_refusal_by_patch():
         inside = torch.tanh(x)
         assert torch.equal(inside, torch.tanh(torch.stack([x, x], 1)[:, 0]))
     # The mode's exp is the CPU backend's (native: lockstep's own, ADR 0010).
-    with cpu_kernels.cpu_kernels("native" if registry.cpu_backend() == "native" else "torch"):
-        expected = 1.0 - 2.0 / (fixed_order.exp(x * 2.0) + 1.0)
+    expected = 1.0 - 2.0 / (fixed_order.exp(x * 2.0, kernels=registry.cpu_backend_kernel_set()) + 1.0)
     assert torch.equal(inside, expected)
 
 
@@ -408,9 +407,10 @@ def test_grouped_mm_forms_the_mode_does_not_cover_raise_under_strict():
     offs = torch.tensor([2, 6], dtype=torch.int32)
     from lockstep.numerics.fixed_order import matmul_rows
 
+    kernels = registry.cpu_backend_kernel_set()        # the mode's kernels
     with lockstep.batch_invariant(strict=True):
         out = torch.nn.functional.grouped_mm(rows, weights, offs=offs)
-        assert torch.equal(out[:2], matmul_rows(rows[:2], weights[0]))
-        assert torch.equal(out[2:], matmul_rows(rows[2:], weights[1]))
+        assert torch.equal(out[:2], matmul_rows(rows[:2], weights[0], kernels=kernels))
+        assert torch.equal(out[2:], matmul_rows(rows[2:], weights[1], kernels=kernels))
         with pytest.raises(RuntimeError, match="aten::_grouped_mm is covered for 2-D rows against 3-D weights"):
             torch.nn.functional.grouped_mm(rows.t().contiguous(), torch.randn(6, 4), offs=offs)

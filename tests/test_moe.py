@@ -32,14 +32,13 @@ def test_router_probabilities_take_the_cpu_backends_exp():
     """The router's exp is the native kernels', the same on every CPU: PyTorch's fp32 exp may take
     MKL's vector math, whose bits follow the instruction set (ADR 0010). tests/test_native_bits.py digests
     the router under each kernel selection."""
-    from lockstep.numerics import cpu_kernels, fixed_order
+    from lockstep.numerics import fixed_order
     from lockstep import ops
     from lockstep.model.moe import router_probs
-    from lockstep.registry import cpu_backend
+    from lockstep.registry import cpu_backend, cpu_backend_kernel_set
 
     logits = torch.rand(64, 16, generator=torch.Generator().manual_seed(2)) * 16 - 8
-    with cpu_kernels.cpu_kernels(cpu_backend()):
-        want = fixed_order.exp(ops.log_softmax(logits))
+    want = fixed_order.exp(ops.log_softmax(logits), kernels=cpu_backend_kernel_set())
     assert cpu_backend() == "native" and torch.equal(router_probs(logits), want)
 
 

@@ -9,9 +9,11 @@ import platform
 import pytest
 import torch
 
+from lockstep import ops
 from lockstep.numerics import fixed_order
+from lockstep.numerics.softcap import softcap
 from lockstep.backends.native import build, unary
-from lockstep.backends.native.cpu import native_kernels
+from lockstep.backends.native.cpu import KERNELS
 from lockstep.model import ModelConfig, Transformer
 
 from _native_helpers import isa  # noqa: F401  (fixtures)
@@ -82,42 +84,43 @@ def test_sqrt_is_the_ieee_root_in_every_instruction_set(monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
 def test_exp_log_and_roots_on_the_kernels_are_differentiable_as_torchs(dtype):
     """fixed_order's exp, log, sqrt and rsqrt on the native kernels, called where autograd records
-    (softcap's tanh, Transformer.logits under the mode), give torch's formulas' gradients on their
-    own values; where autograd does not record, the kernels' result carries no graph."""
+    (softcap's tanh on a softcapped LM head), give torch's formulas' gradients on their own values;
+    where autograd does not record, the kernels' result carries no graph."""
     gen = torch.Generator().manual_seed(4)
     x = (torch.rand(1000, generator=gen, dtype=torch.float64) * 4 + 0.1).to(dtype).requires_grad_(True)
     g = torch.randn(1000, generator=gen, dtype=torch.float64).to(dtype)
-    with native_kernels():
-        for fn, dydx in ((fixed_order.exp, lambda y: g * y), (fixed_order.log, lambda y: g / x.detach()),
-                         (fixed_order.sqrt, lambda y: g / (2 * y))):
-            y = fn(x)
-            assert torch.equal(y.detach(), getattr(unary, fn.__name__)(x.detach()))
-            (dx,) = torch.autograd.grad(y, x, g)
-            assert torch.equal(dx, dydx(y.detach())), fn.__name__
-        y = fixed_order.rsqrt(x)
+    for fn, dydx in ((fixed_order.exp, lambda y: g * y), (fixed_order.log, lambda y: g / x.detach()),
+                     (fixed_order.sqrt, lambda y: g / (2 * y))):
+        y = fn(x, kernels=KERNELS)
+        assert torch.equal(y.detach(), getattr(unary, fn.__name__)(x.detach()))
         (dx,) = torch.autograd.grad(y, x, g)
-        root = unary.sqrt(x.detach())
-        r = 1 / root
-        assert torch.equal(y.detach(), r) and torch.equal(dx, (-g * (r * r)) / (2 * root))
-        assert type(fixed_order.exp(x).grad_fn).__name__ == "_OnKernelsBackward"
-        assert fixed_order.exp(x.detach()).grad_fn is None
-        with pytest.raises(RuntimeError, match="out: sqrt into out= does not support automatic differentiation"):
-            fixed_order.sqrt(x, out=torch.empty_like(x.detach()))
+        assert torch.equal(dx, dydx(y.detach())), fn.__name__
+    y = fixed_order.rsqrt(x, kernels=KERNELS)
+    (dx,) = torch.autograd.grad(y, x, g)
+    root = unary.sqrt(x.detach())
+    r = 1 / root
+    assert torch.equal(y.detach(), r) and torch.equal(dx, (-g * (r * r)) / (2 * root))
+    assert type(fixed_order.exp(x, kernels=KERNELS).grad_fn).__name__ == "_OnKernelsBackward"
+    assert fixed_order.exp(x.detach(), kernels=KERNELS).grad_fn is None
+    with pytest.raises(RuntimeError, match="out: sqrt into out= does not support automatic differentiation"):
+        fixed_order.sqrt(x, out=torch.empty_like(x.detach()), kernels=KERNELS)
 
 
 def test_softcapped_logits_on_the_kernels_keep_their_gradient():
-    """Transformer.logits softcaps through fixed_order.exp, which runs on the native kernels under
-    them (the mode enters them): its gradient reaches every weight, finite and nonzero, and the same
-    bits twice (before ADR 0027 the backward raised: the capped logits carried no graph). The
-    formulas' bits are test_exp_log_and_roots_on_the_kernels_are_differentiable_as_torchs'."""
+    """A model's logits softcapped as Transformer.logits caps them, with fixed_order.exp on the
+    native kernels: the gradient reaches every weight, finite and nonzero, and the same bits twice
+    (before ADR 0027 the backward raised: the capped logits carried no graph). The formulas' bits
+    are test_exp_log_and_roots_on_the_kernels_are_differentiable_as_torchs'."""
     model = Transformer.from_config(ModelConfig.tiny("gemma3_text", vocab_size=300, final_logit_softcapping=30.0),
                                     seed=0)
     ids, cu = torch.randint(0, 300, (12,), generator=torch.Generator().manual_seed(0)), torch.tensor([0, 12])
+    cap = model.config.final_logit_softcapping
     grads = []
     for _ in range(2):
         model.zero_grad()
-        with native_kernels():
-            model.logits(ids, cu).square().sum().backward()
+        logits = ops.linear(model(ids, cu), model.lm_head_weight)
+        capped, _ = softcap(logits.to(fixed_order.accumulate_dtype(logits.dtype)), cap, kernels=KERNELS)
+        capped.square().sum().backward()
         assert all(p.grad is not None and p.grad.isfinite().all() and p.grad.abs().max() > 0
                    for p in model.parameters())
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))

@@ -13,7 +13,7 @@ import torch
 
 from lockstep.numerics import exact_math, fixed_order
 from lockstep.backends.native import build, gemm, unary
-from lockstep.backends.native.cpu import native_kernels
+from lockstep.backends.native.cpu import KERNELS
 from lockstep.harness.check import num_threads
 
 from _native_helpers import isa  # noqa: F401  (fixtures)
@@ -97,13 +97,13 @@ def test_a_products_dtype_follows_its_first_operand():
     gen = torch.Generator().manual_seed(2)
     a, b = torch.randn(6, 40, generator=gen), torch.randn(40, 5, generator=gen, dtype=torch.float64)
     g, x = torch.randn(6, 3, generator=gen), torch.randn(6, 7, generator=gen, dtype=torch.float64)
-    with native_kernels():
-        assert torch.equal(fixed_order.matmul_rows(a, b), fixed_order.matmul_rows(a, b.float()))
-        assert torch.equal(fixed_order.weight_grad(g, x), fixed_order.weight_grad(g, x.float()))
-        wide = fixed_order.matmul_rows(b.t(), a.t())
-        assert wide.dtype == torch.float64 and torch.equal(wide, fixed_order.matmul_rows(b.t(), a.t().double()))
-        wide = fixed_order.weight_grad(x, g)
-        assert wide.dtype == torch.float64 and torch.equal(wide, fixed_order.weight_grad(x, g.double()))
+    mm, wg = fixed_order.matmul_rows, fixed_order.weight_grad
+    assert torch.equal(mm(a, b, kernels=KERNELS), mm(a, b.float(), kernels=KERNELS))
+    assert torch.equal(wg(g, x, kernels=KERNELS), wg(g, x.float(), kernels=KERNELS))
+    wide = mm(b.t(), a.t(), kernels=KERNELS)
+    assert wide.dtype == torch.float64 and torch.equal(wide, mm(b.t(), a.t().double(), kernels=KERNELS))
+    wide = wg(x, g, kernels=KERNELS)
+    assert wide.dtype == torch.float64 and torch.equal(wide, wg(x, g.double(), kernels=KERNELS))
 
 
 @pytest.mark.parametrize("k", [1029, 4133], ids=lambda k: f"K={k}")
@@ -124,16 +124,15 @@ def test_float64_gemm_bits_across_instruction_sets_threads_and_rows(k, isa):
         isa(name)
         for threads in (1, 2, 3):
             torch.set_num_threads(threads)
-            with native_kernels():
-                outs.append((fixed_order.matmul_rows(a, b.t(), bias), fixed_order.weight_grad(g, a),
-                             fixed_order.matmul_rows(batched, batched.transpose(-1, -2))))
+            outs.append((fixed_order.matmul_rows(a, b.t(), bias, kernels=KERNELS),
+                         fixed_order.weight_grad(g, a, kernels=KERNELS),
+                         fixed_order.matmul_rows(batched, batched.transpose(-1, -2), kernels=KERNELS)))
     for other in outs[1:]:
         assert all(torch.equal(x, y) for x, y in zip(outs[0], other))
     y = outs[0][0]
-    with native_kernels():
-        assert torch.equal(fixed_order.matmul_rows(a[5:6], b.t(), bias), y[5:6])
-        assert torch.equal(fixed_order.matmul_rows(a[:8], b.t(), bias), y[:8])
-        assert torch.equal(fixed_order.matmul_rows(a, b[7:9].t(), bias[7:9]), y[:, 7:9])
+    assert torch.equal(fixed_order.matmul_rows(a[5:6], b.t(), bias, kernels=KERNELS), y[5:6])
+    assert torch.equal(fixed_order.matmul_rows(a[:8], b.t(), bias, kernels=KERNELS), y[:8])
+    assert torch.equal(fixed_order.matmul_rows(a, b[7:9].t(), bias[7:9], kernels=KERNELS), y[:, 7:9])
     assert y.dtype == torch.float64 and torch.equal(y, gemm.gemm_nt(a, b, bias, out_dtype=torch.float64))
     assert torch.equal(outs[0][1], gemm.gemm_nt(g.t().contiguous(), a.t().contiguous(), out_dtype=torch.float64))
     assert torch.equal(outs[0][2], torch.stack([gemm.gemm_nt(t, t, out_dtype=torch.float64) for t in batched]))

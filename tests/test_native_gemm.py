@@ -10,8 +10,9 @@ import itertools
 import pytest
 import torch
 
-from lockstep.numerics.cpu_kernels import cpu_kernels
 from lockstep import ops, registry
+from lockstep.backends.portable import linear as portable_linear
+from lockstep.backends.portable import selected_logprobs as portable_slp
 from lockstep.backends.native import build, gemm
 from lockstep.harness.check import num_threads
 
@@ -245,9 +246,9 @@ def test_a_unit_trees_weight_gradient_in_one_call_is_the_composition_bit_for_bit
         x = torch.randn(rows, k, generator=gen).to(dtype)
         g[rows // 2, 3], x[rows - 1, 2] = float("nan"), float("inf")
         got = []
-        for kernels in (KERNELS.name, unfused):
-            with num_threads(threads), cpu_kernels(kernels):
-                got.append(fo.weight_grad_node(g, x, bounds, torch.empty(n, k), []))
+        for kernels in (KERNELS, unfused):
+            with num_threads(threads):
+                got.append(fo.weight_grad_node(g, x, bounds, torch.empty(n, k), [], kernels=kernels))
         assert torch.equal(_bits(got[0]), _bits(got[1])), (name, threads, bounds[:4])
     # Inside a unit tree: four units of unequal length in one micro-batch, so each tree gets one
     # piece of four units, its node made in one call on the native set.
@@ -256,11 +257,12 @@ def test_a_unit_trees_weight_gradient_in_one_call_is_the_composition_bit_for_bit
     w, head = (torch.randn(40, 24, generator=gen) / 4).to(dtype), (torch.randn(300, 40, generator=gen) / 4).to(dtype)
     targets = torch.randint(0, 300, (17,), generator=gen)
     totals = []
-    for kernels in (KERNELS.name, unfused):
+    for kernels in (KERNELS, unfused):
         params = [("head", torch.nn.Parameter(head.clone())), ("w", torch.nn.Parameter(w.clone()))]
         trees = grad_tree.UnitTrees(params)
-        with trees.active(), grad_tree.unit_rows(offsets, 0), registry.use_backend("portable"), cpu_kernels(kernels):
-            ops.selected_logprobs(ops.linear(x, params[1][1]), params[0][1], targets, 1.0).sum().backward()
+        with trees.active(), grad_tree.unit_rows(offsets, 0):
+            hidden = portable_linear.linear(x, params[1][1], None, kernels=kernels)
+            portable_slp.selected_logprobs(hidden, params[0][1], targets, 1.0, kernels=kernels).sum().backward()
         totals.append([trees.trees[key].total() for key in trees.keys()])
     assert len(totals[0]) == 2 and all(torch.equal(_bits(a), _bits(b)) for a, b in zip(*totals))
     with pytest.raises(ValueError, match="out: expected a contiguous torch.float32 tensor of shape"):
@@ -287,11 +289,11 @@ def test_a_split_product_in_one_call_is_the_composition_bit_for_bit(unfused, dty
             dy = torch.randn(rows, n, generator=gen).to(dtype)
             dy[-1, 1] = float("nan")
             results = []
-            for kernels in (KERNELS.name, unfused):
+            for kernels in (KERNELS, unfused):
                 xx, ww = x.clone().requires_grad_(), w.clone().requires_grad_()
-                # The portable op on a chosen kernel set (the native op would select the native set).
-                with num_threads(threads), registry.use_backend("portable"), cpu_kernels(kernels):
-                    y = ops.linear(xx, ww, split_k=split_k, split_n=split_n)
+                # The portable op on a chosen kernel set (the native op passes the native set).
+                with num_threads(threads):
+                    y = portable_linear.linear(xx, ww, None, split_k, split_n, kernels=kernels)
                     y.backward(dy)
                 results.append((y.detach(), xx.grad, ww.grad))
             for fused, composed in zip(*results):

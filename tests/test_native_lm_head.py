@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lockstep.numerics.cpu_kernels import cpu_kernels
 from lockstep.backends.native import build
 from lockstep.harness.check import num_threads
 
@@ -46,16 +45,17 @@ def test_lse_fold_and_logit_grad_in_c_are_the_compositions_bit_for_bit(unfused, 
         for temperature in (1.0, 0.7):
             for threads in (1, 2):
                 results = []
-                for kernels in (unfused, KERNELS.name):
-                    with num_threads(threads), cpu_kernels(kernels):
-                        run = fo.lse_fold(first, temperature, None)
+                for kernels in (unfused, KERNELS):
+                    with num_threads(threads):
+                        run = fo.lse_fold(first, temperature, None, kernels=kernels)
                         nan_run = (run[0].clone(), run[1])
                         nan_run[0][7] = float("nan")
-                        results.append((*run, *fo.lse_fold(later, temperature, run),
-                                        *fo.lse_fold(later, temperature, nan_run),
-                                        *fo.lse_fold(pieces, temperature, None, width=length),
-                                        *fo.lse_fold(pieces, temperature, run, width=length),
-                                        *(fo.logit_grad(chunk, temperature, lse, local, inside, scale, out)
+                        results.append((*run, *fo.lse_fold(later, temperature, run, kernels=kernels),
+                                        *fo.lse_fold(later, temperature, nan_run, kernels=kernels),
+                                        *fo.lse_fold(pieces, temperature, None, width=length, kernels=kernels),
+                                        *fo.lse_fold(pieces, temperature, run, width=length, kernels=kernels),
+                                        *(fo.logit_grad(chunk, temperature, lse, local, inside, scale, out,
+                                                        kernels=kernels)
                                           for chunk in (first, later) for out in (torch.float32, torch.bfloat16))))
                 for i, (want, got) in enumerate(zip(*results)):
                     assert want.dtype == got.dtype and torch.equal(_bits(want), _bits(got)), \
@@ -98,8 +98,7 @@ def test_the_logit_row_kernels_name_a_bad_argument():
         rows.lse_fold(chunk, 1.0, None, width=0)
     from lockstep.numerics import fixed_order as fo
 
-    with cpu_kernels("torch"), pytest.raises(ValueError, match="width: expected a positive number of columns, "
-                                                                 "got -1"):
+    with pytest.raises(ValueError, match="width: expected a positive number of columns, got -1"):
         fo.lse_fold(chunk, 1.0, None, width=-1)
     with pytest.raises(ValueError, match="out_dtype: expected torch.float32 or torch.bfloat16, got torch.float16"):
         rows.logit_grad(chunk, 1.0, torch.zeros(3), torch.zeros(3), torch.zeros(3), torch.ones(3), torch.float16)

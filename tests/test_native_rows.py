@@ -8,7 +8,6 @@ import itertools
 import pytest
 import torch
 
-from lockstep.numerics.cpu_kernels import cpu_kernels
 from lockstep import ops, registry
 from lockstep.backends.native import build
 from lockstep.harness.check import num_threads
@@ -99,17 +98,21 @@ def test_rms_norm_backward_in_c_is_the_portable_arithmetic_unit_by_unit(dtype, i
         assert torch.isfinite(native[0][finite_rows]).all()
 
 
-def _fused_and_composed(op, inputs: tuple[torch.Tensor, ...], grad: torch.Tensor, **kwargs) -> list:
+def _fused_and_composed(op: str, inputs: tuple[torch.Tensor, ...], grad: torch.Tensor, *args) -> list:
     """op's output and input gradients on the native backend (rope and silu_mul: one C pass each in
     fp32 and bf16) and as the portable composition on the native exp (what the native backend ran
-    before them): [(fused, composed), ...]."""
-    from lockstep.backends.native.cpu import native_kernels
+    before them): [(fused, composed), ...]. args: the op's arguments after its tensors, positional
+    as the backends take them."""
+    import importlib
 
+    from lockstep.backends.native.cpu import KERNELS
+
+    composition = getattr(importlib.import_module(f"lockstep.backends.portable.{op}"), op)
+    kernels = {"kernels": KERNELS} if op == "silu_mul" else {}       # rope's portable op has no kernel form
     results = []
-    for backend in ("native", "portable"):
+    for run in (registry.registered("native")[op], lambda *a: composition(*a, **kernels)):
         leaves = [t.clone().requires_grad_() for t in inputs]
-        with registry.use_backend(backend), native_kernels():
-            y = op(*leaves, **kwargs)
+        y = run(*leaves, *args)
         y.backward(grad)
         results.append([y.detach()] + [t.grad for t in leaves])
     return list(zip(*results))
@@ -133,7 +136,7 @@ def test_rope_and_silu_mul_in_c_are_the_compositions_bit_for_bit(dtype, isa):
                     gate.view(-1)[[5, 1, 2]] = torch.tensor([float("nan"), float("inf"), float("-inf")], dtype=dtype)
                     up.view(-1)[3] = float("inf")
                     dy = torch.randn(rows, width, generator=gen).to(dtype)
-                    for fused, composed in _fused_and_composed(ops.silu_mul, (gate, up), dy):
+                    for fused, composed in _fused_and_composed("silu_mul", (gate, up), dy):
                         assert torch.equal(_bits(fused), _bits(composed)), (name, threads, rows, width)
                     assert torch.isfinite(ops.silu_mul(gate, up).view(-1)[6:]).all()
                 for tokens, heads, head_dim in ((5, 3, 8), (70, 4, 128), (7, 2, 2), (9, 2, 256)):
@@ -142,8 +145,7 @@ def test_rope_and_silu_mul_in_c_are_the_compositions_bit_for_bit(dtype, isa):
                     positions = torch.randint(0, 40_000, (tokens,), generator=gen)
                     dy = torch.randn(tokens, heads, head_dim, generator=gen).to(dtype)
                     for style in ("neox", "gptj"):
-                        for fused, composed in _fused_and_composed(ops.rope, (x,), dy, positions=positions,
-                                                                   theta=1e6, style=style):
+                        for fused, composed in _fused_and_composed("rope", (x,), dy, positions, 1e6, style, None):
                             assert torch.equal(_bits(fused), _bits(composed)), (name, threads, head_dim, style)
         if dtype == torch.float16:
             break  # the composition itself, on every instruction set in the digest
@@ -195,15 +197,12 @@ def test_row_sum_and_log_softmax_in_c_are_the_compositions_bit_for_bit(unfused):
             x[7, 2], x[7, 3], x[8, 2], x[8, 3] = -0.0, 0.0, 0.0, -0.0
         for threads in (1, 2):
             with num_threads(threads):
-                with cpu_kernels(unfused):
-                    want = (fo.row_sum(x), fo.log_softmax_rows(x), fo.log_softmax_rows_backward(g, x.clamp_max(0)))
-                with cpu_kernels(KERNELS.name):
-                    got = (fo.row_sum(x), fo.log_softmax_rows(x), fo.log_softmax_rows_backward(g, x.clamp_max(0)))
+                want, got = ((fo.row_sum(x, kernels=k), fo.log_softmax_rows(x, kernels=k),
+                              fo.log_softmax_rows_backward(g, x.clamp_max(0), kernels=k)) for k in (unfused, KERNELS))
             for name, w, o in zip(("row_sum", "log_softmax", "backward"), want, got):
                 assert torch.equal(w.view(torch.int32), o.view(torch.int32)), (name, length, threads)
-    with cpu_kernels(KERNELS.name):
-        assert fo.row_sum(torch.ones(4, 0)).tolist() == [0.0] * 4
-        assert torch.equal(fo.row_sum(torch.ones(2, 3, 700)), torch.full((2, 3), 700.0))
+    assert fo.row_sum(torch.ones(4, 0), kernels=KERNELS).tolist() == [0.0] * 4
+    assert torch.equal(fo.row_sum(torch.ones(2, 3, 700), kernels=KERNELS), torch.full((2, 3), 700.0))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -222,8 +221,8 @@ def test_silu_alone_in_c_is_the_composition_bit_for_bit(unfused, dtype, isa):
             x.view(-1)[[1, 2, 5]] = torch.tensor([float("inf"), float("-inf"), float("nan")]).to(dtype)
             dy = torch.randn(*shape, generator=gen).to(dtype)
             results = []
-            for kernels in (KERNELS.name, unfused):
-                with num_threads(threads), cpu_kernels(kernels):
-                    results.append((fo.silu(x), fo.silu_backward(dy, x)))
+            for kernels in (KERNELS, unfused):
+                with num_threads(threads):
+                    results.append((fo.silu(x, kernels=kernels), fo.silu_backward(dy, x, kernels=kernels)))
             for fused, composed in zip(*results):
                 assert fused.shape == composed.shape and torch.equal(_bits(fused), _bits(composed)), (name, shape)

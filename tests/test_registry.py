@@ -157,3 +157,28 @@ def test_loading_triton_where_it_is_not_installed_says_how_to_install_it():
     last = out.stderr.splitlines()[-1]
     assert last.startswith("lockstep.registry.BackendUnavailable: backend: 'triton' cannot be loaded: ")
     assert last.endswith(" (pip install 'lockstep[triton]')")
+
+
+def test_the_cpu_backends_kernel_set_is_the_native_one_and_the_block_forms_say_what_replaced_them():
+    """The arithmetic around the ops takes the CPU backend's kernels as an argument
+    (registry.cpu_backend_kernel_set: native where it builds). The names that selected the kernels
+    for a block, per thread, stay importable (fixed_order's old path with its DeprecationWarning)
+    and raise, naming the `kernels` argument that replaced them."""
+    from lockstep.backends.native import cpu
+    from lockstep.numerics import cpu_kernels, fixed_order
+
+    assert registry.cpu_backend() == "native" and registry.cpu_backend_kernel_set() is cpu.KERNELS
+    removed = [lambda: cpu_kernels.cpu_kernels("native"), cpu_kernels.current_cpu_kernels,
+               lambda: cpu_kernels.register_cpu_kernels(cpu.KERNELS), lambda: cpu_kernels.records_cpu_kernels(len),
+               lambda: cpu_kernels.restores_cpu_kernels(len), lambda: cpu_kernels.selected_kernels(torch.ones(1)),
+               cpu.native_kernels, registry.cpu_backend_kernels]
+    for call in removed:
+        with pytest.raises(RuntimeError, match="no longer selected per thread; .*(`kernels`|kernels_for)"):
+            call()
+    with pytest.warns(DeprecationWarning, match="has moved to lockstep.numerics.cpu_kernels"):
+        assert fixed_order.cpu_kernels is cpu_kernels.cpu_kernels
+    one = torch.ones(2, 3)
+    assert cpu_kernels.kernels_for(cpu.KERNELS, one) is cpu.KERNELS and cpu_kernels.kernels_for(None, one) is None
+    assert cpu_kernels.kernels_for(cpu.KERNELS, one.double()) is None
+    assert cpu_kernels.kernels_for(cpu.KERNELS, one.double(), float64=True) is cpu.KERNELS
+    assert cpu_kernels.columns_at_any_width(one, kernels=cpu.KERNELS) and not cpu_kernels.columns_at_any_width(one)

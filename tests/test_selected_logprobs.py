@@ -38,9 +38,9 @@ def test_selected_logprobs_never_builds_full_logits(monkeypatch):
     seen = []
     real = portable_slp.matmul_rows
 
-    def spy(a, b, bias=None):
+    def spy(a, b, bias=None, **kwargs):
         seen.append(b.shape[1] if b.shape[0] == a.shape[1] and b.shape[1] != a.shape[1] else b.shape[0])
-        return real(a, b, bias)
+        return real(a, b, bias, **kwargs)
 
     monkeypatch.setattr(portable_slp, "matmul_rows", spy)
     vocab = 3 * portable_slp.VOCAB_CHUNK + 17
@@ -208,7 +208,7 @@ def test_logits_are_kept_only_for_a_backward_on_a_cpu_without_a_cap(monkeypatch)
     kept = []
     real = portable_slp.selected_logprobs_forward
     monkeypatch.setattr(portable_slp, "selected_logprobs_forward",
-                        lambda *a: kept.append(a[-1] is not None) or real(*a))
+                        lambda *a, **k: kept.append(a[-1] is not None) or real(*a, **k))
     calls = _count_chunk_gemms(monkeypatch)
     gen = torch.Generator().manual_seed(6)
     hidden, table = torch.randn(37, 16, generator=gen), torch.randn(300, 16, generator=gen)
@@ -253,7 +253,7 @@ def test_lm_head_weight_grad_is_its_stated_order(rows):
     the first written and each next added in place, restated here block by block, bit for bit; on
     the CPU kernels, weight_grad's bits."""
     from lockstep.numerics.fixed_order import LM_HEAD_ROW_BLOCK, lm_head_weight_grad, weight_grad
-    from lockstep.numerics.cpu_kernels import cpu_kernels
+    from lockstep.backends.native.cpu import KERNELS
 
     gen = torch.Generator().manual_seed(rows)
     g, x = torch.randn(rows, 40, generator=gen), torch.randn(rows, 24, generator=gen)
@@ -262,8 +262,7 @@ def test_lm_head_weight_grad_is_its_stated_order(rows):
     want = pg[:LM_HEAD_ROW_BLOCK].t() @ px[:LM_HEAD_ROW_BLOCK]
     for s in range(LM_HEAD_ROW_BLOCK, rows + pad, LM_HEAD_ROW_BLOCK):
         want = torch.addmm(want, pg[s:s + LM_HEAD_ROW_BLOCK].t(), px[s:s + LM_HEAD_ROW_BLOCK])
-    with cpu_kernels("torch"):
-        assert torch.equal(lm_head_weight_grad(g, x), want)
-    with cpu_kernels("native"):
-        out = torch.empty(40, 24)
-        assert lm_head_weight_grad(g, x, out) is out and torch.equal(out, weight_grad(g, x))
+    assert torch.equal(lm_head_weight_grad(g, x), want)
+    out = torch.empty(40, 24)
+    assert lm_head_weight_grad(g, x, out, kernels=KERNELS) is out
+    assert torch.equal(out, weight_grad(g, x, kernels=KERNELS))

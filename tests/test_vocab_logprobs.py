@@ -57,19 +57,18 @@ def test_the_batched_log_sum_exp_of_few_rows_has_the_bits_of_the_chunk_loop(dtyp
     temperature, and a vocabulary whose last chunk is short."""
     from lockstep.backends.native.cpu import KERNELS
     from lockstep.backends.portable import selected_logprobs as portable
-    from lockstep.numerics.cpu_kernels import cpu_kernels
 
     assert KERNELS.lse_fold is not None
+    kernels = {"torch": None, "native": KERNELS}[kernels]
     gen = torch.Generator().manual_seed(0)
     h = (torch.randn(16, 64, generator=gen) * 3).to(dtype)
     h[1], h[3, 0] = float("nan"), float("inf")
     w = torch.randn(3 * portable.VOCAB_CHUNK + 77, 64, generator=gen).to(dtype)
     for temperature, cap in ((1.0, None), (0.7, None), (0.7, 5.0)):
-        with cpu_kernels(kernels):
-            monkeypatch.setattr(portable, "BATCHED_LSE_ELEMENTS", 0)
-            loop = portable.online_lse(h, w, temperature, cap=cap)
-            monkeypatch.setattr(portable, "BATCHED_LSE_ELEMENTS", 1 << 40)
-            batched = portable.online_lse(h, w, temperature, cap=cap)
+        monkeypatch.setattr(portable, "BATCHED_LSE_ELEMENTS", 0)
+        loop = portable.online_lse(h, w, temperature, cap=cap, kernels=kernels)
+        monkeypatch.setattr(portable, "BATCHED_LSE_ELEMENTS", 1 << 40)
+        batched = portable.online_lse(h, w, temperature, cap=cap, kernels=kernels)
         assert torch.equal(loop.isnan(), batched.isnan()) and loop.isnan()[1]
         assert torch.equal(loop[~loop.isnan()], batched[~batched.isnan()])
 
@@ -82,30 +81,28 @@ def test_a_few_rows_logits_from_one_gemm_have_the_chunked_bits(dtype, monkeypatc
     blocks). vocab_logprobs and selected_logprobs then give the bits of the chunk by chunk
     computation, NaN and Inf rows, caps, temperatures and a short last chunk included. PyTorch's
     GEMMs never take that path."""
+    from lockstep.backends.native.cpu import KERNELS
     from lockstep.backends.portable import selected_logprobs as portable
-    from lockstep.numerics.cpu_kernels import cpu_kernels
 
     gen = torch.Generator().manual_seed(3)
     h = (torch.randn(5, 64, generator=gen) * 3).to(dtype)
     h[1], h[3, 0] = float("nan"), float("inf")
     w = (torch.randn(3 * portable.VOCAB_CHUNK + 77, 64, generator=gen) / 4).to(dtype)
     targets = torch.tensor([0, 5, 4095, 4096, w.shape[0] - 1])
-    with cpu_kernels("torch"):
-        assert portable.whole_logits(h, w, None) is None
-    with cpu_kernels("native"):
-        for k in (64, 1000, 4100):
-            hk = h if k == 64 else torch.randn(5, k, generator=gen).to(dtype)
-            wk = w if k == 64 else (torch.randn(2 * portable.VOCAB_CHUNK + 77, k, generator=gen) / 4).to(dtype)
-            whole = portable.whole_logits(hk, wk, None)
-            assert whole.shape == (5, wk.shape[0])
-            ints = torch.int32 if whole.element_size() == 4 else torch.int16
-            for start in range(0, wk.shape[0], portable.VOCAB_CHUNK):
-                chunk, _ = portable._chunk_logits(hk, wk, start, torch.float32, None)
-                assert torch.equal(whole[:, start:start + portable.VOCAB_CHUNK].view(ints), chunk.view(ints)), k
+    assert portable.whole_logits(h, w, None) is None
+    for k in (64, 1000, 4100):
+        hk = h if k == 64 else torch.randn(5, k, generator=gen).to(dtype)
+        wk = w if k == 64 else (torch.randn(2 * portable.VOCAB_CHUNK + 77, k, generator=gen) / 4).to(dtype)
+        whole = portable.whole_logits(hk, wk, None, kernels=KERNELS)
+        assert whole.shape == (5, wk.shape[0])
+        ints = torch.int32 if whole.element_size() == 4 else torch.int16
+        for start in range(0, wk.shape[0], portable.VOCAB_CHUNK):
+            chunk, _ = portable._chunk_logits(hk, wk, start, torch.float32, None, KERNELS)
+            assert torch.equal(whole[:, start:start + portable.VOCAB_CHUNK].view(ints), chunk.view(ints)), k
     real = portable.whole_logits
     for temperature, cap in ((1.0, None), (0.7, None), (0.7, 5.0)):
         runs = []
-        for whole in (real, lambda *a: None):
+        for whole in (real, lambda *a, **k: None):
             monkeypatch.setattr(portable, "whole_logits", whole)
             with lockstep.use_backend("native"):
                 runs.append((ops.vocab_logprobs(h, w, temperature=temperature, softcap=cap),

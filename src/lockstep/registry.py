@@ -17,9 +17,11 @@ import importlib.util
 import logging
 import threading
 from types import ModuleType
-from typing import Callable, Iterator
+from typing import Callable, Iterator, NoReturn
 
 import torch
+
+from .numerics.cpu_kernels import CpuKernels
 
 # Every op a backend can implement; each has its faces under its own name (docs/architecture.md).
 OPS = (
@@ -57,6 +59,8 @@ _loaded: set[str] = set()
 _state = threading.local()
 # Active op recorders (lockstep.parity.Recorder); when one is active, every op call goes through it.
 RECORDERS: list = []
+# Backend name -> the CPU kernel set it registered (register_kernel_set).
+_KERNEL_SETS: dict[str, CpuKernels] = {}
 
 
 def register(backend: str, op: str) -> Callable[[Callable], Callable]:
@@ -190,14 +194,25 @@ def portable_caveat() -> str:
             f"thread{'s' if threads != 1 else ''} (docs/contract.md, section 7)")
 
 
-@contextlib.contextmanager
-def cpu_backend_kernels() -> Iterator[None]:
-    """The block's fixed_order GEMMs, exp, log and sqrt on the CPU backend's kernels: lockstep's
-    native ones where they build, whose bits do not follow the CPU's vector unit; else PyTorch's."""
-    from .numerics.cpu_kernels import cpu_kernels
+def register_kernel_set(backend: str, kernels: CpuKernels) -> None:
+    """Make `kernels` the CPU kernel set of `backend` (backends/native/cpu.py registers the native
+    one), which `cpu_backend_kernel_set` gives where `backend` is the CPU backend."""
+    _KERNEL_SETS[backend] = kernels
 
-    with cpu_kernels("native" if cpu_backend() == "native" else "torch"):
-        yield
+
+def cpu_backend_kernel_set() -> CpuKernels | None:
+    """The CPU kernels for the arithmetic around the ops (the MoE router's exp, sampling's, AdamW's
+    square root, the batch-invariant mode's kernels), as their `kernels` argument: the set the CPU
+    backend registered (lockstep's native kernels where they build, whose bits do not follow the
+    CPU's vector unit), else None, PyTorch's."""
+    return _KERNEL_SETS.get(cpu_backend())
+
+
+def cpu_backend_kernels() -> NoReturn:
+    """Removed: a block no longer selects the kernels of the calls inside it; pass
+    `cpu_backend_kernel_set()` as their `kernels` argument instead."""
+    raise RuntimeError("lockstep.registry.cpu_backend_kernels: the CPU kernels are no longer selected per thread; "
+                       "pass lockstep.registry.cpu_backend_kernel_set() as the `kernels` argument instead")
 
 
 def resolve(op: str, device: torch.device) -> Callable:

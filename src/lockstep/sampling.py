@@ -27,7 +27,7 @@ from .numerics import exact_math
 from . import ops
 from .numerics.exact_math import log_float64
 from .numerics.fixed_order import exp
-from .registry import cpu_backend_kernels
+from .registry import cpu_backend_kernel_set
 
 _MASK32 = 0xFFFFFFFF
 MIN_TEMPERATURE = 1e-6
@@ -141,8 +141,7 @@ def probabilities(scores: Tensor, allowed: Tensor) -> Tensor:
     """softmax of the allowed scores [V] (float32), for top-p. Its exp runs on the CPU backend's
     kernels: PyTorch's float32 exp can follow the instruction set (MKL's vector math on Intel,
     docs/adr/0010), which could move a token across the top-p line."""
-    with cpu_backend_kernels():
-        return exp(ops.log_softmax(torch.where(allowed, scores, float("-inf"))))
+    return exp(ops.log_softmax(torch.where(allowed, scores, float("-inf"))), kernels=cpu_backend_kernel_set())
 
 
 def allowed_tokens(logp: Tensor, p: SamplingParams, seen: Tensor | None) -> tuple[Tensor, Tensor]:

@@ -20,7 +20,6 @@ _lock = threading.Lock()
 _owner: int | None = None
 _depth = 0
 _libs: list = []
-_kernels = contextlib.ExitStack()   # the CPU kernels the mode selected, left on its exit
 OVERRIDES = {**kernels.OVERRIDES, **attention.OVERRIDES}
 # Where another Python library already overrides a covered op (another batch-invariant library, a test's
 # BLAS stand-in), the mode's kernel goes over it for the block and the other comes back on exit. torch
@@ -112,9 +111,9 @@ def enable(strict: bool = False) -> None:
         if _depth == 0:
             _register(strict)
             _owner, state.strict = me, strict
-            # The overrides' GEMMs, exp, log and sqrt run on the CPU backend's kernels: native where it
-            # builds, whose bits do not follow MKL's blocking (docs/adr/0010).
-            _kernels.enter_context(registry.cpu_backend_kernels())
+            # The overrides run on the CPU backend's kernels (kernels.py): its native build, where it
+            # builds, happens here rather than inside the first kernel.
+            registry.cpu_backend()
         elif strict and not state.strict:
             raise RuntimeError("lockstep.batch_invariant: cannot enter strict=True inside a non-strict block")
         _depth += 1
@@ -133,7 +132,6 @@ def disable() -> None:
         if _depth == 0:
             while _libs:
                 _libs.pop()._destroy()
-            _kernels.close()
             _owner = None
 
 

@@ -1,7 +1,9 @@
 """The mode's kernels for the GEMM family, sums and means, the softmax family, RMSNorm and the
 activations: each computes what its aten op computes, on lockstep's fixed-order primitives, and
 shares its arithmetic with the portable backend where the backend has the op (log_softmax's
-shifted log-sum-exp, rms_norm's inverse RMS). `OVERRIDES` maps aten op names to them."""
+shifted log-sum-exp, rms_norm's inverse RMS). Their GEMMs, exp, log and sqrt run on the CPU
+backend's kernels (`registry.cpu_backend_kernel_set`): native where it builds, whose bits do not
+follow MKL's blocking (docs/adr/0010). `OVERRIDES` maps aten op names to them."""
 
 from __future__ import annotations
 
@@ -10,12 +12,19 @@ import math
 import torch
 from torch import Tensor
 
+from .. import registry
 from ..backends.portable.gelu_mul import gelu_tanh, gelu_tanh_derivative
 from ..backends.portable.rms_norm import inverse_rms
+from ..numerics.cpu_kernels import CpuKernels
 from ..numerics.fixed_order import (accumulate_dtype, column_sum, exp, log_softmax_rows, log_softmax_rows_backward,
                                     matmul_rows, row_sum, silu, silu_backward)
 from ..numerics.softcap import softcap
 from . import state
+
+
+def _kernels() -> CpuKernels | None:
+    """The kernels every override runs on: the CPU backend's, for the process (the registry's)."""
+    return registry.cpu_backend_kernel_set()
 
 
 def _rows_last(x: Tensor, dims: list[int]) -> tuple[Tensor, list[int]]:
@@ -47,7 +56,7 @@ def _scale_add(prod: Tensor, c: Tensor, beta, alpha) -> Tensor:
 
 
 def _mm(self, mat2):
-    return matmul_rows(self, mat2)
+    return matmul_rows(self, mat2, kernels=_kernels())
 
 
 def _grouped_mm(self, mat2, offs=None, bias=None, out_dtype=None):
@@ -64,25 +73,25 @@ def _grouped_mm(self, mat2, offs=None, bias=None, out_dtype=None):
     start = 0
     for g, stop in enumerate(offs.tolist()):
         if stop > start:
-            out[start:stop] = matmul_rows(self[start:stop], mat2[g]).to(dtype)
+            out[start:stop] = matmul_rows(self[start:stop], mat2[g], kernels=_kernels()).to(dtype)
         start = stop
     return out
 
 
 def _addmm(self, mat1, mat2, beta=1, alpha=1):
-    return _scale_add(matmul_rows(mat1, mat2), self, beta, alpha)
+    return _scale_add(matmul_rows(mat1, mat2, kernels=_kernels()), self, beta, alpha)
 
 
 def _bmm(self, mat2):
-    return matmul_rows(self, mat2)
+    return matmul_rows(self, mat2, kernels=_kernels())
 
 
 def _baddbmm(self, batch1, batch2, beta=1, alpha=1):
-    return _scale_add(matmul_rows(batch1, batch2), self, beta, alpha)
+    return _scale_add(matmul_rows(batch1, batch2, kernels=_kernels()), self, beta, alpha)
 
 
 def _addbmm(self, batch1, batch2, beta=1, alpha=1):
-    products = matmul_rows(batch1, batch2).to(accumulate_dtype(batch1.dtype))
+    products = matmul_rows(batch1, batch2, kernels=_kernels()).to(accumulate_dtype(batch1.dtype))
     total = products[0]
     for b in range(1, products.shape[0]):         # the batch entries in order
         total = total + products[b]
@@ -92,7 +101,7 @@ def _addbmm(self, batch1, batch2, beta=1, alpha=1):
 def _mv(self, vec):
     """A matrix-vector product as a one-column GEMM on fixed row tiles: row i has the bits of row i of
     the same matrix times any other matrix column (no GEMV path)."""
-    return matmul_rows(self, vec[:, None])[:, 0]
+    return matmul_rows(self, vec[:, None], kernels=_kernels())[:, 0]
 
 
 def _addmv(self, mat, vec, beta=1, alpha=1):
@@ -102,7 +111,7 @@ def _addmv(self, mat, vec, beta=1, alpha=1):
 def _dot(self, tensor):
     if self.is_complex():
         return None
-    return matmul_rows(self[None], tensor[:, None])[0, 0]
+    return matmul_rows(self[None], tensor[:, None], kernels=_kernels())[0, 0]
 
 
 def _out_variant(fn):
@@ -129,12 +138,13 @@ def _sum_all(self, dtype=None):
     x = self if dtype is None else self.to(dtype)
     if not x.is_floating_point():
         return None
-    return row_sum(x.reshape(1, -1).to(accumulate_dtype(x.dtype)))[0].to(x.dtype)
+    return row_sum(x.reshape(1, -1).to(accumulate_dtype(x.dtype)), kernels=_kernels())[0].to(x.dtype)
 
 
 def _mean_all(self, dtype=None):
     x = self if dtype is None else self.to(dtype)
-    return (row_sum(x.reshape(1, -1).to(accumulate_dtype(x.dtype)))[0] / max(1, x.numel())).to(x.dtype)
+    total = row_sum(x.reshape(1, -1).to(accumulate_dtype(x.dtype)), kernels=_kernels())[0]
+    return (total / max(1, x.numel())).to(x.dtype)
 
 
 def _sum(self, dim=None, keepdim=False, dtype=None):
@@ -142,7 +152,7 @@ def _sum(self, dim=None, keepdim=False, dtype=None):
     if not x.is_floating_point():
         return None                                   # integer sums are exact in any order: run stock
     rows, dims = _rows_last(x, list(dim) if dim else [])
-    out = row_sum(rows.to(accumulate_dtype(x.dtype))).to(x.dtype)
+    out = row_sum(rows.to(accumulate_dtype(x.dtype)), kernels=_kernels()).to(x.dtype)
     return _restore(out, list(x.shape), dims, keepdim)
 
 
@@ -150,7 +160,7 @@ def _mean(self, dim=None, keepdim=False, dtype=None):
     x = self if dtype is None else self.to(dtype)
     rows, dims = _rows_last(x, list(dim) if dim else [])
     n = rows.shape[-1]
-    out = (row_sum(rows.to(accumulate_dtype(x.dtype))) / n).to(x.dtype)
+    out = (row_sum(rows.to(accumulate_dtype(x.dtype)), kernels=_kernels()) / n).to(x.dtype)
     return _restore(out, list(x.shape), dims, keepdim)
 
 
@@ -162,7 +172,7 @@ def _log_softmax(self, dim, half_to_float):
     out_dtype = torch.float32 if half_to_float else self.dtype
     x = _last(self, dim)
     xf = x.to(accumulate_dtype(x.dtype))
-    y = log_softmax_rows(xf.reshape(-1, xf.shape[-1] if xf.dim() else 1)).reshape(xf.shape)
+    y = log_softmax_rows(xf.reshape(-1, xf.shape[-1] if xf.dim() else 1), kernels=_kernels()).reshape(xf.shape)
     return y.to(out_dtype).movedim(-1, dim)
 
 
@@ -171,7 +181,7 @@ def _log_softmax_backward(grad_output, output, dim, input_dtype):
     acc = accumulate_dtype(g.dtype)
     gf, yf = g.to(acc), _last(output, dim).to(acc)
     n = gf.shape[-1] if gf.dim() else 1
-    dx = log_softmax_rows_backward(gf.reshape(-1, n), yf.reshape(-1, n)).reshape(gf.shape)
+    dx = log_softmax_rows_backward(gf.reshape(-1, n), yf.reshape(-1, n), kernels=_kernels()).reshape(gf.shape)
     return dx.to(input_dtype).movedim(-1, dim)
 
 
@@ -179,15 +189,15 @@ def _softmax(self, dim, half_to_float):
     out_dtype = torch.float32 if half_to_float else self.dtype
     x = _last(self, dim)
     xf = x.to(accumulate_dtype(x.dtype))
-    e = exp(xf - torch.amax(xf, dim=-1, keepdim=True))
-    return (e / row_sum(e)[..., None]).to(out_dtype).movedim(-1, dim)
+    e = exp(xf - torch.amax(xf, dim=-1, keepdim=True), kernels=_kernels())
+    return (e / row_sum(e, kernels=_kernels())[..., None]).to(out_dtype).movedim(-1, dim)
 
 
 def _softmax_backward(grad_output, output, dim, input_dtype):
     g = _last(grad_output, dim)
     acc = accumulate_dtype(g.dtype)
     gf, yf = g.to(acc), _last(output, dim).to(acc)
-    return (yf * (gf - row_sum(gf * yf)[..., None])).to(input_dtype).movedim(-1, dim)
+    return (yf * (gf - row_sum(gf * yf, kernels=_kernels())[..., None])).to(input_dtype).movedim(-1, dim)
 
 
 def _rms_norm(input, normalized_shape, weight=None, eps=None):
@@ -196,7 +206,7 @@ def _rms_norm(input, normalized_shape, weight=None, eps=None):
     acc = accumulate_dtype(x.dtype)
     eps = torch.finfo(x.dtype).eps if eps is None else eps
     xf = x.to(acc)
-    rstd = inverse_rms(xf, eps)
+    rstd = inverse_rms(xf, eps, kernels=_kernels())
     y = xf * rstd[:, None]
     if weight is not None:
         y = y * weight.reshape(-1).to(acc)
@@ -214,7 +224,7 @@ def _rms_norm_backward(grad_out, input, normalized_shape, rstd, weight, output_m
     gw = gf * weight.reshape(-1).to(acc) if weight is not None else gf
     dx = dw = None
     if output_mask[0]:
-        dot = row_sum(gw * xhat) / n
+        dot = row_sum(gw * xhat, kernels=_kernels()) / n
         dx = (r * (gw - xhat * dot[:, None])).to(input.dtype).reshape(input.shape)
     if output_mask[1] and weight is not None:
         dw = column_sum(gf * xhat).to(weight.dtype).reshape(weight.shape)
@@ -222,11 +232,11 @@ def _rms_norm_backward(grad_out, input, normalized_shape, rstd, weight, output_m
 
 
 def _silu(self):
-    return silu(self)
+    return silu(self, kernels=_kernels())
 
 
 def _silu_backward(grad_output, self):
-    return silu_backward(grad_output, self)
+    return silu_backward(grad_output, self, kernels=_kernels())
 
 
 def _erf_gelu_runs_stock() -> None:
@@ -240,7 +250,7 @@ def _gelu(self, approximate="none"):
     if approximate != "tanh":
         return _erf_gelu_runs_stock()
     acc = accumulate_dtype(self.dtype)
-    return gelu_tanh(self.to(acc))[1].to(self.dtype)
+    return gelu_tanh(self.to(acc), kernels=_kernels())[1].to(self.dtype)
 
 
 def _gelu_backward(grad_output, self, approximate="none"):
@@ -248,13 +258,13 @@ def _gelu_backward(grad_output, self, approximate="none"):
         return _erf_gelu_runs_stock()
     acc = accumulate_dtype(self.dtype)
     g = self.to(acc)
-    s, gelu = gelu_tanh(g)
-    return (grad_output.to(acc) * gelu_tanh_derivative(g, s, gelu)).to(self.dtype)
+    s, gelu = gelu_tanh(g, kernels=_kernels())
+    return (grad_output.to(acc) * gelu_tanh_derivative(g, s, gelu, kernels=_kernels())).to(self.dtype)
 
 
 def _tanh(self):
     acc = accumulate_dtype(self.dtype)
-    return softcap(self.to(acc), 1.0)[0].to(self.dtype)            # 1 * tanh(x / 1), lockstep's one tanh
+    return softcap(self.to(acc), 1.0, kernels=_kernels())[0].to(self.dtype)   # 1 * tanh(x / 1), lockstep's one tanh
 
 
 def _tanh_backward(grad_output, output):

@@ -31,7 +31,7 @@ from torch import Tensor, nn
 from ..numerics import grad_tree
 from .. import ops
 from ..numerics.fixed_order import accumulate_dtype, exp, row_sum
-from ..registry import cpu_backend_kernels
+from ..registry import cpu_backend_kernel_set
 
 _ROUTER_LOGITS: contextvars.ContextVar[list | None] = contextvars.ContextVar("lockstep_router_logits", default=None)
 _ROUTING: contextvars.ContextVar[tuple[str, list] | None] = contextvars.ContextVar("lockstep_routing", default=None)
@@ -86,8 +86,7 @@ class _Exp(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: Tensor) -> Tensor:
-        with cpu_backend_kernels():
-            y = exp(x)
+        y = exp(x, kernels=cpu_backend_kernel_set())
         ctx.save_for_backward(y)
         return y
 

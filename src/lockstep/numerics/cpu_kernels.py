@@ -1,15 +1,14 @@
 """Which CPU kernels carry the arithmetic whose bits a library may choose: PyTorch's, in the fixed
-tiles of `lockstep.numerics.gemm`, or a backend's own (the native backend registers lockstep's C
-kernels). The choice is per thread, made by a `cpu_kernels` block; autograd Functions record it in
-forward and restore it in backward, which may run on another thread. Every fixed-order function that
-has a kernel form asks `selected_kernels` for the set that takes its tensor."""
+tiles of `lockstep.numerics.gemm`, or a backend's own set (the native backend's, lockstep's C
+kernels: `lockstep.backends.native.cpu.KERNELS`). The set is an argument: each backend op passes
+its own (the portable backend None, PyTorch's) through the portable compositions to the
+fixed-order functions, and autograd Functions keep it on ctx for their backward, which may run on
+another thread. Every fixed-order function that has a kernel form asks `kernels_for` whether the
+set takes its tensor."""
 
 from __future__ import annotations
 
-import contextlib
-import functools
-import threading
-from typing import Callable, Iterator, NamedTuple
+from typing import Callable, NamedTuple, NoReturn
 
 import torch
 from torch import Tensor
@@ -25,7 +24,8 @@ class CpuKernels(NamedTuple):
     `lse_fold` and `logit_grad`, the LM head's per-chunk row arithmetic (same signatures; lse_fold's
     width included);
     `split_matmul_rows` (a, b, parts), the reduction over K in `parts` slices as `split_sum` of
-    `matmul_rows` computes it; `silu` and `silu_backward` (same signatures); and `weight_grad_node`
+    `matmul_rows` computes it; `silu` and `silu_backward` (same signatures), or None where they
+    decline (then the composition runs, on this set's exp); and `weight_grad_node`
     (grad_out, inp, bounds, out), `weight_grad_node`'s unit tree in one call, or None where it
     declines (then the composition runs); and `sqrt` (x, out=None), a correctly rounded square
     root, fp32 or float64 (MKL's vector math, which torch.sqrt takes, is not).
@@ -43,79 +43,68 @@ class CpuKernels(NamedTuple):
     lse_fold: Callable[..., tuple[Tensor, Tensor]] | None = None
     logit_grad: Callable[..., Tensor] | None = None
     split_matmul_rows: Callable[[Tensor, Tensor, int], Tensor] | None = None
-    silu: Callable[[Tensor], Tensor] | None = None
-    silu_backward: Callable[[Tensor, Tensor], Tensor] | None = None
+    silu: Callable[[Tensor], Tensor | None] | None = None
+    silu_backward: Callable[[Tensor, Tensor], Tensor | None] | None = None
     weight_grad_node: Callable[[Tensor, Tensor, list[int], Tensor], Tensor | None] | None = None
     sqrt: Callable[..., Tensor] | None = None
     columns_at_any_width: bool = False
 
 
-_CPU_KERNELS: dict[str, CpuKernels] = {}
-_kernels_state = threading.local()
-
-
-def register_cpu_kernels(kernels: CpuKernels) -> None:
-    """Make `kernels` selectable by `cpu_kernels(kernels.name)` (the native backend registers its own)."""
-    _CPU_KERNELS[kernels.name] = kernels
-
-
-def current_cpu_kernels() -> str:
-    """The CPU kernels selected for this thread: "torch" (PyTorch's, in fixed tiles) unless a
-    `cpu_kernels` block says otherwise. Autograd Functions record it in forward and restore it in
-    backward, which may run on another thread."""
-    stack = getattr(_kernels_state, "stack", None)
-    return stack[-1] if stack else "torch"
-
-
-@contextlib.contextmanager
-def cpu_kernels(name: str) -> Iterator[None]:
-    """Run `matmul_rows`, `weight_grad`, `exp`, `log` and `sqrt` on CPU tensors with kernels `name`
-    in the block."""
-    if name != "torch" and name not in _CPU_KERNELS:
-        raise ValueError(f"name: unknown CPU kernels {name!r}; expected one of {['torch', *_CPU_KERNELS]}")
-    stack = getattr(_kernels_state, "stack", None)
-    if stack is None:
-        stack = _kernels_state.stack = []
-    stack.append(name)
-    try:
-        yield
-    finally:
-        stack.pop()
-
-
-def records_cpu_kernels(forward: Callable) -> Callable:
-    """Decorator of an autograd Function's forward: remember the CPU kernels it ran with (see
-    `restores_cpu_kernels`)."""
-    @functools.wraps(forward)
-    def wrapped(ctx, *args, **kwargs):
-        ctx.cpu_kernels = current_cpu_kernels()
-        return forward(ctx, *args, **kwargs)
-    return wrapped
-
-
-def restores_cpu_kernels(backward: Callable) -> Callable:
-    """Decorator of an autograd Function's backward: run it on the CPU kernels its forward ran with,
-    whichever thread autograd runs it on."""
-    @functools.wraps(backward)
-    def wrapped(ctx, *grads):
-        with cpu_kernels(ctx.cpu_kernels):
-            return backward(ctx, *grads)
-    return wrapped
-
-
-def selected_kernels(t: Tensor, float64: bool = False) -> CpuKernels | None:
-    """The selected kernels that take `t`, or None for PyTorch's own (any device but the CPU, none
-    selected, or float64 where the caller's form is not one of the five that take it)."""
-    name = current_cpu_kernels()
-    if name == "torch" or t.device.type != "cpu" or (t.dtype == torch.float64 and not float64):
+def kernels_for(kernels: CpuKernels | None, t: Tensor, float64: bool = False) -> CpuKernels | None:
+    """`kernels` where they take `t`, else None for PyTorch's own: the kernels take CPU tensors
+    alone, and float64 ones only where the caller's form is one of the five that take it
+    (`float64`)."""
+    if kernels is None or t.device.type != "cpu" or (t.dtype == torch.float64 and not float64):
         return None
-    return _CPU_KERNELS[name]
+    return kernels
 
 
-def columns_at_any_width(t: Tensor) -> bool:
+def columns_at_any_width(t: Tensor, *, kernels: CpuKernels | None = None) -> bool:
     """Whether `matmul_rows` with `t` as its first operand gives each column of the product the same
-    bits at any width: on the selected CPU kernels where they say so (the native ones), never on
+    bits at any width: on `kernels` where they take `t` and say so (the native ones), never on
     PyTorch's GEMMs, whose columns may follow the call's width (`torch_gemm_broken_premises`'s
     "column widths")."""
-    kernels = selected_kernels(t)
-    return kernels is not None and kernels.columns_at_any_width
+    taken = kernels_for(kernels, t)
+    return taken is not None and taken.columns_at_any_width
+
+
+# The per-thread selection these names made hid which kernels a call ran on from anyone reading the
+# call; they stay importable, for code that still names them, and each says what replaced it.
+_EXPLICIT = ("pass the kernel set as the `kernels` argument instead (lockstep.backends.native.cpu.KERNELS, "
+             "lockstep.registry.cpu_backend_kernel_set(), or None for PyTorch's)")
+_ON_CTX = "take the kernel set as an argument of forward, keep it on ctx and pass it as `kernels` in backward"
+
+
+def _removed(name: str, instead: str = _EXPLICIT) -> RuntimeError:
+    return RuntimeError(f"lockstep.numerics.cpu_kernels.{name}: the CPU kernels are no longer selected per "
+                        f"thread; {instead}")
+
+
+def register_cpu_kernels(kernels: CpuKernels) -> NoReturn:
+    """Removed: a kernel set is passed as an argument, not registered under a name and selected."""
+    raise _removed("register_cpu_kernels")
+
+
+def current_cpu_kernels() -> NoReturn:
+    """Removed: no kernel set is selected per thread; a function's `kernels` argument names it."""
+    raise _removed("current_cpu_kernels")
+
+
+def cpu_kernels(name: str) -> NoReturn:
+    """Removed: a block no longer selects the kernels of the calls inside it."""
+    raise _removed("cpu_kernels")
+
+
+def records_cpu_kernels(forward: Callable) -> NoReturn:
+    """Removed: an autograd Function keeps its kernel set on ctx in forward."""
+    raise _removed("records_cpu_kernels", _ON_CTX)
+
+
+def restores_cpu_kernels(backward: Callable) -> NoReturn:
+    """Removed: an autograd Function's backward passes the kernel set its forward kept on ctx."""
+    raise _removed("restores_cpu_kernels", _ON_CTX)
+
+
+def selected_kernels(t: Tensor, float64: bool = False) -> NoReturn:
+    """Removed: `kernels_for(kernels, t, float64)` applies the same rules to a set passed in."""
+    raise _removed("selected_kernels", "use kernels_for(kernels, t, float64) on the kernel set passed in")

@@ -10,14 +10,15 @@ call, their order, the memory layout or the thread count (docs/contract.md, sect
   log-sum-exp.
 - `matmul_rows` (`gemm`): a GEMM whose row dimension is cut into fixed-shape tiles, so the BLAS sees
   the same problem shape whatever the batch size (docs/adr/0001-fixed-tiles-and-reduction-order.md),
-  or the selected CPU kernels' GEMM (`lockstep.numerics.cpu_kernels`).
+  or the GEMM of the CPU kernels passed in (`lockstep.numerics.cpu_kernels`).
 - `weight_grad` and `column_sum` (`weight_grad`): the order in which weight gradients reduce over
   rows, in fixed blocks of `ROW_BLOCK` rows added in block order.
 - `TreeSum` and `tree_sum` (`tree`): the one tree by which partial sums over an index combine,
   wherever the parts were computed.
 - `exp`, `log`, `sqrt` and `silu` (`elementwise`): the elementwise math these orders run on.
 
-This module gathers those names; each is defined in the module named beside it.
+Each function with a kernel form takes the CPU kernels it runs on as its `kernels` argument (None:
+PyTorch's). This module gathers those names; each is defined in the module named beside it.
 """
 
 from __future__ import annotations

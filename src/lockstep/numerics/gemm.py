@@ -1,7 +1,8 @@
 """Row-invariant GEMMs: the row dimension cut into fixed-shape tiles, so the BLAS sees the same
 problem shapes whatever the batch size (docs/adr/0001-fixed-tiles-and-reduction-order.md), or the
-selected CPU kernels' own GEMM, one reduction order on every CPU. Also the probe of which premises
-of that invariance PyTorch's fp32 GEMM breaks on this machine (docs/contract.md, section 7)."""
+GEMM of the CPU kernels passed in (`cpu_kernels`), one reduction order on every CPU. Also the probe
+of which premises of that invariance PyTorch's fp32 GEMM breaks on this machine (docs/contract.md,
+section 7)."""
 
 from __future__ import annotations
 
@@ -11,17 +12,17 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from .cpu_kernels import selected_kernels
+from .cpu_kernels import CpuKernels, kernels_for
 from .tiles import COLUMN_CHUNK, ROW_TILE, TAIL_TILE, TAIL_TILES, tail_tiles
 from .tree import split_sum
 
-def matmul_rows(a: Tensor, b: Tensor, bias: Tensor | None = None) -> Tensor:
+def matmul_rows(a: Tensor, b: Tensor, bias: Tensor | None = None, *, kernels: CpuKernels | None = None) -> Tensor:
     """a @ b (+ bias), row-invariant: a [M, K], b [K, N] (may be a transposed view), bias [N];
-    or batched: a [B, M, K], b [B, K, N]. Returns [(B,) M, N] in a's dtype. On the selected CPU
-    kernels (`cpu_kernels`) when there are some for `a`, else by `torch_matmul_rows`."""
-    kernels = selected_kernels(a, float64=True)
-    if kernels is not None:
-        return kernels.matmul_rows(a, b, bias)
+    or batched: a [B, M, K], b [B, K, N]. Returns [(B,) M, N] in a's dtype. On the CPU kernels
+    `kernels` where they take `a`, else (and for None) by `torch_matmul_rows`."""
+    taken = kernels_for(kernels, a, float64=True)
+    if taken is not None:
+        return taken.matmul_rows(a, b, bias)
     return torch_matmul_rows(a, b, bias)
 
 
@@ -85,19 +86,19 @@ def torch_matmul_rows(a: Tensor, b: Tensor, bias: Tensor | None = None) -> Tenso
     return out.to(out_dtype)
 
 
-def split_matmul_rows(a: Tensor, b: Tensor, parts: int) -> Tensor:
+def split_matmul_rows(a: Tensor, b: Tensor, parts: int, *, kernels: CpuKernels | None = None) -> Tensor:
     """a @ b with the reduction over K cut into `parts` slices (`split_sum` of `matmul_rows`): a
     [M, K], b [K, N] (a transposed view is free) -> [M, N] in a's dtype, each slice's product
-    rounded to it and the slices summed by the canonical tree in it. The selected CPU kernels may
-    do this in one call, with these bits."""
+    rounded to it and the slices summed by the canonical tree in it. On the CPU kernels `kernels`
+    (None: PyTorch's), which may do this in one call, with these bits."""
     if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
         raise ValueError(f"a, b: expected [M, K] and [K, N], got {tuple(a.shape)} and {tuple(b.shape)}")
     if parts == 1:
-        return matmul_rows(a, b)
-    kernels = selected_kernels(a)
-    if kernels is not None and kernels.split_matmul_rows is not None:
-        return kernels.split_matmul_rows(a, b, parts)
-    return split_sum(lambda s, e: matmul_rows(a[:, s:e], b[s:e]), a.shape[-1], parts)
+        return matmul_rows(a, b, kernels=kernels)
+    taken = kernels_for(kernels, a)
+    if taken is not None and taken.split_matmul_rows is not None:
+        return taken.split_matmul_rows(a, b, parts)
+    return split_sum(lambda s, e: matmul_rows(a[:, s:e], b[s:e], kernels=kernels), a.shape[-1], parts)
 
 
 def torch_gemm_broken_premises() -> tuple[str, ...]:

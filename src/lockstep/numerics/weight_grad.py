@@ -6,12 +6,13 @@ rows (`reduce_losses`) reduce in the same fixed blocks."""
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import torch
 from torch import Tensor
 
-from .cpu_kernels import selected_kernels
+from .cpu_kernels import CpuKernels, kernels_for
 from .tiles import ROW_BLOCK, accumulate_dtype
 from .tree import tree_node_into
 
@@ -43,13 +44,14 @@ def padded_block(x: Tensor, start: int, stop: int, rows: int = ROW_BLOCK) -> Ten
     return out
 
 
-def weight_grad(grad_out: Tensor, inp: Tensor, out: Tensor | None = None) -> Tensor:
+def weight_grad(grad_out: Tensor, inp: Tensor, out: Tensor | None = None, *,
+                kernels: CpuKernels | None = None) -> Tensor:
     """sum over rows r of grad_out[r]^T inp[r]: [M, N], [M, K] -> [N, K]; batched: [B, M, N],
-    [B, M, K] -> [B, N, K]; in the accumulation dtype, into `out` when given. On the selected CPU
-    kernels when there are some for `grad_out`, else by `torch_weight_grad`."""
-    kernels = selected_kernels(grad_out, float64=True)
-    if kernels is not None:
-        return kernels.weight_grad(grad_out, inp, out)
+    [B, M, K] -> [B, N, K]; in the accumulation dtype, into `out` when given. On the CPU kernels
+    `kernels` where they take `grad_out`, else (and for None) by `torch_weight_grad`."""
+    taken = kernels_for(kernels, grad_out, float64=True)
+    if taken is not None:
+        return taken.weight_grad(grad_out, inp, out)
     return torch_weight_grad(grad_out, inp, out)
 
 
@@ -95,13 +97,15 @@ def torch_weight_grad(grad_out: Tensor, inp: Tensor, out: Tensor | None = None,
 LM_HEAD_ROW_BLOCK = 32
 
 
-def lm_head_weight_grad(grad_out: Tensor, inp: Tensor, out: Tensor | None = None) -> Tensor:
+def lm_head_weight_grad(grad_out: Tensor, inp: Tensor, out: Tensor | None = None, *,
+                        kernels: CpuKernels | None = None) -> Tensor:
     """`weight_grad` of the LM head, grad_out [M, N] (the logits' gradient) and inp [M, K]: on the
-    selected CPU kernels exactly `weight_grad`; on PyTorch's GEMMs, `torch_weight_grad`'s order in
-    LM_HEAD_ROW_BLOCK-row blocks. Its sum over rows is one large-valued gradient (a target's
-    column gathers a whole 1 per row that picks it), where each block's chain is most of the error."""
-    if selected_kernels(grad_out, float64=True) is not None:
-        return weight_grad(grad_out, inp, out)
+    CPU kernels `kernels`, where they take grad_out, exactly `weight_grad`; on PyTorch's GEMMs,
+    `torch_weight_grad`'s order in LM_HEAD_ROW_BLOCK-row blocks. Its sum over rows is one
+    large-valued gradient (a target's column gathers a whole 1 per row that picks it), where each
+    block's chain is most of the error."""
+    if kernels_for(kernels, grad_out, float64=True) is not None:
+        return weight_grad(grad_out, inp, out, kernels=kernels)
     return torch_weight_grad(grad_out, inp, out, rows_per_block=LM_HEAD_ROW_BLOCK)
 
 
@@ -114,12 +118,12 @@ LEAF_ROWS = 32
 CHUNK_LEAVES = 64
 
 
-def pairwise_weight_grad(grad_out: Tensor, inp: Tensor) -> Tensor:
+def pairwise_weight_grad(grad_out: Tensor, inp: Tensor, *, kernels: CpuKernels | None = None) -> Tensor:
     """sum over rows r of grad_out[b, r]^T inp[b, r]: [B, M, N], [B, M, K] -> [B, N, K], in the
     accumulation dtype, for sums over a few hundred rows that must be as exact as the BLAS's own.
 
     Each LEAF_ROWS rows (the last zero-padded) are one product, every leaf of one shape, batched
-    into GEMMs CHUNK_LEAVES leaves at a time (on the selected CPU kernels when there are some); the
+    into GEMMs CHUNK_LEAVES leaves at a time (on the CPU kernels `kernels` where they take them); the
     leaves are then added pairwise, neighbours first, an odd last one passed up a level. The order
     depends on M alone. weight_grad's 128-row blocks are each summed in one chain on some BLASes
     (MKL's GEMM at these shapes), which put attention's dk and dv, sums over queries, at several
@@ -139,14 +143,14 @@ def pairwise_weight_grad(grad_out: Tensor, inp: Tensor) -> Tensor:
         inp = torch.cat([inp, inp.new_zeros(b, leaves * LEAF_ROWS - m, k)], 1)
     g_leaves = grad_out.reshape(b, leaves, LEAF_ROWS, n)
     x_leaves = inp.reshape(b, leaves, LEAF_ROWS, k)
-    kernels = selected_kernels(grad_out, float64=True)
+    taken = kernels_for(kernels, grad_out, float64=True)
     chunk_sums = []
     for start in range(0, leaves, CHUNK_LEAVES):
         count = min(CHUNK_LEAVES, leaves - start)
         g = g_leaves[:, start:start + count].reshape(b * count, LEAF_ROWS, n).to(acc).contiguous()
         x = x_leaves[:, start:start + count].reshape(b * count, LEAF_ROWS, k).to(acc).contiguous()
         # One fixed GEMM shape (LEAF_ROWS terms) for every leaf, so torch's needs no padding to ROW_BLOCK.
-        part = kernels.weight_grad(g, x) if kernels is not None else torch.bmm(g.transpose(1, 2), x)
+        part = taken.weight_grad(g, x) if taken is not None else torch.bmm(g.transpose(1, 2), x)
         chunk_sums.append(_pairwise_sum(part.view(b, count, n, k)))
     return _pairwise_sum(torch.stack(chunk_sums, 1))
 
@@ -162,20 +166,20 @@ def _pairwise_sum(part: Tensor) -> Tensor:
 
 
 def weight_grad_node(grad_out: Tensor, inp: Tensor, bounds: list[int], out: Tensor, spare: list[Tensor],
-                     leaf: Callable[..., Tensor] | None = None) -> Tensor:
+                     leaf: Callable[..., Tensor] | None = None, *, kernels: CpuKernels | None = None) -> Tensor:
     """`out` = the canonical tree's node over the units whose rows of grad_out [M, N] and inp [M, K]
     are bounds[u] .. bounds[u + 1] (from 0 to M; a power of two of units), each unit's leaf its own
-    `leaf(grad_out_rows, inp_rows, out=buffer)` (`weight_grad` by default; one whose bits on the
-    CPU kernels are weight_grad's, such as lm_head_weight_grad): what grad_tree's unit tree makes of
-    the units' partials. out: the accumulation dtype, [N, K], contiguous. On the selected CPU
-    kernels' one-call form when they have one, else by `tree_node_into` (whose buffers come from and
-    go back to `spare`)."""
-    leaf = leaf or weight_grad
+    `leaf(grad_out_rows, inp_rows, out=buffer)` (`weight_grad` on `kernels` by default; one whose
+    bits on those kernels are weight_grad's, such as lm_head_weight_grad on them): what grad_tree's
+    unit tree makes of the units' partials. out: the accumulation dtype, [N, K], contiguous. On the
+    one-call form of the CPU kernels `kernels` where they have one, else by `tree_node_into` (whose
+    buffers come from and go back to `spare`)."""
+    leaf = leaf or functools.partial(weight_grad, kernels=kernels)
     if len(bounds) == 2:
         return leaf(grad_out, inp, out=out)
-    kernels = selected_kernels(grad_out)
-    if kernels is not None and kernels.weight_grad_node is not None and grad_out.dim() == 2:
-        node = kernels.weight_grad_node(grad_out, inp, bounds, out)
+    taken = kernels_for(kernels, grad_out)
+    if taken is not None and taken.weight_grad_node is not None and grad_out.dim() == 2:
+        node = taken.weight_grad_node(grad_out, inp, bounds, out)
         if node is not None:
             return node
     return tree_node_into(out, len(bounds) - 1, spare, lambda i, buffer: leaf(

@@ -19,7 +19,8 @@ from torch import Tensor
 from ..numerics.chunks import row_chunks
 from ..numerics.exact_math import cos, power
 from ..numerics.fixed_order import accumulate_dtype, row_sum, sqrt, tree_sum
-from ..registry import cpu_backend_kernels
+from ..numerics.cpu_kernels import CpuKernels
+from ..registry import cpu_backend_kernel_set
 
 
 @dataclass
@@ -68,11 +69,11 @@ class AdamW:
         b1, b2 = self.cfg.betas
         bc1 = 1 - power(b1, self.step_count)       # the C library's pow follows the CPU (exact_math)
         bc2_sqrt = math.sqrt(1 - power(b2, self.step_count))
-        with cpu_backend_kernels():             # the denominator's sqrt: torch.sqrt's bits follow the CPU
-            self._step_all(lr, grad_scale, grads, bc1, bc2_sqrt)
+        # The denominator's sqrt on the CPU backend's kernels: torch.sqrt's bits follow the CPU.
+        self._step_all(lr, grad_scale, grads, bc1, bc2_sqrt, cpu_backend_kernel_set())
 
     def _step_all(self, lr: float, grad_scale: float, grads: dict[str, Tensor] | None, bc1: float,
-                  bc2_sqrt: float) -> None:
+                  bc2_sqrt: float, kernels: CpuKernels | None) -> None:
         for name, p in self.params:
             grad = p.grad if grads is None else grads.get(name)
             if grad is None:
@@ -81,20 +82,21 @@ class AdamW:
             w = self.master[name] if self.master is not None else p.data
             model = p.data if self.master is not None else None
             if not w.is_contiguous() or (model is not None and not model.is_contiguous()):
-                self._update(grad, m, v, w, model, lr, grad_scale, bc1, bc2_sqrt)
+                self._update(grad, m, v, w, model, lr, grad_scale, bc1, bc2_sqrt, kernels)
                 continue
             # Flat cache-sized chunks: the update is elementwise, so the bits are those of the
             # whole-tensor chain (tests/test_chunks.py), at a fraction of its memory traffic.
             flat = [None if t is None else t.view(-1) for t in (m, v, w, model)]
             grad = grad.reshape(-1)
             for s, e in row_chunks(grad.numel(), 1):
-                self._update(grad[s:e], *(None if t is None else t[s:e] for t in flat), lr, grad_scale, bc1, bc2_sqrt)
+                self._update(grad[s:e], *(None if t is None else t[s:e] for t in flat), lr, grad_scale, bc1, bc2_sqrt,
+                             kernels)
 
     def _update(self, grad: Tensor, m: Tensor, v: Tensor, w: Tensor, model: Tensor | None, lr: float,
-                grad_scale: float, bc1: float, bc2_sqrt: float) -> None:
+                grad_scale: float, bc1: float, bc2_sqrt: float, kernels: CpuKernels | None) -> None:
         """The AdamW update of one tensor or chunk, in place on m and v (the accumulation dtype) and on
         the weights w (the model's, or master weights whose rounded values are then written into
-        `model`)."""
+        `model`); the square root on the CPU kernels `kernels`."""
         b1, b2 = self.cfg.betas
         acc = m.dtype
         # One IEEE op per line, in place where the result is not needed twice: the same bits as the
@@ -109,7 +111,7 @@ class AdamW:
         wf = w if w.dtype == acc else w.to(acc)
         if self.cfg.weight_decay:
             wf.mul_(1 - lr * self.cfg.weight_decay)
-        sqrt(v, out=tmp).div_(bc2_sqrt).add_(self.cfg.eps)        # denom
+        sqrt(v, out=tmp, kernels=kernels).div_(bc2_sqrt).add_(self.cfg.eps)        # denom
         torch.div(m, tmp, out=tmp).mul_(lr / bc1)
         wf.sub_(tmp)                                               # w - (m / denom) * (lr / bc1)
         if wf is not w:  # a bf16 / fp16 model without master weights
@@ -164,8 +166,7 @@ def grad_norm(grads: dict[str, Tensor], parts: dict[str, tuple[int, int]] | None
             offset += k
         else:
             total = total + square_sum(grads[n]).cpu().to(acc)
-    with cpu_backend_kernels():
-        return sqrt(total)
+    return sqrt(total, kernels=cpu_backend_kernel_set())
 
 
 def square_sum(grad: Tensor) -> Tensor:

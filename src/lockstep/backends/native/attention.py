@@ -18,7 +18,7 @@ from ...registry import register
 from ...numerics.second_order import first_order_only
 from ..portable import attention as portable
 from .build import isa, library
-from .cpu import native_kernels
+from . import cpu
 from .gemm import DTYPE_CODES
 
 
@@ -135,18 +135,17 @@ class _Attention(torch.autograd.Function):
 
 @register("native", "attention")
 def attention(q, k, v, cu_q, cu_k, scale, causal, window):
-    with native_kernels():
-        if q.dtype == torch.float64:
-            return portable.attention(q, k, v, cu_q, cu_k, scale, causal, window)
-        return _Attention.apply(q, k, v, list(cu_q), list(cu_k), scale, causal, window)
+    if q.dtype == torch.float64:
+        return portable.attention(q, k, v, cu_q, cu_k, scale, causal, window, kernels=cpu.KERNELS)
+    return _Attention.apply(q, k, v, list(cu_q), list(cu_k), scale, causal, window)
 
 
 @register("native", "paged_attention")
 def paged_attention(q, k_cache, v_cache, block_table, seq_lens, cu_q, scale, causal, window):
-    with native_kernels():
-        if q.dtype == torch.float64:
-            return portable.paged_attention(q, k_cache, v_cache, block_table, seq_lens, cu_q, scale, causal, window)
-        with torch.no_grad():
-            out, _, _ = attention_forward(q, k_cache, v_cache, list(cu_q), [int(n) for n in seq_lens], None,
-                                          block_table, scale, causal, window)
-        return out.to(q.dtype)
+    if q.dtype == torch.float64:
+        return portable.paged_attention(q, k_cache, v_cache, block_table, seq_lens, cu_q, scale, causal, window,
+                                        kernels=cpu.KERNELS)
+    with torch.no_grad():
+        out, _, _ = attention_forward(q, k_cache, v_cache, list(cu_q), [int(n) for n in seq_lens], None,
+                                      block_table, scale, causal, window)
+    return out.to(q.dtype)

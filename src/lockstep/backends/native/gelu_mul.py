@@ -1,5 +1,5 @@
-"""Native gelu_mul: the portable op, with any GEMM, exp and log on lockstep's own kernels (cpu.py);
-its sums are elementwise adds in fixed orders, the same bits on every CPU."""
+"""Native gelu_mul: the portable op, with its exp on lockstep's own kernels (cpu.KERNELS, passed
+as the portable op's `kernels`); the rest is elementwise arithmetic, the same bits on every CPU."""
 
 from __future__ import annotations
 
@@ -7,10 +7,9 @@ from torch import Tensor
 
 from ...registry import register
 from ..portable import gelu_mul as portable
-from .cpu import native_kernels
+from . import cpu
 
 
 @register("native", "gelu_mul")
 def gelu_mul(gate: Tensor, up: Tensor) -> Tensor:
-    with native_kernels():
-        return portable.gelu_mul(gate, up)
+    return portable.gelu_mul(gate, up, kernels=cpu.KERNELS)

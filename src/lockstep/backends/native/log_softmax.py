@@ -1,5 +1,6 @@
-"""Native log_softmax: the portable op, with any GEMM, exp and log on lockstep's own kernels (cpu.py);
-its sums are elementwise adds in fixed orders, the same bits on every CPU."""
+"""Native log_softmax: the portable op, with its exp and log on lockstep's own kernels (cpu.KERNELS,
+passed as the portable op's `kernels`); its sums are elementwise adds in fixed orders, the same
+bits on every CPU."""
 
 from __future__ import annotations
 
@@ -7,10 +8,9 @@ from torch import Tensor
 
 from ...registry import register
 from ..portable import log_softmax as portable
-from .cpu import native_kernels
+from . import cpu
 
 
 @register("native", "log_softmax")
 def log_softmax(x: Tensor) -> Tensor:
-    with native_kernels():
-        return portable.log_softmax(x)
+    return portable.log_softmax(x, kernels=cpu.KERNELS)

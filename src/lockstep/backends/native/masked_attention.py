@@ -14,7 +14,7 @@ from ...registry import register
 from ...numerics.second_order import first_order_only
 from ..portable import masked_attention as portable
 from .attention import attention_backward, attention_forward
-from .cpu import native_kernels
+from . import cpu
 
 
 def forward(q: Tensor, k: Tensor, v: Tensor, visible: Tensor, scale: float
@@ -26,7 +26,8 @@ def forward(q: Tensor, k: Tensor, v: Tensor, visible: Tensor, scale: float
     rows = q.transpose(1, 2).reshape(b * lq, hq, d)
     out, row_max, row_sum = attention_forward(rows, k, v, [i * lq for i in range(b + 1)], [lk] * b, None, None,
                                               scale, False, None, mask=visible.reshape(b * lq, lk))
-    lse = (row_max + log(row_sum)).view(b, lq, hq).transpose(1, 2)    # -inf + log(0): -inf where none is seen
+    # -inf + log(0): -inf where none is seen
+    lse = (row_max + log(row_sum, kernels=cpu.KERNELS)).view(b, lq, hq).transpose(1, 2)
     out = out.view(b, lq, hq, d).transpose(1, 2).to(q.dtype)
     return out, lse, (row_max.view(b, lq, hq), row_sum.view(b, lq, hq))
 
@@ -56,7 +57,6 @@ class _MaskedAttention(torch.autograd.Function):
 
 @register("native", "masked_attention")
 def masked_attention(q, k, v, visible, scale):
-    with native_kernels():
-        if q.dtype == torch.float64:
-            return portable.masked_attention(q, k, v, visible, scale)
-        return _MaskedAttention.apply(q, k, v, visible, scale)
+    if q.dtype == torch.float64:
+        return portable.masked_attention(q, k, v, visible, scale, kernels=cpu.KERNELS)
+    return _MaskedAttention.apply(q, k, v, visible, scale)

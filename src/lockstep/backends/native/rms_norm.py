@@ -14,7 +14,7 @@ from ...registry import register
 from ...numerics.second_order import first_order_only
 from ..portable import rms_norm as portable
 from .build import isa, library
-from .cpu import native_kernels
+from . import cpu
 from .gemm import DTYPE_CODES, OUT_CODES
 
 
@@ -81,9 +81,8 @@ class _RMSNorm(torch.autograd.Function):
 
 @register("native", "rms_norm")
 def rms_norm(x: Tensor, weight: Tensor, eps: float, offset: float) -> Tensor:
-    with native_kernels():
-        if x.dtype not in DTYPE_CODES or weight.dtype not in DTYPE_CODES or x.dim() != 2:
-            return portable.rms_norm(x, weight, eps, offset)
-        if not torch.is_grad_enabled():  # no graph to record (the engine's steps): the forward alone
-            return _forward(x.contiguous(), weight, eps, offset)[0]
-        return _RMSNorm.apply(x.contiguous(), weight, eps, offset)
+    if x.dtype not in DTYPE_CODES or weight.dtype not in DTYPE_CODES or x.dim() != 2:
+        return portable.rms_norm(x, weight, eps, offset, kernels=cpu.KERNELS)
+    if not torch.is_grad_enabled():  # no graph to record (the engine's steps): the forward alone
+        return _forward(x.contiguous(), weight, eps, offset)[0]
+    return _RMSNorm.apply(x.contiguous(), weight, eps, offset)

@@ -12,7 +12,6 @@ from ...registry import register
 from ...rotary import rope_cos_sin
 from ..portable import rope as portable
 from .build import isa, library
-from .cpu import native_kernels
 from .gemm import OUT_CODES
 
 _MAX_HEAD_DIM = 512  # rows.c's ROW_BLOCK
@@ -63,5 +62,4 @@ def rope(x: Tensor, positions: Tensor, theta: float, style: str, scaling) -> Ten
         if not torch.is_grad_enabled():  # no graph to record (the engine's steps): the forward alone
             return _forward(x.contiguous(), positions, theta, style, scaling)[0]
         return _Rope.apply(x.contiguous(), positions, theta, style, scaling)
-    with native_kernels():
-        return portable.rope(x, positions, theta, style, scaling)
+    return portable.rope(x, positions, theta, style, scaling)

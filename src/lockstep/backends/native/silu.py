@@ -2,14 +2,13 @@
 silu_mul.py) and for SiLU alone (`silu`, `silu_backward`: the CPU kernels' forms of fixed_order.silu
 and its backward, which the batch-invariant mode runs), in fp32 and bf16, performing the
 compositions' operations element for element, so they give the compositions' bits (NaN compared
-as NaN). Other dtypes take the compositions."""
+as NaN). Other dtypes take the compositions (fixed_order's, on the native exp)."""
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
-from ...numerics import fixed_order
 from .build import isa, library
 from .gemm import OUT_CODES
 
@@ -38,15 +37,17 @@ def takes(*tensors: Tensor) -> bool:
                                             for t in tensors)
 
 
-def silu(x: Tensor) -> Tensor:
-    """fixed_order.silu: x * (1 / (1 + exp(-x))), x's shape and dtype."""
+def silu(x: Tensor) -> Tensor | None:
+    """fixed_order.silu: x * (1 / (1 + exp(-x))), x's shape and dtype; None where the C pass does not
+    take x (fixed_order.silu then runs the composition on the native exp)."""
     if not takes(x):
-        return fixed_order.silu_composed(x)
+        return None
     return run("silu", x)[0]
 
 
-def silu_backward(grad_y: Tensor, x: Tensor) -> Tensor:
-    """fixed_order.silu_backward: grad_y * (s + x * s * (1 - s)), s = 1 / (1 + exp(-x)); x's dtype."""
+def silu_backward(grad_y: Tensor, x: Tensor) -> Tensor | None:
+    """fixed_order.silu_backward: grad_y * (s + x * s * (1 - s)), s = 1 / (1 + exp(-x)); x's dtype;
+    None where the C pass does not take them (then the composition runs, as for `silu`)."""
     if not takes(x, grad_y):
-        return fixed_order.silu_backward_composed(grad_y, x)
+        return None
     return run("silu_backward", x, grad_y=grad_y)[0]

@@ -11,7 +11,7 @@ from ...registry import register
 from ...numerics.second_order import first_order_only
 from ..portable import silu_mul as portable
 from . import silu
-from .cpu import native_kernels
+from . import cpu
 
 
 class _SiluMul(torch.autograd.Function):
@@ -34,5 +34,4 @@ def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
         if not torch.is_grad_enabled():  # no graph to record (the engine's steps): the forward alone
             return silu.run("gated", gate, up)[0]
         return _SiluMul.apply(gate, up)
-    with native_kernels():
-        return portable.silu_mul(gate, up)
+    return portable.silu_mul(gate, up, kernels=cpu.KERNELS)

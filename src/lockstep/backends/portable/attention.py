@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from ...numerics.fixed_order import KEY_BLOCK, accumulate_dtype, exp, matmul_rows, pairwise_weight_grad, row_sum
-from ...numerics.cpu_kernels import records_cpu_kernels, restores_cpu_kernels
+from ...numerics.cpu_kernels import CpuKernels
 from ...paged_cache import gather_packed
 from ...registry import register
 from ...numerics.second_order import first_order_only
@@ -99,17 +99,19 @@ class _Plan:
         return mask.repeat_interleave(self.hkv, dim=0)
 
 
-def _scores(qrows: Tensor, kblk: Tensor, scale: float, visible: Tensor) -> Tensor:
-    s = matmul_rows(qrows, kblk.transpose(1, 2)) * scale
+def _scores(qrows: Tensor, kblk: Tensor, scale: float, visible: Tensor, kernels: CpuKernels | None) -> Tensor:
+    s = matmul_rows(qrows, kblk.transpose(1, 2), kernels=kernels) * scale
     return torch.where(visible, s, torch.full_like(s, float("-inf")))
 
 
 def group_forward(q: Tensor, k: Tensor, v: Tensor, len_k: list[int], scale: float, causal: bool,
-                  window: int | None, mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                  window: int | None, mask: Tensor | None = None, *,
+                  kernels: CpuKernels | None = None) -> tuple[Tensor, Tensor]:
     """S sequences with equal len_q: q [S, len_q, Hq, D]; k, v [S, max len_k, Hkv, D] (zero past each
     sequence's len_k) in the accumulation dtype. mask: optional [S, len_q, max_k] bool, True where a
     query may attend (an explicit mask, as scaled_dot_product_attention takes); a row that may
-    attend to nothing gets a zero output.
+    attend to nothing gets a zero output. The GEMMs, exp and sums run on the CPU kernels `kernels`
+    (None: PyTorch's).
 
     Returns (output [S, len_q, Hq, D], softmax statistics [2, S * Hkv, len_q * G]: the running max
     and the sum of exponentials). Backward recomputes probabilities as exp(s - max) / sum:
@@ -122,15 +124,15 @@ def group_forward(q: Tensor, k: Tensor, v: Tensor, len_k: list[int], scale: floa
     run_sum = torch.zeros((s_count * hkv, plan.rows), dtype=q.dtype, device=q.device)
     acc = torch.zeros((s_count * hkv, plan.rows, d), dtype=q.dtype, device=q.device)
     for start, lo, hi in plan.blocks():
-        s = _scores(qr[:, lo:hi], _key_block(k, start), scale, plan.visible(start, lo, hi))
+        s = _scores(qr[:, lo:hi], _key_block(k, start), scale, plan.visible(start, lo, hi), kernels)
         old = run_max[:, lo:hi]
         new = torch.maximum(old, torch.amax(s, dim=-1))
         # A row that has seen no key yet keeps max -inf; shift by 0 so exp gives 0, never NaN.
         shift = torch.where(new == float("-inf"), torch.zeros_like(new), new)
-        alpha = exp(old - shift)
-        p = exp(s - shift[..., None])
-        run_sum[:, lo:hi] = run_sum[:, lo:hi] * alpha + row_sum(p)
-        acc[:, lo:hi] = acc[:, lo:hi] * alpha[..., None] + matmul_rows(p, _key_block(v, start))
+        alpha = exp(old - shift, kernels=kernels)
+        p = exp(s - shift[..., None], kernels=kernels)
+        run_sum[:, lo:hi] = run_sum[:, lo:hi] * alpha + row_sum(p, kernels=kernels)
+        acc[:, lo:hi] = acc[:, lo:hi] * alpha[..., None] + matmul_rows(p, _key_block(v, start), kernels=kernels)
         run_max[:, lo:hi] = new
     # A row that saw no key (fully masked) outputs zeros, not 0/0: a NaN there could reach other rows
     # through 0 * NaN in their P @ V.
@@ -140,8 +142,10 @@ def group_forward(q: Tensor, k: Tensor, v: Tensor, len_k: list[int], scale: floa
 
 def sequence_backward(q: Tensor, k: Tensor, v: Tensor, grad_out: Tensor, stats: Tensor,
                       scale: float, causal: bool, window: int | None,
-                      mask: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
-    """Gradients of one sequence (all in the accumulation dtype): dq [len_q, Hq, D], dk, dv [len_k, Hkv, D].
+                      mask: Tensor | None = None, *,
+                      kernels: CpuKernels | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients of one sequence (all in the accumulation dtype): dq [len_q, Hq, D], dk, dv [len_k, Hkv, D],
+    on the CPU kernels `kernels` (None: PyTorch's).
 
     Two passes over the key blocks. The first accumulates delta = sum_j p_j dp_j from the same dp
     values the second uses, so that dp - delta cancels exactly where it should (a query that sees
@@ -157,30 +161,31 @@ def sequence_backward(q: Tensor, k: Tensor, v: Tensor, grad_out: Tensor, stats: 
     shift = torch.where(run_max == float("-inf"), torch.zeros_like(run_max), run_max)
 
     def probs_and_dp(start: int, lo: int, hi: int) -> tuple[Tensor, Tensor]:
-        s = _scores(qr[:, lo:hi], _key_block(kk, start), scale, plan.visible(start, lo, hi))
-        p = exp(s - shift[:, lo:hi, None]) / torch.where(run_sum == 0, 1.0, run_sum)[:, lo:hi, None]
-        return p, matmul_rows(dor[:, lo:hi], _key_block(vv, start).transpose(1, 2))
+        s = _scores(qr[:, lo:hi], _key_block(kk, start), scale, plan.visible(start, lo, hi), kernels)
+        p = exp(s - shift[:, lo:hi, None], kernels=kernels) / torch.where(run_sum == 0, 1.0, run_sum)[:, lo:hi, None]
+        return p, matmul_rows(dor[:, lo:hi], _key_block(vv, start).transpose(1, 2), kernels=kernels)
 
     blocks = plan.blocks()
     delta = torch.zeros_like(run_sum)
     for start, lo, hi in blocks:
         p, dp = probs_and_dp(start, lo, hi)
-        delta[:, lo:hi] = delta[:, lo:hi] + row_sum(p * dp)
+        delta[:, lo:hi] = delta[:, lo:hi] + row_sum(p * dp, kernels=kernels)
     dq = torch.zeros_like(qr)
     dk = torch.zeros_like(k)
     dv = torch.zeros_like(v)
     for start, lo, hi in blocks:
         p, dp = probs_and_dp(start, lo, hi)
         n = min(KEY_BLOCK, len_k - start)
-        dv[start:start + n] = pairwise_weight_grad(p, dor[:, lo:hi]).permute(1, 0, 2)[:n]
+        dv[start:start + n] = pairwise_weight_grad(p, dor[:, lo:hi], kernels=kernels).permute(1, 0, 2)[:n]
         ds = p * (dp - delta[:, lo:hi, None])
-        dq[:, lo:hi] = dq[:, lo:hi] + matmul_rows(ds, _key_block(kk, start)) * scale
-        dk[start:start + n] = (pairwise_weight_grad(ds, qr[:, lo:hi]) * scale).permute(1, 0, 2)[:n]
+        dq[:, lo:hi] = dq[:, lo:hi] + matmul_rows(ds, _key_block(kk, start), kernels=kernels) * scale
+        dk[start:start + n] = (pairwise_weight_grad(ds, qr[:, lo:hi], kernels=kernels) * scale).permute(1, 0, 2)[:n]
     return _unrows(dq, 1, len_q, hq)[0], dk, dv
 
 
 def _grouped_forward(q: Tensor, k: Tensor, v: Tensor, cu_q: list[int], cu_k: list[int], scale: float, causal: bool,
-                     window: int | None, acc: torch.dtype) -> tuple[Tensor, list[Tensor | None]]:
+                     window: int | None, acc: torch.dtype,
+                     kernels: CpuKernels | None) -> tuple[Tensor, list[Tensor | None]]:
     """Packed sequences, grouped by their number of queries; per-sequence softmax statistics."""
     out = torch.zeros(q.shape, dtype=acc, device=q.device)
     stats: list[Tensor | None] = [None] * (len(cu_q) - 1)
@@ -197,7 +202,7 @@ def _grouped_forward(q: Tensor, k: Tensor, v: Tensor, cu_q: list[int], cu_k: lis
             ks[i, :lens[i]] = k[cu_k[b]:cu_k[b + 1]]
             vs[i, :lens[i]] = v[cu_k[b]:cu_k[b + 1]]
         qs = torch.stack([q[cu_q[b]:cu_q[b + 1]] for b in members]).to(acc)
-        o, st = group_forward(qs, ks, vs, lens, scale, causal, window)
+        o, st = group_forward(qs, ks, vs, lens, scale, causal, window, kernels=kernels)
         for i, b in enumerate(members):
             out[cu_q[b]:cu_q[b + 1]] = o[i]
             stats[b] = st[:, i * hkv:(i + 1) * hkv]
@@ -205,32 +210,32 @@ def _grouped_forward(q: Tensor, k: Tensor, v: Tensor, cu_q: list[int], cu_k: lis
 
 
 class _Attention(torch.autograd.Function):
-    """Packed attention (q, k, v, cu_q, cu_k, scale, causal, window): `_grouped_forward`, and
-    `packed_backward` on the CPU kernels the forward ran with."""
+    """Packed attention (q, k, v, cu_q, cu_k, scale, causal, window, kernels): `_grouped_forward`,
+    and `packed_backward` on the CPU kernels the forward ran with."""
 
     @staticmethod
-    @records_cpu_kernels
-    def forward(ctx, q, k, v, cu_q, cu_k, scale, causal, window):
-        out, stats = _grouped_forward(q, k, v, cu_q, cu_k, scale, causal, window, accumulate_dtype(q.dtype))
+    def forward(ctx, q, k, v, cu_q, cu_k, scale, causal, window, kernels):
+        out, stats = _grouped_forward(q, k, v, cu_q, cu_k, scale, causal, window, accumulate_dtype(q.dtype), kernels)
         ctx.save_for_backward(q, k, v)
         ctx.stats, ctx.cu_q, ctx.cu_k = stats, cu_q, cu_k
-        ctx.options = (scale, causal, window)
+        ctx.options, ctx.kernels = (scale, causal, window), kernels
         return out.to(q.dtype)
 
     @staticmethod
     @first_order_only("attention")
-    @restores_cpu_kernels
     def backward(ctx, grad_out):
         q, k, v = ctx.saved_tensors
-        return packed_backward(q, k, v, grad_out, ctx.stats, ctx.cu_q, ctx.cu_k, *ctx.options) + (None,) * 5
+        return packed_backward(q, k, v, grad_out, ctx.stats, ctx.cu_q, ctx.cu_k, *ctx.options,
+                               kernels=ctx.kernels) + (None,) * 6
 
 
 def packed_backward(q: Tensor, k: Tensor, v: Tensor, grad_out: Tensor, stats: list[Tensor | None], cu_q: list[int],
-                    cu_k: list[int], scale: float, causal: bool,
-                    window: int | None) -> tuple[Tensor, Tensor, Tensor]:
+                    cu_k: list[int], scale: float, causal: bool, window: int | None, *,
+                    kernels: CpuKernels | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """dq, dk, dv (in q's, k's, v's dtype) of packed sequences, from each sequence's forward
     statistics ([2, Hkv, len_q * G]: the running max and sum, rows ordered (token, head in group);
-    None for a sequence without queries), one sequence at a time (`sequence_backward`)."""
+    None for a sequence without queries), one sequence at a time (`sequence_backward`, on the CPU
+    kernels `kernels`)."""
     acc = accumulate_dtype(q.dtype)
     g = grad_out.to(acc)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
@@ -241,20 +246,23 @@ def packed_backward(q: Tensor, k: Tensor, v: Tensor, grad_out: Tensor, stats: li
             continue
         q0, q1, k0, k1 = cu_q[b], cu_q[b + 1], cu_k[b], cu_k[b + 1]
         gq, gk, gv = sequence_backward(q[q0:q1].to(acc), k[k0:k1].to(acc), v[k0:k1].to(acc), g[q0:q1],
-                                       stat, scale, causal, window)
+                                       stat, scale, causal, window, kernels=kernels)
         dq[q0:q1], dk[k0:k1], dv[k0:k1] = gq, gk, gv
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
 @register("portable", "attention")
-def attention(q, k, v, cu_q, cu_k, scale, causal, window):
-    return _Attention.apply(q, k, v, cu_q, cu_k, scale, causal, window)
+def attention(q, k, v, cu_q, cu_k, scale, causal, window, *, kernels: CpuKernels | None = None):
+    """The portable packed attention, its GEMMs, exp and sums on the CPU kernels `kernels` (None: PyTorch's)."""
+    return _Attention.apply(q, k, v, cu_q, cu_k, scale, causal, window, kernels)
 
 
 @register("portable", "paged_attention")
-def paged_attention(q, k_cache, v_cache, block_table, seq_lens, cu_q, scale, causal, window):
+def paged_attention(q, k_cache, v_cache, block_table, seq_lens, cu_q, scale, causal, window, *,
+                    kernels: CpuKernels | None = None):
     """Each sequence's keys are read through its block table; then the packed kernel runs, which
-    groups sequences with the same number of new tokens (all decode tokens, say)."""
+    groups sequences with the same number of new tokens (all decode tokens, say), on the CPU
+    kernels `kernels` (None: PyTorch's)."""
     acc = accumulate_dtype(q.dtype)
     with torch.no_grad():
         cu_k = [0]
@@ -262,5 +270,5 @@ def paged_attention(q, k_cache, v_cache, block_table, seq_lens, cu_q, scale, cau
             cu_k.append(cu_k[-1] + n)
         k = gather_packed(k_cache, block_table, seq_lens)
         v = gather_packed(v_cache, block_table, seq_lens)
-        out, _ = _grouped_forward(q, k, v, cu_q, cu_k, scale, causal, window, acc)
+        out, _ = _grouped_forward(q, k, v, cu_q, cu_k, scale, causal, window, acc, kernels)
     return out.to(q.dtype)

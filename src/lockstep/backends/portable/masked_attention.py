@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from ...numerics.fixed_order import accumulate_dtype, log
-from ...numerics.cpu_kernels import records_cpu_kernels, restores_cpu_kernels
+from ...numerics.cpu_kernels import CpuKernels
 from ...registry import register
 from ...numerics.second_order import first_order_only
 from . import attention as portable_attention
@@ -25,9 +25,10 @@ def anchor_groups(visible: Tensor) -> list[tuple[int, Tensor]]:
     return groups
 
 
-def forward(q: Tensor, k: Tensor, v: Tensor, visible: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+def forward(q: Tensor, k: Tensor, v: Tensor, visible: Tensor, scale: float, *,
+            kernels: CpuKernels | None = None) -> tuple[Tensor, Tensor]:
     """(out [B, Hq, Lq, D] in q's dtype, logsumexp [B, Hq, Lq] float32). Queries that share an
-    anchor run together."""
+    anchor run together, on the CPU kernels `kernels` (None: PyTorch's)."""
     acc = accumulate_dtype(q.dtype)
     b, hq, lq, _ = q.shape
     hkv = k.shape[1]
@@ -38,17 +39,18 @@ def forward(q: Tensor, k: Tensor, v: Tensor, visible: Tensor, scale: float) -> t
             qi = q[i][:, rows].transpose(0, 1).to(acc)
             ki, vi = k[i, :, a:].transpose(0, 1).to(acc), v[i, :, a:].transpose(0, 1).to(acc)
             o, st = portable_attention.group_forward(qi[None], ki[None], vi[None], [ki.shape[0]], scale, False, None,
-                                                     visible[i][rows, a:][None])
+                                                     visible[i][rows, a:][None], kernels=kernels)
             out[i][:, rows] = o[0].transpose(0, 1)
-            g = (st[0] + log(st[1])).reshape(hkv, len(rows), hq // hkv).permute(0, 2, 1).reshape(hq, len(rows))
+            g = st[0] + log(st[1], kernels=kernels)
+            g = g.reshape(hkv, len(rows), hq // hkv).permute(0, 2, 1).reshape(hq, len(rows))
             lse[i][:, rows] = g.to(torch.float32)
     return out.to(q.dtype), lse
 
 
-def backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, visible: Tensor,
-             scale: float) -> tuple[Tensor, Tensor, Tensor]:
+def backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, visible: Tensor, scale: float, *,
+             kernels: CpuKernels | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) of the forward's out; each anchor group's softmax statistics are recomputed by
-    `forward`'s arithmetic."""
+    `forward`'s arithmetic, on the same `kernels`."""
     acc = accumulate_dtype(q.dtype)
     dq, dk, dv = (torch.zeros(t.shape, dtype=acc, device=t.device) for t in (q, k, v))
     for i in range(q.shape[0]):
@@ -57,9 +59,9 @@ def backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, visible: Tensor,
             ki, vi = k[i, :, a:].transpose(0, 1).to(acc), v[i, :, a:].transpose(0, 1).to(acc)
             m = visible[i][rows, a:]
             _, stats = portable_attention.group_forward(qi[None], ki[None], vi[None], [ki.shape[0]], scale, False,
-                                                        None, m[None])
+                                                        None, m[None], kernels=kernels)
             gq, gk, gv = portable_attention.sequence_backward(qi, ki, vi, grad_out[i][:, rows].transpose(0, 1).to(acc),
-                                                              stats, scale, False, None, m)
+                                                              stats, scale, False, None, m, kernels=kernels)
             dq[i][:, rows] = gq.transpose(0, 1)
             dk[i, :, a:] += gk.transpose(0, 1)       # anchor groups in increasing order: a fixed order
             dv[i, :, a:] += gv.transpose(0, 1)
@@ -68,22 +70,22 @@ def backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, visible: Tensor,
 
 class _MaskedAttention(torch.autograd.Function):
     @staticmethod
-    @records_cpu_kernels
-    def forward(ctx, q, k, v, visible, scale):
+    def forward(ctx, q, k, v, visible, scale, kernels):
         ctx.save_for_backward(q, k, v, visible)
-        ctx.scale = scale
-        out, lse = forward(q, k, v, visible, scale)
+        ctx.scale, ctx.kernels = scale, kernels
+        out, lse = forward(q, k, v, visible, scale, kernels=kernels)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     @first_order_only("masked_attention")
-    @restores_cpu_kernels
     def backward(ctx, grad, _grad_lse):
         q, k, v, visible = ctx.saved_tensors
-        return (*backward(grad, q, k, v, visible, ctx.scale), None, None)
+        return (*backward(grad, q, k, v, visible, ctx.scale, kernels=ctx.kernels), None, None, None)
 
 
 @register("portable", "masked_attention")
-def masked_attention(q: Tensor, k: Tensor, v: Tensor, visible: Tensor, scale: float) -> tuple[Tensor, Tensor]:
-    return _MaskedAttention.apply(q, k, v, visible, scale)
+def masked_attention(q: Tensor, k: Tensor, v: Tensor, visible: Tensor, scale: float, *,
+                     kernels: CpuKernels | None = None) -> tuple[Tensor, Tensor]:
+    """The portable masked attention, its GEMMs, exp and sums on the CPU kernels `kernels` (None: PyTorch's)."""
+    return _MaskedAttention.apply(q, k, v, visible, scale, kernels)

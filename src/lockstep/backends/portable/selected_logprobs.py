@@ -11,6 +11,7 @@ own. Memory is O(tokens x VOCAB_CHUNK) beyond the kept logits.
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Callable
 
@@ -20,7 +21,7 @@ from torch import Tensor
 from ...numerics import grad_tree
 from ...numerics.fixed_order import (accumulate_dtype, exp, log, lm_head_weight_grad, logit_grad, lse_fold,
                                      matmul_rows, row_max, row_sum, scaled_logits, weight_grad_node)
-from ...numerics.cpu_kernels import columns_at_any_width, records_cpu_kernels, restores_cpu_kernels
+from ...numerics.cpu_kernels import CpuKernels, columns_at_any_width
 from ...registry import register
 from ...numerics.second_order import first_order_only
 from ...numerics.softcap import softcap as capped
@@ -50,27 +51,28 @@ def keep_logits_bytes() -> int:
     return limit
 
 
-def _chunk_logits(hidden: Tensor, weight: Tensor, start: int, acc: torch.dtype,
-                  cap: float | None, stop: int | None = None) -> tuple[Tensor, Tensor | None]:
+def _chunk_logits(hidden: Tensor, weight: Tensor, start: int, acc: torch.dtype, cap: float | None,
+                  kernels: CpuKernels | None, stop: int | None = None) -> tuple[Tensor, Tensor | None]:
     """The logits of the head's rows [start, stop) (one chunk unless `stop` says otherwise) as the
     GEMM left them (hidden's dtype), or capped in the accumulation dtype; and the cap's slope (None
     without one). fixed_order.scaled_logits divides them by the temperature."""
-    logits = matmul_rows(hidden, weight[start:start + VOCAB_CHUNK if stop is None else stop].t())
+    logits = matmul_rows(hidden, weight[start:start + VOCAB_CHUNK if stop is None else stop].t(), kernels=kernels)
     if cap is None:
         return logits, None
-    return capped(logits.to(acc), cap)
+    return capped(logits.to(acc), cap, kernels=kernels)
 
 
-def whole_logits(hidden: Tensor, weight: Tensor, cap: float | None) -> Tensor | None:
+def whole_logits(hidden: Tensor, weight: Tensor, cap: float | None, *,
+                 kernels: CpuKernels | None = None) -> Tensor | None:
     """Every chunk's logits [T, V] (as `_chunk_logits` gives them) from one GEMM, for a few rows
     (decode) on kernels whose columns have the same bits at any width (fixed_order.
     columns_at_any_width): one call starts its threads once and streams the head without a stop,
     where a 151,936-token vocabulary took a call per chunk, 38 of them (bf16 vocab_logprobs on 2
     threads, 1 / 8 / 32 rows: 0.83 / 0.74 / 0.69 of the chunked time, its chunks folded in one call
-    too). None where that does not hold."""
-    if hidden.shape[0] * weight.shape[0] > BATCHED_LSE_ELEMENTS or not columns_at_any_width(hidden):
+    too). None where that does not hold. The GEMM and the cap on the CPU kernels `kernels`."""
+    if hidden.shape[0] * weight.shape[0] > BATCHED_LSE_ELEMENTS or not columns_at_any_width(hidden, kernels=kernels):
         return None
-    logits, _ = _chunk_logits(hidden, weight, 0, accumulate_dtype(hidden.dtype), cap, stop=weight.shape[0])
+    logits, _ = _chunk_logits(hidden, weight, 0, accumulate_dtype(hidden.dtype), cap, kernels, stop=weight.shape[0])
     return logits
 
 
@@ -83,7 +85,7 @@ def _select(logits: Tensor, targets: Tensor, start: int) -> tuple[Tensor, Tensor
 
 def online_lse(hidden: Tensor, weight: Tensor, temperature: float,
                visit: Callable[[int, Tensor], None] | None = None, cap: float | None = None,
-               logits: Tensor | None = None) -> Tensor:
+               logits: Tensor | None = None, *, kernels: CpuKernels | None = None) -> Tensor:
     """log-sum-exp [T] of cap(hidden @ weight.T) / temperature over the vocabulary, chunk by chunk in
     vocabulary order (accumulation dtype). visit(start, logits) sees each chunk's logits before the
     temperature (`_chunk_logits`). `logits`: `whole_logits(hidden, weight, cap)`, where the caller
@@ -95,33 +97,34 @@ def online_lse(hidden: Tensor, weight: Tensor, temperature: float,
     kernels evaluate each step's elementwise and row_sum parts for all chunks at once and only the
     recurrence on s one chunk at a time: the same operations on the same values, so the same bits,
     in far fewer calls. On lockstep's own kernels a few rows' logits come from one GEMM
-    (`whole_logits`) and are folded chunk after chunk in one call (their lse_fold's width)."""
+    (`whole_logits`) and are folded chunk after chunk in one call (their lse_fold's width). The GEMMs,
+    exp, log and sums run on the CPU kernels `kernels` (None: PyTorch's)."""
     if logits is None:
-        logits = whole_logits(hidden, weight, cap)
+        logits = whole_logits(hidden, weight, cap, kernels=kernels)
     if logits is not None:
         if visit is not None:
             for start in range(0, weight.shape[0], VOCAB_CHUNK):
                 visit(start, logits[:, start:start + VOCAB_CHUNK])
-        run_max, run_sum = lse_fold(logits, temperature, None, width=VOCAB_CHUNK)
-        return run_max + log(run_sum)
+        run_max, run_sum = lse_fold(logits, temperature, None, width=VOCAB_CHUNK, kernels=kernels)
+        return run_max + log(run_sum, kernels=kernels)
     acc = accumulate_dtype(hidden.dtype)
     batched = hidden.shape[0] * weight.shape[0] <= BATCHED_LSE_ELEMENTS
     chunks, run = [], None
     for start in range(0, weight.shape[0], VOCAB_CHUNK):
-        chunk, _ = _chunk_logits(hidden, weight, start, acc, cap)
+        chunk, _ = _chunk_logits(hidden, weight, start, acc, cap, kernels)
         if visit is not None:
             visit(start, chunk)
         if batched:
             chunks.append(scaled_logits(chunk, temperature))
         else:
-            run = lse_fold(chunk, temperature, run)
+            run = lse_fold(chunk, temperature, run, kernels=kernels)
     if batched:
-        return _lse_of_chunks(chunks)
+        return _lse_of_chunks(chunks, kernels)
     run_max, run_sum = run
-    return run_max + log(run_sum)
+    return run_max + log(run_sum, kernels=kernels)
 
 
-def _lse_of_chunks(chunks: list[Tensor]) -> Tensor:
+def _lse_of_chunks(chunks: list[Tensor], kernels: CpuKernels | None) -> Tensor:
     """online_lse's fold over chunk logits [T, VOCAB_CHUNK] (the last may be shorter), batched."""
     full = [c for c in chunks if c.shape[1] == VOCAB_CHUNK]
     tail = chunks[len(full):]
@@ -130,22 +133,23 @@ def _lse_of_chunks(chunks: list[Tensor]) -> Tensor:
     sums = []
     if full:
         stacked = torch.stack(full, dim=1)                                  # [T, full chunks, VOCAB_CHUNK]
-        sums.append(row_sum(exp(stacked - running[:, :len(full), None])))
+        sums.append(row_sum(exp(stacked - running[:, :len(full), None], kernels=kernels), kernels=kernels))
     if tail:
-        sums.append(row_sum(exp(tail[0] - running[:, len(full), None]))[:, None])
+        sums.append(row_sum(exp(tail[0] - running[:, len(full), None], kernels=kernels), kernels=kernels)[:, None])
     chunk_sums = torch.cat(sums, dim=1)
-    decay = exp(running[:, :-1] - running[:, 1:])
+    decay = exp(running[:, :-1] - running[:, 1:], kernels=kernels)
     run_sum = chunk_sums[:, 0]
     for i in range(1, chunk_sums.shape[1]):
         run_sum = run_sum * decay[:, i - 1] + chunk_sums[:, i]
-    return running[:, -1] + log(run_sum)
+    return running[:, -1] + log(run_sum, kernels=kernels)
 
 
 def selected_logprobs_forward(hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float = 1.0,
-                              cap: float | None = None, keep: list[Tensor] | None = None) -> tuple[Tensor, Tensor]:
-    """Returns (log p(target) [T], log-sum-exp [T]), both in the accumulation dtype. `keep`, when
-    given, receives each chunk's logits [T, <= VOCAB_CHUNK] as `_chunk_logits` gives them (capped
-    where `cap` is given), in vocabulary order."""
+                              cap: float | None = None, keep: list[Tensor] | None = None, *,
+                              kernels: CpuKernels | None = None) -> tuple[Tensor, Tensor]:
+    """Returns (log p(target) [T], log-sum-exp [T]), both in the accumulation dtype, on the CPU
+    kernels `kernels` (None: PyTorch's). `keep`, when given, receives each chunk's logits [T, <=
+    VOCAB_CHUNK] as `_chunk_logits` gives them (capped where `cap` is given), in vocabulary order."""
     target_logit = torch.zeros(hidden.shape[0], dtype=accumulate_dtype(hidden.dtype), device=hidden.device)
 
     def pick(start: int, logits: Tensor) -> None:
@@ -155,29 +159,28 @@ def selected_logprobs_forward(hidden: Tensor, weight: Tensor, targets: Tensor, t
         inside, picked = _select(logits, targets, start)
         target_logit = torch.where(inside, scaled_logits(picked[:, None], temperature)[:, 0], target_logit)
 
-    lse = online_lse(hidden, weight, temperature, pick, cap)
+    lse = online_lse(hidden, weight, temperature, pick, cap, kernels=kernels)
     return target_logit - lse, lse
 
 
 class _SelectedLogprobs(torch.autograd.Function):
     @staticmethod
-    @records_cpu_kernels
     def forward(ctx, hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float, cap: float | None,
-                keeps: bool) -> Tensor:
+                keeps: bool, kernels: CpuKernels | None) -> Tensor:
         kept = [] if keeps else None
-        out, lse = selected_logprobs_forward(hidden, weight, targets, temperature, cap, kept)
+        out, lse = selected_logprobs_forward(hidden, weight, targets, temperature, cap, kept, kernels=kernels)
         # Saved as tensors, so that saved-tensor hooks (offloading, checkpointing) see them and
         # autograd frees them with the graph.
         ctx.save_for_backward(hidden, weight, targets, lse, *(kept or []))
-        ctx.temperature, ctx.cap = temperature, cap
+        ctx.temperature, ctx.cap, ctx.kernels = temperature, cap, kernels
         ctx.use = grad_tree.capture("selected_logprobs", weight, hidden.shape[0], ctx.needs_input_grad[1])
         return out    # float32, or float64 for float64 inputs
 
     @staticmethod
     @first_order_only("selected_logprobs")
-    @restores_cpu_kernels
     def backward(ctx, grad_out: Tensor):
         hidden, weight, targets, lse, *kept = ctx.saved_tensors
+        kernels = ctx.kernels
         acc = lse.dtype
         g = grad_out.contiguous().to(acc)
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
@@ -208,35 +211,39 @@ class _SelectedLogprobs(torch.autograd.Function):
                 if kept:
                     logits, slope = kept[chunk][first:stop], None
                 else:
-                    logits, slope = _chunk_logits(h, weight, start, acc, ctx.cap)
+                    logits, slope = _chunk_logits(h, weight, start, acc, ctx.cap, kernels)
                 # d log p(t) / d logit_j = [j == t] - p_j
                 inside, _ = _select(logits, targets[first:stop], start)
                 local = (targets[first:stop] - start).clamp(0, logits.shape[1] - 1)
                 dlogits = logit_grad(logits, ctx.temperature, lse[first:stop], local, inside.to(acc), scale,
-                                     gemm if slope is None else acc)
+                                     gemm if slope is None else acc, kernels=kernels)
                 if slope is not None:
                     dlogits = (dlogits * slope).to(gemm)
                 stop_v = start + logits.shape[1]
                 if need_h:
-                    dh[first:stop].add_(matmul_rows(dlogits, weight[start:stop_v].to(gemm)))
+                    dh[first:stop].add_(matmul_rows(dlogits, weight[start:stop_v].to(gemm), kernels=kernels))
                 if need_w and rounded:
-                    dw[start:stop_v] = lm_head_weight_grad(dlogits, hidden_w[first:stop])
+                    dw[start:stop_v] = lm_head_weight_grad(dlogits, hidden_w[first:stop], kernels=kernels)
                 elif need_w:
                     weight_grad_node(dlogits, hidden_w[first:stop], [b - first for b in bounds], dw[start:stop_v],
-                                     spare, leaf=lm_head_weight_grad)
+                                     spare, leaf=functools.partial(lm_head_weight_grad, kernels=kernels),
+                                     kernels=kernels)
             return dw
 
         # A piece of units at a time inside a unit tree: its logits and d(hidden) over all its rows,
         # its units' weight gradients combined chunk by chunk, one vocabulary-sized tensor per piece.
         dw = grad_tree.per_piece(ctx.use, hidden.shape[0], piece_backward)
-        return (dh.to(hidden.dtype) if need_h else None), (None if dw is None else dw.to(weight.dtype)), None, None, None, None
+        return ((dh.to(hidden.dtype) if need_h else None), (None if dw is None else dw.to(weight.dtype)),
+                None, None, None, None, None)
 
 
 @register("portable", "selected_logprobs")
 def selected_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float,
-                      softcap: float | None = None) -> Tensor:
+                      softcap: float | None = None, *, kernels: CpuKernels | None = None) -> Tensor:
+    """The portable selected_logprobs, its GEMMs, exp, log and sums on the CPU kernels `kernels`
+    (None: PyTorch's)."""
     return _SelectedLogprobs.apply(hidden.contiguous(), weight, targets, temperature, softcap,
-                                   keeps_logits(hidden, weight, softcap))
+                                   keeps_logits(hidden, weight, softcap), kernels)
 
 
 def keeps_logits(hidden: Tensor, weight: Tensor, softcap: float | None) -> bool:

@@ -8,6 +8,7 @@ chunks (lockstep.numerics.chunks), which changes no bit.
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import torch
@@ -15,15 +16,16 @@ from torch import Tensor
 
 from ...numerics.chunks import row_chunks
 from ...numerics.fixed_order import accumulate_dtype, exp
-from ...numerics.cpu_kernels import records_cpu_kernels, restores_cpu_kernels
+from ...numerics.cpu_kernels import CpuKernels
 from ...registry import register
 from ...numerics.second_order import first_order_only
 
 
-def sigmoid(x: Tensor) -> Tensor:
-    """1 / (1 + exp(-x)), path-independent (shared with gelu_mul). In place after the first op"""
+def sigmoid(x: Tensor, *, kernels: CpuKernels | None = None) -> Tensor:
+    """1 / (1 + exp(-x)), path-independent (shared with gelu_mul), the exp on the CPU kernels
+    `kernels` (None: PyTorch's)."""
     # In place after the first op: the same arithmetic, without a full-size temporary per step.
-    return exp(-x).add_(1.0).reciprocal_()
+    return exp(-x, kernels=kernels).add_(1.0).reciprocal_()
 
 
 def gated_forward(act: Callable[[Tensor], Tensor], gate: Tensor, up: Tensor) -> Tensor:
@@ -51,12 +53,12 @@ def gated_backward(act_and_derivative: Callable[[Tensor], tuple[Tensor, Tensor]]
     return dgate, dup
 
 
-def _silu(g: Tensor) -> Tensor:
-    return sigmoid(g).mul_(g)
+def _silu(g: Tensor, *, kernels: CpuKernels | None = None) -> Tensor:
+    return sigmoid(g, kernels=kernels).mul_(g)
 
 
-def _silu_and_derivative(g: Tensor) -> tuple[Tensor, Tensor]:
-    s = sigmoid(g)
+def _silu_and_derivative(g: Tensor, *, kernels: CpuKernels | None = None) -> tuple[Tensor, Tensor]:
+    s = sigmoid(g, kernels=kernels)
     gs = g * s
     # d silu / d g = s * (1 + g * (1 - s)) = s + gs * (1 - s)
     return gs, (1.0 - s).mul_(gs).add_(s)
@@ -64,25 +66,26 @@ def _silu_and_derivative(g: Tensor) -> tuple[Tensor, Tensor]:
 
 class GatedMul(torch.autograd.Function):
     """act(gate) * up with its backward, chunk by chunk (gated_forward / gated_backward); silu_mul
-    and gelu_mul pass their activation and its derivative."""
+    and gelu_mul pass their activation and its derivative, each taking the CPU kernels as its
+    `kernels` keyword, and the kernels (None: PyTorch's)."""
 
     @staticmethod
-    @records_cpu_kernels
-    def forward(ctx, gate: Tensor, up: Tensor, act: Callable[[Tensor], Tensor],
-                act_and_derivative: Callable[[Tensor], tuple[Tensor, Tensor]]) -> Tensor:
+    def forward(ctx, gate: Tensor, up: Tensor, act: Callable[..., Tensor],
+                act_and_derivative: Callable[..., tuple[Tensor, Tensor]], kernels: CpuKernels | None) -> Tensor:
         ctx.save_for_backward(gate, up)
-        ctx.act_and_derivative = act_and_derivative
-        return gated_forward(act, gate, up)
+        ctx.act_and_derivative, ctx.kernels = act_and_derivative, kernels
+        return gated_forward(functools.partial(act, kernels=kernels), gate, up)
 
     @staticmethod
     @first_order_only("silu_mul / gelu_mul")
-    @restores_cpu_kernels
     def backward(ctx, grad_y: Tensor):
         gate, up = ctx.saved_tensors
-        dgate, dup = gated_backward(ctx.act_and_derivative, gate, up, grad_y.contiguous())
-        return dgate, dup, None, None
+        dgate, dup = gated_backward(functools.partial(ctx.act_and_derivative, kernels=ctx.kernels), gate, up,
+                                    grad_y.contiguous())
+        return dgate, dup, None, None, None
 
 
 @register("portable", "silu_mul")
-def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
-    return GatedMul.apply(gate.contiguous(), up.contiguous(), _silu, _silu_and_derivative)
+def silu_mul(gate: Tensor, up: Tensor, *, kernels: CpuKernels | None = None) -> Tensor:
+    """The portable silu_mul, its exp on the CPU kernels `kernels` (None: PyTorch's)."""
+    return GatedMul.apply(gate.contiguous(), up.contiguous(), _silu, _silu_and_derivative, kernels)
