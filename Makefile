@@ -23,9 +23,13 @@ verify: $(STAMP)
 check: $(STAMP)
 	$(BIN)/lockstep check
 
-# One worker per core, at most 4 (each holds a real model at times); tests/_scheduling.py orders them.
+# With 4 cores or more, one pytest-xdist worker per core (at most 4: each holds a real model at times),
+# in the order of tests/_scheduling.py. Below that the suite runs serially: on 2 cores its tests'
+# own threads and subprocesses already fill both, and two workers took longer (ADR 0029).
+WORKERS := $(shell [ "$$(nproc 2>/dev/null || echo 1)" -ge 4 ] && echo "-n auto --maxprocesses 4")
+
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -n auto --maxprocesses 4
+	$(BIN)/python -m pytest -q $(WORKERS)
 
 bench: $(STAMP)
 	$(BIN)/lockstep bench

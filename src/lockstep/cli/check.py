@@ -44,14 +44,25 @@ def cmd_check(args: argparse.Namespace) -> int:
     prepare_outputs(args)
     print(f"lockstep check: {harness.setting(backend, args.device)}")
     native_bits = None
+    show, clear = live_status()
     if backend == "native":
         from ..tools import backend_bits
 
-        native_bits = backend_bits.against_recording()
+        def status() -> None:
+            if show:
+                show("comparing the native backend's bits with the recorded ones")
+
+        def bits_line(line: str) -> None:
+            clear()
+            print(line, flush=True)
+            status()
+
+        status()
+        native_bits = backend_bits.against_recording(log=bits_line)
+        clear()
     print("  ".join(h.ljust(w) for h, w in zip(HEADER, WIDTHS)))
     print("  ".join("-" * w for w in WIDTHS))
     reports, failed, started = [], 0, time.time()
-    show, clear = live_status()
 
     def starting(name: str, dtype: torch.dtype, i: int, n: int) -> None:
         show(f"checking {name} {contract.dtype_name(dtype)} ({i + 1}/{n})")
