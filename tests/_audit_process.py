@@ -81,6 +81,7 @@ class GpuAudit:
             raise
 
     def result(self, timeout: float) -> tuple[pathlib.Path, list[dict], str]:
+        """(output folder, the JSON records, stdout), once the audit has finished (`wait_for_audit`)."""
         return wait_for_audit(self.out, timeout)
 
     def stop(self, keep: bool) -> None:
@@ -133,6 +134,7 @@ def wait_for_audit(out: str, timeout: float) -> tuple[pathlib.Path, list[dict], 
         if time.monotonic() > deadline:
             raise AssertionError(f"lockstep gpu-audit did not finish in {timeout:.0f} s; its output so far, in "
                                  f"{out}:\n{_log_tail(out)}")
+        # Gone without an exit file (looked for again: it may have ended since the loop's test).
         if os.path.exists(os.path.join(out, "pid")) and not _running(_audit_pid(out)) and not os.path.exists(exit_file):
             raise AssertionError(f"lockstep gpu-audit was killed (out of memory?); output in {out}:\n{_log_tail(out)}")
         time.sleep(1)

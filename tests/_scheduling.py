@@ -1,5 +1,5 @@
-"""How the suite's tests are spread over pytest-xdist's workers (`make test` runs two or more;
-ADR 0029).
+"""How the suite's tests are spread over pytest-xdist's workers (`make test` runs them on 4 cores or
+more, and `pytest -n N` anywhere; ADR 0029).
 
 - Tests that share an expensive module fixture (SHARED_FIXTURES) form one unit and run on one
   worker, so that the fixture is made once. Each worker writes the units it collected to the

@@ -4,7 +4,7 @@ import io
 
 import torch
 
-from lockstep.cli.output import live_status
+from lockstep.cli.output import LiveStatus
 
 
 class _Terminal(io.StringIO):
@@ -12,19 +12,22 @@ class _Terminal(io.StringIO):
         return True
 
 
-def test_progress_rewrites_one_line_on_a_terminal_and_stays_out_of_logs(monkeypatch):
+def test_progress_rewrites_one_line_on_a_terminal_and_stays_out_of_logs(monkeypatch, capsys):
     terminal = _Terminal()
     monkeypatch.setattr("sys.stderr", terminal)
-    show, clear = live_status()
-    show("engine setting 1/10")
-    show("engine setting 2/10")
-    clear()
+    status = LiveStatus()
+    status.show("engine setting 1/10")
+    status.show("engine setting 2/10")
+    status.say("a result")
     assert terminal.getvalue() == "\r\033[Kengine setting 1/10 (0s)\r\033[Kengine setting 2/10 (0s)\r\033[K"
+    assert capsys.readouterr().out == "a result\n"
     log = io.StringIO()
     monkeypatch.setattr("sys.stderr", log)
-    show, clear = live_status()
-    clear()
-    assert show is None and log.getvalue() == ""
+    status = LiveStatus()
+    status.show("engine setting 1/10")
+    status.say("a result")
+    assert not status.active and log.getvalue() == ""
+    assert capsys.readouterr().out == "a result\n"
 
 
 def test_the_gate_reports_each_step_before_it_runs():

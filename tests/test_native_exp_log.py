@@ -107,20 +107,22 @@ def test_exp_log_and_roots_on_the_kernels_are_differentiable_as_torchs(dtype):
 
 
 def test_softcapped_logits_on_the_kernels_keep_their_gradient():
-    """A model's logits softcapped as Transformer.logits caps them, with fixed_order.exp on the
-    native kernels: the gradient reaches every weight, finite and nonzero, and the same bits twice
-    (before ADR 0027 the backward raised: the capped logits carried no graph). The formulas' bits
-    are test_exp_log_and_roots_on_the_kernels_are_differentiable_as_torchs'."""
+    """Transformer.logits softcaps through fixed_order.exp on the CPU backend's kernels (the native
+    ones here), as the LM head's ops do: its gradient reaches every weight, finite and nonzero, and
+    the same bits twice (before ADR 0027 the backward raised: the capped logits carried no graph).
+    The formulas' bits are test_exp_log_and_roots_on_the_kernels_are_differentiable_as_torchs'."""
     model = Transformer.from_config(ModelConfig.tiny("gemma3_text", vocab_size=300, final_logit_softcapping=30.0),
                                     seed=0)
     ids, cu = torch.randint(0, 300, (12,), generator=torch.Generator().manual_seed(0)), torch.tensor([0, 12])
-    cap = model.config.final_logit_softcapping
+    with torch.no_grad():
+        logits = ops.linear(model(ids, cu), model.lm_head_weight)
+        on_kernels, _ = softcap(logits.to(fixed_order.accumulate_dtype(logits.dtype)),
+                                model.config.final_logit_softcapping, kernels=KERNELS)
+        assert torch.equal(model.logits(ids, cu), on_kernels.to(logits.dtype))
     grads = []
     for _ in range(2):
         model.zero_grad()
-        logits = ops.linear(model(ids, cu), model.lm_head_weight)
-        capped, _ = softcap(logits.to(fixed_order.accumulate_dtype(logits.dtype)), cap, kernels=KERNELS)
-        capped.square().sum().backward()
+        model.logits(ids, cu).square().sum().backward()
         assert all(p.grad is not None and p.grad.isfinite().all() and p.grad.abs().max() > 0
                    for p in model.parameters())
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))

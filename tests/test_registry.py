@@ -168,12 +168,17 @@ def test_the_cpu_backends_kernel_set_is_the_native_one_and_the_block_forms_say_w
     from lockstep.numerics import cpu_kernels, fixed_order
 
     assert registry.cpu_backend() == "native" and registry.cpu_backend_kernel_set() is cpu.KERNELS
-    removed = [lambda: cpu_kernels.cpu_kernels("native"), cpu_kernels.current_cpu_kernels,
-               lambda: cpu_kernels.register_cpu_kernels(cpu.KERNELS), lambda: cpu_kernels.records_cpu_kernels(len),
-               lambda: cpu_kernels.restores_cpu_kernels(len), lambda: cpu_kernels.selected_kernels(torch.ones(1)),
-               cpu.native_kernels, registry.cpu_backend_kernels]
-    for call in removed:
-        with pytest.raises(RuntimeError, match="no longer selected per thread; .*(`kernels`|kernels_for)"):
+    removed = {"numerics.cpu_kernels.cpu_kernels": lambda: cpu_kernels.cpu_kernels("native"),
+               "numerics.cpu_kernels.current_cpu_kernels": cpu_kernels.current_cpu_kernels,
+               "numerics.cpu_kernels.register_cpu_kernels": lambda: cpu_kernels.register_cpu_kernels(cpu.KERNELS),
+               "numerics.cpu_kernels.records_cpu_kernels": lambda: cpu_kernels.records_cpu_kernels(len),
+               "numerics.cpu_kernels.restores_cpu_kernels": lambda: cpu_kernels.restores_cpu_kernels(len),
+               "numerics.cpu_kernels.selected_kernels": lambda: cpu_kernels.selected_kernels(torch.ones(1)),
+               "backends.native.cpu.native_kernels": cpu.native_kernels,
+               "registry.cpu_backend_kernels": registry.cpu_backend_kernels}
+    for name, call in removed.items():
+        with pytest.raises(RuntimeError, match=rf"^lockstep\.{re.escape(name)}: the CPU kernels are no longer selected "
+                                               r"per thread; .*(`kernels`|kernels_for|on ctx)"):
             call()
     with pytest.warns(DeprecationWarning, match="has moved to lockstep.numerics.cpu_kernels"):
         assert fixed_order.cpu_kernels is cpu_kernels.cpu_kernels

@@ -21,7 +21,7 @@ from typing import Callable, Iterator, NoReturn
 
 import torch
 
-from .numerics.cpu_kernels import CpuKernels
+from .numerics.cpu_kernels import CpuKernels, removed_selection
 
 # Every op a backend can implement; each has its faces under its own name (docs/architecture.md).
 OPS = (
@@ -211,8 +211,8 @@ def cpu_backend_kernel_set() -> CpuKernels | None:
 def cpu_backend_kernels() -> NoReturn:
     """Removed: a block no longer selects the kernels of the calls inside it; pass
     `cpu_backend_kernel_set()` as their `kernels` argument instead."""
-    raise RuntimeError("lockstep.registry.cpu_backend_kernels: the CPU kernels are no longer selected per thread; "
-                       "pass lockstep.registry.cpu_backend_kernel_set() as the `kernels` argument instead")
+    raise removed_selection("lockstep.registry.cpu_backend_kernels",
+                            "pass lockstep.registry.cpu_backend_kernel_set() as the `kernels` argument instead")
 
 
 def resolve(op: str, device: torch.device) -> Callable:

@@ -12,7 +12,7 @@ import torch
 
 from .. import contract
 from .arguments import backend_name, check_name, dtype_list, model_arguments
-from .output import fmt, live_status, prepare_outputs, table, write_outputs
+from .output import LiveStatus, fmt, prepare_outputs, table, write_outputs
 
 if TYPE_CHECKING:
     from ..harness import OpReport
@@ -44,34 +44,30 @@ def cmd_check(args: argparse.Namespace) -> int:
     prepare_outputs(args)
     print(f"lockstep check: {harness.setting(backend, args.device)}")
     native_bits = None
-    show, clear = live_status()
+    status = LiveStatus()
     if backend == "native":
         from ..tools import backend_bits
 
-        def status() -> None:
-            if show:
-                show("comparing the native backend's bits with the recorded ones")
+        comparing = "comparing the native backend's bits with the recorded ones"
 
         def bits_line(line: str) -> None:
-            clear()
-            print(line, flush=True)
-            status()
+            status.say(line)
+            status.show(comparing)
 
-        status()
+        status.show(comparing)
         native_bits = backend_bits.against_recording(log=bits_line)
-        clear()
+        status.clear()
     print("  ".join(h.ljust(w) for h, w in zip(HEADER, WIDTHS)))
     print("  ".join("-" * w for w in WIDTHS))
     reports, failed, started = [], 0, time.time()
 
     def starting(name: str, dtype: torch.dtype, i: int, n: int) -> None:
-        show(f"checking {name} {contract.dtype_name(dtype)} ({i + 1}/{n})")
+        status.show(f"checking {name} {contract.dtype_name(dtype)} ({i + 1}/{n})")
 
     for r in harness.run_checks(names, args.dtype, backend, grad=not args.no_grad, seed=args.seed, device=args.device,
-                                large=args.large, starting=starting if show else None):
-        clear()
+                                large=args.large, starting=starting if status.active else None):
         reports.append(r)
-        print(_row(r), flush=True)
+        status.say(_row(r))
         if args.verbose:
             for s in r.sweeps:
                 print(f"  {r.op} {r.dtype} {s.sweep}: {'pass' if s.passed else 'FAIL'} "

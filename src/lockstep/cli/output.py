@@ -9,7 +9,6 @@ import math
 import os
 import sys
 import time
-from typing import Callable
 
 from .arguments import UsageError
 
@@ -68,19 +67,25 @@ def write_outputs(args: argparse.Namespace, data: dict, title: str, sections: di
         print(f"report: {args.html}")
 
 
-def live_status() -> tuple[Callable[[str], None] | None, Callable[[], None]]:
-    """(show, clear) for a long command's progress: `show(text)` rewrites one status line on stderr,
-    with the seconds since the first call; `clear()` removes it before a result line. On a stderr
-    that is not a terminal (a log, CI) show is None and clear does nothing, so logs hold results only."""
-    if not sys.stderr.isatty():
-        return None, lambda: None
-    started: list[float] = []
+class LiveStatus:
+    """A long command's progress on one status line of stderr, rewritten by `show(text)` with the
+    seconds since the first; `say(line)` prints a result line on stdout, clearing the status first.
+    On a stderr that is not a terminal (a log, CI) `active` is False and only results are printed."""
 
-    def show(text: str) -> None:
-        started[:] = started or [time.time()]
-        print(f"\r\033[K{text} ({time.time() - started[0]:.0f}s)", end="", file=sys.stderr, flush=True)
+    def __init__(self):
+        self.active = sys.stderr.isatty()
+        self.started: float | None = None
 
-    def clear() -> None:
-        print("\r\033[K", end="", file=sys.stderr, flush=True)
+    def show(self, text: str) -> None:
+        if not self.active:
+            return
+        self.started = self.started or time.time()
+        print(f"\r\033[K{text} ({time.time() - self.started:.0f}s)", end="", file=sys.stderr, flush=True)
 
-    return show, clear
+    def clear(self) -> None:
+        if self.active:
+            print("\r\033[K", end="", file=sys.stderr, flush=True)
+
+    def say(self, line: str) -> None:
+        self.clear()
+        print(line, flush=True)

@@ -12,7 +12,7 @@ import torch
 
 from ..model.checkpoint import DEFAULT_MODEL
 from .arguments import FAMILIES, dtype_list, model_arguments
-from .output import live_status, prepare_outputs, require_extra, write_outputs
+from .output import LiveStatus, prepare_outputs, require_extra, write_outputs
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
@@ -34,15 +34,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
     max_new_tokens = args.max_new_tokens or (8 if real else 16)
     print(f"lockstep verify: {what}; engine logprobs vs trainer logprobs (lockstep.logprobs)")
     dtypes = args.dtype or ([torch.bfloat16] if real else [torch.float32, torch.bfloat16])
-    show, clear = live_status()
-
-    def log(line: str) -> None:
-        clear()
-        print(line, flush=True)
-
+    status = LiveStatus()
     report = verify.run(lambda dtype: model_from_source(args.model, dtype, args.family, args.seed), dtypes,
                         prompts=prompts, max_new_tokens=max_new_tokens, seed=args.seed, with_eager=not args.no_eager,
-                        log=log, progress=show)
+                        log=status.say, progress=status.show)
     print("\nlockstep: 0 / 0 / 0 and identical tokens in every setting" if report.passed else
           "\nlockstep: FAILED (see the rows above)")
     out = {"model": args.model, "config": first.config.to_hf(), "verify": dataclasses.asdict(report)}
@@ -55,7 +50,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         print(f"\nThe batch experiment: one chat prompt, greedy (T = 0), {args.experiment_tokens} tokens, alone and "
               "inside batches of other chat prompts")
         experiment = batch_experiment.run(lambda dtype: model_from_source(args.model, dtype), torch.bfloat16,
-                                          max_new_tokens=args.experiment_tokens, log=log, progress=show)
+                                          max_new_tokens=args.experiment_tokens, log=status.say, progress=status.show)
         print("\n".join(batch_experiment.summary_lines(experiment)))
         out["experiment"] = dataclasses.asdict(experiment)
     write_outputs(args, out, "lockstep verify")

@@ -21,6 +21,7 @@ from ..numerics.exact_math import normal
 from ..numerics.fixed_order import TP_SPLIT, accumulate_dtype
 from ..paged_cache import CacheStep
 from ..numerics.softcap import softcap
+from ..registry import cpu_backend_kernel_set
 from .config import ModelConfig
 from .files import write_folder
 from .moe import SparseMoE
@@ -277,7 +278,10 @@ class Transformer(nn.Module):
         prefer `lockstep.logprobs`)."""
         logits = ops.linear(self(input_ids, cu_seqlens, positions), self.lm_head_weight)
         cap = self.config.final_logit_softcapping
-        return logits if cap is None else softcap(logits.to(accumulate_dtype(logits.dtype)), cap)[0].to(logits.dtype)
+        if cap is None:
+            return logits
+        capped, _ = softcap(logits.to(accumulate_dtype(logits.dtype)), cap, kernels=cpu_backend_kernel_set())
+        return capped.to(logits.dtype)
 
     def selected_logprobs(self, hidden: Tensor, targets: Tensor, temperature: float = 1.0) -> Tensor:
         """ops.selected_logprobs through this model's LM head (and its final-logit softcapping):

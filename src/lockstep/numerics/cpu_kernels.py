@@ -75,14 +75,19 @@ _EXPLICIT = ("pass the kernel set as the `kernels` argument instead (lockstep.ba
 _ON_CTX = "take the kernel set as an argument of forward, keep it on ctx and pass it as `kernels` in backward"
 
 
+def removed_selection(name: str, instead: str = _EXPLICIT) -> RuntimeError:
+    """The error of a removed selection name (`name`, its full path), saying what to do instead."""
+    return RuntimeError(f"{name}: the CPU kernels are no longer selected per thread; {instead}")
+
+
 def _removed(name: str, instead: str = _EXPLICIT) -> RuntimeError:
-    return RuntimeError(f"lockstep.numerics.cpu_kernels.{name}: the CPU kernels are no longer selected per "
-                        f"thread; {instead}")
+    return removed_selection(f"lockstep.numerics.cpu_kernels.{name}", instead)
 
 
 def register_cpu_kernels(kernels: CpuKernels) -> NoReturn:
     """Removed: a kernel set is passed as an argument, not registered under a name and selected."""
-    raise _removed("register_cpu_kernels")
+    raise _removed("register_cpu_kernels", "a backend registers its set with lockstep.registry.register_kernel_set, "
+                   "and callers pass it as the `kernels` argument")
 
 
 def current_cpu_kernels() -> NoReturn:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import NoReturn
 
-from ...numerics.cpu_kernels import CpuKernels
+from ...numerics.cpu_kernels import CpuKernels, removed_selection
 from ...registry import register_kernel_set
 from . import gemm, rows, silu, unary
 
@@ -21,5 +21,5 @@ register_kernel_set("native", KERNELS)
 def native_kernels() -> NoReturn:
     """Removed: a block no longer selects the kernels of the calls inside it; pass `KERNELS` as the
     `kernels` argument of the fixed-order functions and portable ops instead."""
-    raise RuntimeError("lockstep.backends.native.cpu.native_kernels: the CPU kernels are no longer selected per "
-                       "thread; pass lockstep.backends.native.cpu.KERNELS as the `kernels` argument instead")
+    raise removed_selection("lockstep.backends.native.cpu.native_kernels",
+                            "pass lockstep.backends.native.cpu.KERNELS as the `kernels` argument instead")
