@@ -14,6 +14,7 @@ kernels in another subprocess.
 from __future__ import annotations
 
 import collections
+import importlib.util
 import json
 import os
 import re
@@ -23,6 +24,7 @@ import textwrap
 
 
 ARCHS = ("sm_80", "sm_90a", "sm_100a")
+TRITON_BIN = os.path.join(os.path.dirname(importlib.util.find_spec("triton").origin), "backends", "nvidia", "bin")
 SHARED_LIMIT = {"sm_80": 163 * 1024, "sm_90a": 227 * 1024, "sm_100a": 227 * 1024}
 # Bytes of spill stores (ptxas -v's static count) that a binary may have, by class: today's worst on
 # any architecture rounded up to a multiple of 1,024 (docs/gpu.md, "Spills"; ADR 0030). Only
@@ -149,13 +151,39 @@ def test_the_gemm_pipelines_its_loads(gpu_audit_output):
             assert r["num_stages"] >= 3
 
 
+def instructions(listing: str) -> list[str]:
+    """A SASS listing's instruction and encoding lines, spacing aside (the column of the encodings
+    follows the widest instruction in the disassembler's input)."""
+    return [" ".join(line.split()) for line in listing.splitlines() if re.match(r"\s+/\*( 0x|[0-9a-f]{4,}\*/)", line)]
+
+
+def test_one_disassembler_lists_each_binary_as_cuobjdump_does(gpu_audit_output):
+    """The audit disassembles many binaries of one architecture in one nvdisasm process
+    (tools/sass.py): the largest and smallest binary of each architecture, and a GEMM, list the
+    instructions, addresses, branch targets and encodings that cuobjdump gives the cubin alone."""
+    out, records, _ = gpu_audit_output
+    for arch in ARCHS:
+        mine = sorted((r for r in records if r["arch"] == arch), key=lambda r: (out / r["cubin"]).stat().st_size)
+        gemm = next(r for r in mine if r["kernel"] == "gemm_kernel")
+        for r in {id(r): r for r in (mine[0], mine[-1], gemm)}.values():
+            cubin = out / r["cubin"]
+            alone = subprocess.run([os.path.join(TRITON_BIN, "cuobjdump"), "-sass", str(cubin)], capture_output=True,
+                                   text=True, check=True).stdout
+            listed = instructions(cubin.with_suffix(".sass").read_text())
+            assert listed and listed == instructions(alone), (arch, r["kernel"], r["cubin"])
+
+
 PLANTED = textwrap.dedent("""
-    import json, os, sys
+    import json, os, re, sys
     from lockstep.tools import gpu_audit
     import torch, triton, triton.language as tl
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     from triton.runtime.cache import get_cache_manager
+
+    def instructions(listing):
+        return [" ".join(line.split()) for line in listing.splitlines()
+                if re.match(r"\\s+/\\*( 0x|[0-9a-f]{4,}\\*/)", line)]
 
     @triton.jit
     def specialized(x_ptr, n, BLOCK: tl.constexpr):
@@ -195,13 +223,13 @@ PLANTED = textwrap.dedent("""
                      len({gpu_audit.compile_launch(l, "sm_90a", sys.argv[1])["sass_sha256"] for l in ls})]
     atom = next(l for l in launches if l.kernel == "atomic")
     out["atomic"] = gpu_audit.compile_launch(atom, "sm_90a", sys.argv[1])["data_atomics"]
-    tool, disassembled = gpu_audit._tool, []
-    gpu_audit._tool = lambda name, *args: (disassembled.append(args) if "-sass" in args else None) or tool(name, *args)
+    listings, disassembled = gpu_audit.sass.listings, []
+    gpu_audit.sass.listings = lambda *args: disassembled.append(args) or listings(*args)
     again = gpu_audit.compile_launch(atom, "sm_90a", sys.argv[1])
-    gpu_audit._tool = tool
+    gpu_audit.sass.listings = listings
     cubin = sys.argv[1] + "/" + again["cubin"]
     kept = open(cubin.replace(".cubin", ".sass")).read()
-    out["sass_kept"] = [len(disassembled), kept == tool("cuobjdump", "-sass", cubin)]
+    out["sass_kept"] = [len(disassembled), instructions(kept) == instructions(gpu_audit._tool("cuobjdump", "-sass", cubin))]
     fp32 = next(l for l in launches if l.kernel == "gemm_kernel")
     names = list(fp32.signature)
     fp32.constexprs = {p: ("tf32" if names[p[0]] == "PRECISION" else v) for p, v in fp32.constexprs.items()}
@@ -237,8 +265,8 @@ def test_the_detectors_catch_planted_faults(tmp_path):
     """The checks above can fail: a size that Triton specializes on gives several binaries, an
     atomic add is counted, an fp32 GEMM asked for TF32 is flagged, and a kernel that keeps 512
     values per thread live spills. A binary audited again is neither disassembled nor compiled
-    again, the SASS kept for it is cuobjdump's, and one whose kept ptxas report is gone is compiled
-    once more, with the same figures."""
+    again, the SASS kept for it lists cuobjdump's instructions, and one whose kept ptxas report is
+    gone is compiled once more, with the same figures."""
     script = tmp_path / "planted.py"             # Triton reads a kernel's source from its file
     script.write_text(PLANTED)
     done = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, env=_env(),

@@ -4,8 +4,9 @@ machine without a GPU, and what the machine code says about it.
 Triton's compiler needs no GPU: given a target (GPUTarget("cuda", 90, 32)) it lowers a kernel to
 PTX and, through the `ptxas` that the triton wheel ships, to a cubin. What is compiled is exactly
 what the backend launches (lockstep.tools.gpu_launches records it). Each distinct launch is
-compiled per architecture; ptxas's own report (-v) gives the stack frame and the spills, and
-`cuobjdump` (also in the wheel) gives registers, static shared memory and the SASS.
+compiled per architecture; ptxas's own report (-v) gives the stack frame and the spills,
+`cuobjdump` (also in the wheel) registers and static shared memory, and `nvdisasm` the SASS, many
+binaries to one process (lockstep.tools.sass).
 
 Run it in a process of its own: the Triton backend must be imported with TRITON_INTERPRET=0,
 and a process that has already imported it under the interpreter cannot switch.
@@ -25,6 +26,7 @@ from collections.abc import Callable
 
 # First: gpu_launches sets TRITON_INTERPRET=0 before triton loads.
 from .gpu_launches import DTYPES, ROWS, Launch, record, recording, workload
+from . import sass  # noqa: E402
 
 import triton  # noqa: E402
 from triton import knobs  # noqa: E402
@@ -66,17 +68,17 @@ def _tool(name: str, *args: str) -> str:
     return done.stdout
 
 
-def _kept(kernel: CompiledKernel, suffix: str) -> str | None:
-    """The text kept next to `kernel`'s binary in Triton's cache as kernel.name + suffix, if any."""
-    path = get_cache_manager(kernel.hash).get_file(kernel.name + suffix)
+def _kept(kernel_hash: str, name: str, suffix: str) -> str | None:
+    """The text kept next to a binary (its hash and kernel name) in Triton's cache as name + suffix."""
+    path = get_cache_manager(kernel_hash).get_file(name + suffix)
     if path is None:
         return None
     with open(path) as f:
         return f.read()
 
 
-def _keep(kernel: CompiledKernel, suffix: str, text: str) -> None:
-    get_cache_manager(kernel.hash).put(text, kernel.name + suffix, binary=False)
+def _keep(kernel_hash: str, name: str, suffix: str, text: str) -> None:
+    get_cache_manager(kernel_hash).put(text, name + suffix, binary=False)
 
 
 PTXAS_RAN = re.compile(r"^ptxas[\w-]* info", re.M)
@@ -107,7 +109,7 @@ def compile_with_ptxas_report(src: ASTSource, target: GPUTarget,
     kernel, report = compiled(always_compile)
     ran = bool(PTXAS_RAN.search(report))
     if not ran:
-        report = _kept(kernel, ".ptxas")
+        report = _kept(kernel.hash, kernel.name, ".ptxas")
         if report is None:
             (kernel, report), ran = compiled(always=True), True
     figures = PTXAS_FIGURES.findall(report)
@@ -116,7 +118,7 @@ def compile_with_ptxas_report(src: ASTSource, target: GPUTarget,
                            f"stores, <N> bytes spill loads' in the report that Triton prints under "
                            f"knobs.nvidia.dump_ptxas_log, found {len(figures)}: {report[-2000:]!r}")
     if ran:
-        _keep(kernel, ".ptxas", report)
+        _keep(kernel.hash, kernel.name, ".ptxas", report)
     return kernel, dict(zip(("stack", "spill_stores", "spill_loads"), map(int, figures[0])))
 
 
@@ -130,18 +132,35 @@ def resource_usage(cubin_path: str) -> dict[str, int]:
     return {k: int(v) for k, v in re.findall(r"(\w+):(\d+)", line)}
 
 
-def disassembly(kernel: CompiledKernel, cubin_path: str) -> str:
-    """cuobjdump -sass of `kernel`'s cubin, kept next to the cubin in Triton's cache.
+# The suffix of a binary's SASS listing kept in Triton's cache (tools/sass.py's form).
+LISTING = ".listing"
 
-    Starting cuobjdump's disassembler costs far more than disassembling one cubin, so a whole audit
-    whose compiles Triton's cache already holds would spend most of its time there.
-    The cache entry's key (kernel.hash) covers the source, the target, the options and the ptxas
-    version, and cuobjdump comes with that ptxas, so one entry has one disassembly."""
-    sass = _kept(kernel, ".sass")
-    if sass is None:
-        sass = _tool("cuobjdump", "-sass", cubin_path)
-        _keep(kernel, ".sass", sass)
-    return sass
+
+def _listings(arch: str, binaries: list[tuple[str, str, str]]) -> list[str]:
+    """The SASS listing of each (kernel hash, kernel name, cubin path) of `arch`, from one disassembler
+    process (tools/sass.py), each kept next to its binary in Triton's cache.
+
+    The cache entry's key (the hash) covers the source, the target, the options and the ptxas
+    version, and nvdisasm comes with that ptxas, so one entry has one listing: an audit whose
+    compiles Triton's cache already holds starts no disassembler."""
+    cubins = []
+    for _, _, path in binaries:
+        with open(path, "rb") as f:
+            cubins.append(f.read())
+    texts = sass.listings(os.path.join(TRITON_BIN, "nvdisasm"), arch, cubins)
+    for (kernel_hash, name, _), text in zip(binaries, texts):
+        _keep(kernel_hash, name, LISTING, text)
+    return texts
+
+
+def disassembly(kernel: CompiledKernel, cubin_path: str) -> str:
+    """The SASS listing of `kernel`'s cubin (as `cuobjdump -sass` lists its instructions), kept next
+    to the cubin in Triton's cache."""
+    kept = _kept(kernel.hash, kernel.name, LISTING)
+    if kept is not None:
+        return kept
+    arch = next(name for name, capability in ARCHS.items() if capability == kernel.metadata.target.arch)
+    return _listings(arch, [(kernel.hash, kernel.name, cubin_path)])[0]
 
 
 def opcodes(sass: str) -> list[str]:
@@ -159,8 +178,10 @@ def _constexpr_json(v):
     return v if isinstance(v, (bool, int, float, str)) or v is None else repr(v)
 
 
-def compile_launch(launch: Launch, arch: str, out_dir: str) -> dict:
-    """Compile `launch` for `arch`, write its cubin and SASS under out_dir/arch, and describe it."""
+def _compiled(launch: Launch, arch: str, out_dir: str) -> tuple[dict, tuple[str, str], str | None]:
+    """Compile `launch` for `arch` and write its cubin under out_dir/arch: the record's fields that
+    the SASS does not give, the binary's (hash, kernel name) in Triton's cache, and the listing the
+    cache keeps for it, if any."""
     capability = ARCHS[arch]
     src = ASTSource(launch.fn, launch.signature, launch.constexprs, launch.attrs)
     kernel, ptxas = compile_with_ptxas_report(src, GPUTarget("cuda", capability, 32), dict(launch.options))
@@ -168,18 +189,11 @@ def compile_launch(launch: Launch, arch: str, out_dir: str) -> dict:
     digest = hashlib.sha256(cubin).hexdigest()[:16]
     folder = os.path.join(out_dir, arch)
     os.makedirs(folder, exist_ok=True)
-    stem = os.path.join(folder, f"{launch.kernel}-{digest}")
-    with open(stem + ".cubin", "wb") as f:
+    path = os.path.join(folder, f"{launch.kernel}-{digest}.cubin")
+    with open(path, "wb") as f:
         f.write(cubin)
-    sass = disassembly(kernel, stem + ".cubin")
-    with open(stem + ".sass", "w") as f:
-        f.write(sass)
-    usage = resource_usage(stem + ".cubin")
-    ops = opcodes(sass)
-    if not ops:
-        raise RuntimeError(f"cuobjdump -sass {stem}.cubin: no instructions found")
-    dynamic_shared = int(kernel.metadata.shared)
-    return {
+    usage = resource_usage(path)
+    record = {
         "kernel": launch.kernel,
         "arch": arch,
         "config": {k: _constexpr_json(v) for k, v in launch.config().items()},
@@ -189,19 +203,39 @@ def compile_launch(launch: Launch, arch: str, out_dir: str) -> dict:
         "spill_bytes": ptxas["spill_stores"],
         "spill_load_bytes": ptxas["spill_loads"],
         "stack_bytes": ptxas["stack"],
-        "shared_bytes": dynamic_shared + usage.get("SHARED", 0),
+        "shared_bytes": int(kernel.metadata.shared) + usage.get("SHARED", 0),
         "num_warps": int(kernel.metadata.num_warps),
         "num_stages": int(launch.options["num_stages"]),
-        "atomics": sum(op.split(".")[0] in ATOMIC_OPCODES for op in ops),
-        "atomic_ops": sorted({op for op in ops if op.split(".")[0] in ATOMIC_OPCODES}),
-        "data_atomics": sum(op.split(".")[0] in ATOMIC_OPCODES and op not in ALLOCATOR_ATOMICS for op in ops),
-        "tensor_core": tensor_core(ops),
-        "tf32": any("MMA" in op and "TF32" in op for op in ops),
-        "instructions": len(ops),
-        "sass_sha256": hashlib.sha256(sass_body(sass).encode()).hexdigest(),
-        "cubin": os.path.relpath(stem + ".cubin", out_dir),
+        "cubin": os.path.relpath(path, out_dir),
         "cases": [],
     }
+    return record, (kernel.hash, kernel.name), _kept(kernel.hash, kernel.name, LISTING)
+
+
+def _described(record: dict, listing: str, out_dir: str) -> dict:
+    """`record` with what its SASS listing says, the listing written beside its cubin."""
+    path = os.path.join(out_dir, record["cubin"])
+    with open(path.replace(".cubin", ".sass"), "w") as f:
+        f.write(listing)
+    ops = opcodes(listing)
+    if not ops:
+        raise RuntimeError(f"the SASS listing of {path}: no instructions found")
+    return {**record,
+            "atomics": sum(op.split(".")[0] in ATOMIC_OPCODES for op in ops),
+            "atomic_ops": sorted({op for op in ops if op.split(".")[0] in ATOMIC_OPCODES}),
+            "data_atomics": sum(op.split(".")[0] in ATOMIC_OPCODES and op not in ALLOCATOR_ATOMICS for op in ops),
+            "tensor_core": tensor_core(ops),
+            "tf32": any("MMA" in op and "TF32" in op for op in ops),
+            "instructions": len(ops),
+            "sass_sha256": hashlib.sha256(sass_body(listing).encode()).hexdigest()}
+
+
+def compile_launch(launch: Launch, arch: str, out_dir: str) -> dict:
+    """Compile `launch` for `arch`, write its cubin and SASS under out_dir/arch, and describe it."""
+    record, binary, listing = _compiled(launch, arch, out_dir)
+    if listing is None:
+        listing = _listings(arch, [(*binary, os.path.join(out_dir, record["cubin"]))])[0]
+    return _described(record, listing, out_dir)
 
 
 def sass_body(sass: str) -> str:
@@ -225,14 +259,30 @@ def occupancy(record: dict) -> int:
 _PENDING: list[tuple[Launch, str, str]] = []
 
 
-def _compile_pending(i: int) -> dict:
+def _compile_pending(i: int) -> tuple[dict, tuple[str, str], str | None]:
     launch, arch, out_dir = _PENDING[i]
-    return compile_launch(launch, arch, out_dir)
+    return _compiled(launch, arch, out_dir)
+
+
+def _listings_of(job: tuple[str, list[tuple[str, str, str]]]) -> list[str]:
+    return _listings(*job)
+
+
+def _shares(items: list[int], sizes: list[int], count: int) -> list[list[int]]:
+    """`items` in at most `count` groups of about equal total size, largest first to the lightest."""
+    groups: list[list[int]] = [[] for _ in range(min(count, len(items)))]
+    totals = [0] * len(groups)
+    for i in sorted(items, key=lambda i: -sizes[i]):
+        g = totals.index(min(totals))
+        groups[g].append(i)
+        totals[g] += sizes[i]
+    return [g for g in groups if g]
 
 
 def audit(archs: list[str], out_dir: str, jobs: int = 1, progress: Callable[[str], None] = lambda s: None) -> list[dict]:
     """One record per kernel x configuration x architecture (see the module docstring), compiled
-    by `jobs` processes.
+    by `jobs` processes, then the binaries Triton's cache holds no listing for disassembled by at
+    most `jobs` disassembler processes per architecture (tools/sass.py).
 
     A configuration whose launches needed more than one binary gets one record per binary, all
     with the same `config`: the compile-once tests find them there. `cases` lists the workload
@@ -247,14 +297,30 @@ def audit(archs: list[str], out_dir: str, jobs: int = 1, progress: Callable[[str
                 cases[key].append(launch.case)
     _PENDING[:] = [(launch, arch, out_dir) for (arch, _), launch in unique.items()]
     progress(f"{len(_PENDING)} binaries to compile for {', '.join(archs)} with {jobs} process(es)")
-    if jobs > 1:
-        import multiprocessing
+    with contextlib.ExitStack() as stack:
+        if jobs > 1:
+            import multiprocessing
 
-        # fork: the workers inherit the recorded launches (their JIT functions do not pickle).
-        with multiprocessing.get_context("fork").Pool(jobs) as pool:
-            records = pool.map(_compile_pending, range(len(_PENDING)))
-    else:
-        records = [_compile_pending(i) for i in range(len(_PENDING))]
+            # fork: the workers inherit the recorded launches (their JIT functions do not pickle).
+            pool = stack.enter_context(multiprocessing.get_context("fork").Pool(jobs))
+            mapped = pool.map
+        else:
+            mapped = map
+        compiled = list(mapped(_compile_pending, range(len(_PENDING))))
+        listings = [kept for _, _, kept in compiled]
+        paths = [os.path.join(out_dir, r["cubin"]) for r, _, _ in compiled]
+        sizes = [os.path.getsize(p) for p in paths]
+        work = []
+        for arch in archs:
+            missing = [i for i, (r, _, kept) in enumerate(compiled) if kept is None and r["arch"] == arch]
+            for group in _shares(missing, sizes, jobs):
+                work.append((group, (arch, [(*compiled[i][1], paths[i]) for i in group])))
+        if work:
+            progress(f"{sum(len(g) for g, _ in work)} binaries to disassemble in {len(work)} process(es)")
+        for (group, _), texts in zip(work, mapped(_listings_of, [job for _, job in work])):
+            for i, text in zip(group, texts):
+                listings[i] = text
+    records = [_described(r, listing, out_dir) for (r, _, _), listing in zip(compiled, listings)]
     for record_, key in zip(records, unique):
         record_["cases"] = cases[key]
     return records
