@@ -3,6 +3,8 @@
 On CPU the kernels run under Triton's interpreter (TRITON_INTERPRET=1, set by the backend's loader
 before triton is imported), with small shapes. On a CUDA machine the same tests run compiled."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -17,6 +19,10 @@ from lockstep.harness.specs import Sizes  # noqa: E402
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SMALL = Sizes(hidden=96, out_features=40, heads=2, head_dim=16, ffn=64, vocab=1100, lm_hidden=32, embed_vocab=20,
               pool=70)      # > every Triton tile (GEMM 32/64 rows, 64-row partial sums); small for the interpreter
+# The LM head ops' cost grows with the vocabulary and needs only to span more than one 512-row
+# vocabulary chunk of the interpreter (selected_logprobs.VOCAB_CHUNK), the last one short;
+# log_softmax and cross_entropy keep SMALL's 1100 columns, more than their 1024-lane row steps.
+LM_HEAD = replace(SMALL, vocab=600)
 OPS = ["linear", "rms_norm", "rope", "silu_mul", "gelu_mul", "embedding", "log_softmax", "selected_logprobs", "vocab_logprobs",
        "cross_entropy"]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -25,7 +31,8 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("op", OPS)
 def test_triton_op_contract(op, dtype):
-    report = check_op(op, dtype, backend="triton", sizes=SMALL, device=DEVICE)
+    sizes = LM_HEAD if op in ("selected_logprobs", "vocab_logprobs") else SMALL
+    report = check_op(op, dtype, backend="triton", sizes=sizes, device=DEVICE)
     failures = [f"{s.sweep}: {s.detail} ({s.max_diff:.3e})" for s in report.sweeps if not s.passed]
     assert not failures, failures
     a = report.accuracy
@@ -35,7 +42,9 @@ def test_triton_op_contract(op, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_triton_attention_contract(dtype):
-    sizes = AttnSizes(lens=(37, 1, 70), q_heads=4, kv_heads=2, head_dim=16, chunks=(7, 16))
+    # Paged decode of the last 8 tokens: the 70-token sequence's cross the cache block and the key
+    # block at 64, the 37-token one's the cache block at 32.
+    sizes = AttnSizes(lens=(37, 1, 70), q_heads=4, kv_heads=2, head_dim=16, chunks=(7, 16), decode=8)
     report = check_attention(dtype, backend="triton", sizes=sizes, device=DEVICE)
     failures = [f"{s.sweep}: {s.detail} ({s.max_diff:.3e})" for s in report.sweeps if not s.passed]
     assert not failures, failures
@@ -44,7 +53,9 @@ def test_triton_attention_contract(dtype):
 
 
 def test_triton_attention_window_and_head_dim_80():
-    sizes = AttnSizes(lens=(90, 3), q_heads=2, kv_heads=1, head_dim=80, window=20, chunks=(1, 7))
+    # Paged decode of the last 28 tokens: they cross the key block at 64, the cache blocks at 64 and
+    # 80, and from position 83 the window leaves the first key block behind.
+    sizes = AttnSizes(lens=(90, 3), q_heads=2, kv_heads=1, head_dim=80, window=20, chunks=(1, 7), decode=28)
     report = check_attention(torch.float32, backend="triton", sizes=sizes, device=DEVICE)
     assert report.invariant, [s for s in report.sweeps if not s.passed]
     assert report.accuracy.passed, report.accuracy
@@ -83,6 +94,32 @@ def test_fp32_attention_keeps_the_default_query_tile_where_16_bit_takes_a_wider_
     assert [attention.bwd_block_q(d) for d in DTYPES] == [16, 64, 64]
     monkeypatch.setattr(attention, "gpu_capability", lambda: 80)
     assert [attention.fwd_config(d).block_q for d in DTYPES] == [16, 16, 16]
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="Triton's interpreter only")
+def test_the_interpreter_patches_the_language_once_per_launch(monkeypatch):
+    """docs/adr/0029: inside a launch, a nested @triton.jit call does not patch triton.language
+    again. The bits are those of the interpreter's own patching at every call, and the launch still
+    hands the language back unpatched."""
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    from lockstep.backends.triton.attention import _forward
+
+    once = interpreter._patch_lang
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(70, h, 16, generator=g).to(torch.bfloat16) for h in (2, 1, 1))
+
+    def run():
+        return _forward(q, k, v, [0, 70], [0, 70], None, None, 0.25, True, None, False)[0]
+
+    ours = run()
+    if hasattr(interpreter, "_LangPatchScope"):        # interpreters that undo a launch's patch
+        assert tl.core.is_builtin(tl.load) and tl.core.is_builtin(tl.tensor.__add__)
+    calls = []
+    monkeypatch.setattr(interpreter, "_patch_lang", lambda fn: calls.append(fn) or once.original(fn))
+    assert torch.equal(ours, run())
+    assert len(calls) > 10                             # the nested calls that `once` skips
 
 
 def test_auto_picks_triton_only_for_cuda_tensors():

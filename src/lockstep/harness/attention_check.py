@@ -42,6 +42,11 @@ class AttnSizes:
     window: int | None = None
     block_size: int = 16                            # paged cache block size
     chunks: tuple[int, ...] = (1, 7, 16, 100)
+    # Paged decode: the tokens each sequence decodes one at a time, after a prefill of the rest.
+    # None decodes every token after the first chunk. A bound keeps a slow backend (Triton's
+    # interpreter runs a launch per step) to a few steps; it should still take each sequence's
+    # decoded tokens across a cache block and a key block.
+    decode: int | None = None
 
 
 @dataclass
@@ -150,8 +155,9 @@ def _chunked(case: AttnCase, backend: str, chunk: int) -> list[Tensor]:
 
 
 def paged_decode(case: AttnCase, backend: str, first_chunk: int = 5) -> list[Tensor]:
-    """Sequence i arrives at step i with a prefill of `first_chunk` tokens, then decodes one token a
-    step from a paged cache with scattered blocks and NaN in every slot not yet written."""
+    """Sequence i arrives at step i with a prefill of `first_chunk` tokens (or of all but its last
+    `AttnSizes.decode`, if more), then decodes one token a step from a paged cache with scattered
+    blocks and NaN in every slot not yet written."""
     s = case.sizes
     n = len(case.seqs)
     blocks_needed = sum(ceil_div(x.q.shape[0], s.block_size) for x in case.seqs)
@@ -170,7 +176,8 @@ def paged_decode(case: AttnCase, backend: str, first_chunk: int = 5) -> list[Ten
             total = seq.q.shape[0]
             if step < i or done[i] >= total:
                 continue
-            end = min(total, done[i] + (first_chunk if done[i] == 0 else 1))
+            prefill = first_chunk if s.decode is None else max(first_chunk, total - s.decode)
+            end = min(total, done[i] + (prefill if done[i] == 0 else 1))
             while len(blocks[i]) * s.block_size < end:
                 blocks[i].append(free.pop())
             spans.append((blocks[i], done[i], end))

@@ -19,3 +19,7 @@ if os.environ.get("TRITON_INTERPRET") == "1":
     _refusal = triton_interpreter_refusal(triton.__version__, numpy.__version__)
     if _refusal:
         raise ImportError(_refusal)
+
+    from .interpreter import patch_language_once
+
+    patch_language_once()
