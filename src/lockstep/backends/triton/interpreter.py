@@ -7,8 +7,9 @@ replace (the launch replaced them all), and sets the tensor class's `__bool__`, 
 and the language's `range`, `reduce` and the like to new closures that do what the launch's
 already do. So it changes nothing a kernel computes, but it walks every member of the language
 each time, and each rebinding of a class attribute invalidates CPython's attribute cache for that
-class, which every tensor operation after it then refills. lockstep's kernels make thousands of such calls in a launch: `dot`, `cast_out`, the
-attention kernels' tile and mask helpers (docs/adr/0029).
+class, which every tensor operation after it then refills. lockstep's kernels make thousands of
+such calls in a launch: `dot`, `cast_out`, the attention kernels' tile and mask helpers
+(docs/adr/0029).
 
 `patch_language_once` wraps `_patch_lang`: a call whose function sees only language modules that
 are already patched (every module of `triton.language` or `triton.language.core` in its globals
