@@ -13,6 +13,10 @@ re-blocks with the thread count, those differ.
 
     python tests/_native_digest.py --threads 2   the same for those thread counts alone
 
+    python tests/_native_digest.py --small ...   the same of SMALL, a smaller workload of the same
+                                                 sections, for an emulated CPU and this one alike,
+                                                 without the stock `F.linear`
+
     python tests/_native_digest.py --record   writes this machine's bits, the whole backend's and
                                               the kernels' (lockstep.backends.native.bits), into
                                               that package's recorded_bits.json (ADR 0026); under
@@ -30,8 +34,21 @@ from pathlib import Path
 
 import torch
 
-from lockstep.tools.backend_bits import digests, release
+from dataclasses import replace
+
+from lockstep.tools.backend_bits import SIZES, Workload, digests, release
 from lockstep.backends.native.build import compiler, compiler_version, isa_name, pool_name
+
+
+# Every section, op, dtype and code path of the recorded workload, with less arithmetic: where TCG
+# runs the scalar path one helper call an element, the GEMMs' multiply-adds are most of the time.
+# 16 rows still put the GEMMs of linear and the LM head, and the LM head's row kernels, over the
+# threshold of one thread; attention keeps its lengths, which cross its 64-key blocks. The trained
+# model keeps its layers, heads and grouped queries, narrower, on micro-batches of two sequences.
+# The rotary tables keep positions up to 2^20, fewer of them.
+SMALL = Workload(sizes=replace(SIZES, pool=16), trained=(("hidden_size", 32), ("intermediate_size", 64),
+                                                          ("head_dim", 8)),
+                 micro_batch_tokens=64, rope_step=9973)
 
 
 def stock_linear() -> str:
@@ -130,16 +147,19 @@ def main() -> int:
                   f"{'each' if len(dropped) > 1 else 'it'} to add {'them' if len(dropped) > 1 else 'it'} back where "
                   "the new bits hold")
         return 0
-    counts = (1, 2, 3)
+    counts, work = (1, 2, 3), SMALL if "--small" in args else None
+    args = [a for a in args if a != "--small"]
     if len(args) == 2 and args[0] == "--threads" and all(n.isdigit() and int(n) > 0 for n in args[1].split(",")):
         counts, args = tuple(int(n) for n in args[1].split(",")), []
     if args:
-        raise SystemExit(f"usage: python {sys.argv[0]} [--record [--replace] | --threads N[,N...]]; got {args}")
+        raise SystemExit(f"usage: python {sys.argv[0]} [--record [--replace] | [--small] [--threads N[,N...]]]; "
+                         f"got {args}")
     out, stock = {}, {}
     for threads in counts:
         torch.set_num_threads(threads)
-        out[str(threads)] = digests()
-        stock[str(threads)] = stock_linear()
+        out[str(threads)] = digests(work) if work else digests()
+        if not work:
+            stock[str(threads)] = stock_linear()
     print(json.dumps({"isa": isa_name(), "pool": pool_name(), "aten": torch.backends.cpu.get_cpu_capability(),
                       "compiler": compiler_version(compiler()).split("\n")[0], "digests": out,
                       "stock_linear": stock}))

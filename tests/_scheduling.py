@@ -24,8 +24,10 @@ from xdist.scheduler import LoadScopeScheduling
 
 DURATIONS = Path(__file__).with_name("durations.json")
 DEFAULT_SECONDS = 0.3
-# Module fixtures whose making costs more than a test: a compile of kernels.c, a wheel, a real model.
-SHARED_FIXTURES = ("reduced_build", "wheel_install", "hf_reference", "smol", "references")
+# Module fixtures whose making costs more than a test: compiles of kernels.c, a wheel, a real model,
+# the OpenBLAS cores' sweeps.
+SHARED_FIXTURES = ("reduced_build", "cross_compiles", "openblas_probes", "wheel_install", "hf_reference", "smol",
+                   "references")
 UNITS_FILE = "units.json"
 
 

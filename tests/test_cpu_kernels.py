@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from _alongside import Alongside
 from _kernel_probe import OPS
 
 from lockstep.registry import cpu_backend
@@ -74,12 +75,18 @@ def require(flags: set[str]) -> None:
         pytest.skip(f"this CPU lacks {', '.join(missing)}")
 
 
-def probe(env: dict[str, str], *args: str) -> dict:
-    full_env = {**os.environ, "TRITON_INTERPRET": "1", **env}
-    proc = subprocess.run([sys.executable, "-W", "ignore", str(PROBE), *args], env=full_env, capture_output=True,
-                          text=True, timeout=600)
+def _probe_command(env: dict[str, str], *args: str) -> tuple[list[str], dict[str, str]]:
+    return [sys.executable, "-W", "ignore", str(PROBE), *args], {**os.environ, "TRITON_INTERPRET": "1", **env}
+
+
+def _verdicts(proc: subprocess.CompletedProcess) -> dict:
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def probe(env: dict[str, str], *args: str) -> dict:
+    argv, full_env = _probe_command(env, *args)
+    return _verdicts(subprocess.run(argv, env=full_env, capture_output=True, text=True, timeout=600))
 
 
 @functools.cache
@@ -91,18 +98,34 @@ def effective_core(coretype: str) -> str | None:
     return out.stdout.strip() or None
 
 
-@pytest.mark.parametrize("coretype", list(CORETYPES))
-def test_triton_stand_in_is_invariant_under_every_openblas_core(coretype):
-    require(CORETYPES[coretype])
+def _tested_as(coretype: str) -> str | None:
+    """The earlier core type that already runs the core OpenBLAS runs for `coretype`, if any."""
     core = effective_core(coretype)
     earlier = [c for c in list(CORETYPES)[:list(CORETYPES).index(coretype)]
                if not (CORETYPES[c] - cpu_flags()) and effective_core(c) == core]
-    if core is not None and earlier:
-        pytest.skip(f"OpenBLAS runs {coretype} as {core}, tested as {earlier[0]}")
+    return earlier[0] if core is not None and earlier else None
+
+
+@pytest.fixture(scope="module")
+def openblas_probes():
+    """The sweeps under each core type this CPU runs and no earlier one stands for, side by side
+    (tests/_alongside.py): the interpreter runs them on one core each."""
+    runs = [c for c in CORETYPES if not (CORETYPES[c] - cpu_flags()) and _tested_as(c) is None]
     # fp32 only: the fixed-order dot widens bf16 tiles to fp32 before it multiplies them
     # (backends/triton/common.py), so bf16 reaches the same numpy kernels, and whatever of OpenBLAS
     # they use, as fp32 does. The --tl-dot test below still runs both dtypes.
-    result = probe({"OPENBLAS_CORETYPE": coretype}, "triton", "--dtypes", "float32")
+    probes = Alongside({c: _probe_command({"OPENBLAS_CORETYPE": c}, "triton", "--dtypes", "float32") for c in runs})
+    yield probes
+    probes.stop()
+
+
+@pytest.mark.parametrize("coretype", list(CORETYPES))
+def test_triton_stand_in_is_invariant_under_every_openblas_core(coretype, openblas_probes):
+    require(CORETYPES[coretype])
+    earlier = _tested_as(coretype)
+    if earlier:
+        pytest.skip(f"OpenBLAS runs {coretype} as {effective_core(coretype)}, tested as {earlier}")
+    result = _verdicts(openblas_probes.result(coretype))
     assert result["checked"] == [f"{op} torch.float32" for op in OPS["triton"]]
     assert not result["failures"], result
 

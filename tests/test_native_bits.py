@@ -33,9 +33,9 @@ ROOT = Path(__file__).resolve().parent.parent
 DIGEST = Path(__file__).with_name("_native_digest.py")
 
 
-def digest(env: dict[str, str], threads: str = "1,2,3") -> dict:
-    proc = subprocess.run([sys.executable, "-W", "ignore", str(DIGEST), "--threads", threads], env={**os.environ, **env},
-                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+def digest(env: dict[str, str], threads: str = "1,2,3", *args: str) -> dict:
+    proc = subprocess.run([sys.executable, "-W", "ignore", str(DIGEST), *args, "--threads", threads],
+                          env={**os.environ, **env}, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -43,6 +43,13 @@ def digest(env: dict[str, str], threads: str = "1,2,3") -> dict:
 @pytest.fixture(scope="module")
 def widest() -> dict:
     return digest({})
+
+
+@pytest.fixture(scope="module")
+def widest_small() -> dict:
+    """This machine's digests of the smaller workload (tests/_native_digest.py --small) that an
+    emulated CPU runs, on the threads it runs them on; `widest` ties this machine's to the recording."""
+    return digest({}, INTEL_CPUS["SandyBridge"][2], "--small")
 
 
 def test_every_thread_count_gives_one_digest(widest):
@@ -288,10 +295,12 @@ def _qemu_x86() -> str:
 
 # QEMU's models of Intel CPUs (GenuineIntel in CPUID, so MKL takes its Intel code paths) that TCG can
 # run: Haswell (AVX2 and FMA, no AVX-512) and Sandy Bridge (AVX alone, below what the AVX2 path needs),
-# with the thread counts each runs. Haswell's MKL re-blocks with the thread count (the Xeon's fault),
-# so it runs three; Sandy Bridge adds the scalar path and ATen's default kernels, on 2 threads, since
-# TCG runs scalar arithmetic one helper call an element.
-INTEL_CPUS = {"Haswell-v4": ("avx2", "AVX2", "1,2,3"), "SandyBridge": ("scalar", "DEFAULT", "2")}
+# with the thread counts each runs and whether it runs the smaller workload. Haswell's MKL re-blocks
+# with the thread count (the Xeon's fault), so it runs three, on the recorded workload; Sandy Bridge
+# adds the scalar path and ATen's default kernels, on 2 threads and the smaller workload (every
+# section and path, fewer multiply-adds: _native_digest.SMALL), since TCG runs scalar arithmetic one
+# helper call an element.
+INTEL_CPUS = {"Haswell-v4": ("avx2", "AVX2", "1,2,3", False), "SandyBridge": ("scalar", "DEFAULT", "2", True)}
 # On a GenuineIntel host MKL takes its Intel paths without an emulator, and Haswell's are reached by
 # capping each library at AVX2, without TCG's cost (ADR 0029's later section). Sandy Bridge stays
 # emulated everywhere: only a CPU without AVX2 and FMA shows that the scalar path executes none of
@@ -311,7 +320,7 @@ def _as_intel_cpu(model: str) -> tuple[tuple[str, ...], dict[str, str]]:
 
 @pytest.mark.skipif(platform.machine() != "x86_64", reason="emulates x86-64 CPUs in user mode; CI runs x86-64")
 @pytest.mark.parametrize("model", list(INTEL_CPUS))
-def test_an_emulated_intel_cpu_gives_the_bits_of_this_one(model, widest):
+def test_an_emulated_intel_cpu_gives_the_bits_of_this_one(model, request):
     """The Xeon's failure (ADR 0024) came from MKL's Intel code paths, which re-block fp32 GEMMs with the
     thread count; they run only where CPUID says GenuineIntel. Under QEMU's user-mode emulation of an
     Intel CPU they run here: stock fp32 `F.linear` on Haswell gives other bits on 1 and 2 threads
@@ -319,20 +328,24 @@ def test_an_emulated_intel_cpu_gives_the_bits_of_this_one(model, widest):
     set is the one it finds in that CPUID (AVX2; scalar on Sandy Bridge, with ATen's default
     kernels), gives this machine's digest: every op, forward and backward, fp32, bf16 and fp16, two
     trainer steps (AdamW's root included) and a random model's weights, on 1, 2 and 3 threads
-    (Sandy Bridge on 2: INTEL_CPUS). TCG has no AVX-512, so the AVX-512 paths on Intel run only on
-    hardware. On a GenuineIntel host with AVX2, Haswell's paths run natively instead, each library
-    capped at AVX2 (NATIVE_CAPS): the instruction set is then forced, not found, and an AVX-512
-    instruction on the AVX2 path would not trap there (an AMD host's QEMU run shows both)."""
-    isa, aten, threads = INTEL_CPUS[model]
+    (Sandy Bridge on 2, on a smaller workload of the same sections, computed here too: INTEL_CPUS).
+    TCG has no AVX-512, so the AVX-512 paths on Intel run only on hardware. On a GenuineIntel host
+    with AVX2, Haswell's paths run natively instead, each library capped at AVX2 (NATIVE_CAPS): the
+    instruction set is then forced, not found, and an AVX-512 instruction on the AVX2 path would not
+    trap there (an AMD host's QEMU run shows both)."""
+    isa, aten, threads, small = INTEL_CPUS[model]
+    widest = request.getfixturevalue("widest")
+    here = request.getfixturevalue("widest_small") if small else widest
+    assert here["digests"]["2"].keys() == widest["digests"]["2"].keys()
     emulator, env = _as_intel_cpu(model)
-    proc = subprocess.run([*emulator, sys.executable, "-W", "ignore", str(DIGEST), "--threads", threads],
-                          env=env, capture_output=True, text=True, timeout=900, cwd=ROOT)
+    proc = subprocess.run([*emulator, sys.executable, "-W", "ignore", str(DIGEST), *(["--small"] if small else []),
+                           "--threads", threads], env=env, capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     assert (got["isa"], got["aten"]) == (isa, aten)
     if model == "Haswell-v4":
         assert got["stock_linear"]["1"] != got["stock_linear"]["2"], "MKL's Intel path did not re-block"
-    assert got["digests"] == {n: widest["digests"][n] for n in threads.split(",")}
+    assert got["digests"] == {n: here["digests"][n] for n in threads.split(",")}
 
 
 @pytest.mark.skipif(platform.machine() != "x86_64", reason="emulates x86-64 CPUs in user mode; CI runs x86-64")

@@ -22,6 +22,7 @@ from lockstep.tools import backend_bits
 from lockstep.backends.native import build, gemm
 from lockstep.harness.check import num_threads
 
+from _alongside import Alongside
 from _native_helpers import FALLBACK_LINE, ISA_FLAGS, _fallback_lines
 from test_cpu_kernels import cpu_flags, require
 
@@ -54,17 +55,30 @@ def test_arguments_in_cc_build_their_own_file():
     assert build.cached_library(cc) == build.cached_library(list(cc))
 
 
-@pytest.mark.parametrize("target", ["aarch64-linux-gnu", "x86_64-macos", "aarch64-macos", "x86_64-linux-musl"])
-def test_the_kernels_compile_for_other_platforms(target, tmp_path):
+PLATFORMS = ["aarch64-linux-gnu", "x86_64-macos", "aarch64-macos", "x86_64-linux-musl"]
+
+
+@pytest.fixture(scope="module")
+def cross_compiles(tmp_path_factory):
+    """{target: the object file}, and the compiles that make them, side by side (tests/_alongside.py)."""
+    folder, flags = tmp_path_factory.mktemp("cross"), [f for f in build.FLAGS if f != "-shared"]
+    objects = {target: folder / f"kernels-{target}.o" for target in PLATFORMS}
+    compiles = Alongside({target: ([sys.executable, "-m", "ziglang", "cc", "-target", target, *flags, "-Wall",
+                                    "-Werror", "-c", "-o", str(obj), str(build.SOURCE)], None)
+                          for target, obj in objects.items()}, timeout=300)
+    yield objects, compiles
+    compiles.stop()
+
+
+@pytest.mark.parametrize("target", PLATFORMS)
+def test_the_kernels_compile_for_other_platforms(target, cross_compiles):
     """kernels.c compiles, with the build's flags and warnings as errors, for ARM Linux, both Macs
     and musl (zig's clang cross-compiles): no x86 code outside its guards, no glibc-only call. This
     says nothing of the bits there; only x86-64 Linux has run them."""
-    obj = tmp_path / "kernels.o"
-    flags = [f for f in build.FLAGS if f != "-shared"]
-    done = subprocess.run([sys.executable, "-m", "ziglang", "cc", "-target", target, *flags, "-Wall", "-Werror", "-c",
-                           "-o", str(obj), str(build.SOURCE)], capture_output=True, text=True, timeout=300)
+    objects, compiles = cross_compiles
+    done = compiles.result(target)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert obj.stat().st_size > 0
+    assert objects[target].stat().st_size > 0
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="os.fork is POSIX-only; CI runs Linux")
@@ -158,19 +172,18 @@ esac
 
 @pytest.fixture(scope="module")
 def reduced_build(tmp_path_factory):
-    """kernels.c as the real compiler builds it with a define (-DLS_NO_DPBF16, -DLS_NO_X86), compiled
-    on first use and shared by the tests that need that build."""
-    folder, made = tmp_path_factory.mktemp("reduced-builds"), {}
+    """kernels.c as the real compiler builds it with a define (-DLS_NO_DPBF16, -DLS_NO_X86), both
+    compiled side by side on first use (tests/_alongside.py) and shared by the tests that need them."""
+    folder, cc = tmp_path_factory.mktemp("reduced-builds"), build.compiler()
+    made = {define: folder / f"kernels{define}.so" for (define,), _ in build.BUILDS[1:]}
+    compiles = Alongside({define: (build.compile_command(cc, [define], str(so)), None) for define, so in made.items()})
 
     def get(define: str) -> Path:
-        if define not in made:
-            so = folder / f"kernels{define}.so"
-            done = subprocess.run(build.compile_command(build.compiler(), [define], str(so)), capture_output=True,
-                                  text=True)
-            assert done.returncode == 0, done.stderr
-            made[define] = so
+        done = compiles.result(define)
+        assert done.returncode == 0, done.stderr
         return made[define]
-    return get
+    yield get
+    compiles.stop()
 
 
 @pytest.fixture(scope="module")

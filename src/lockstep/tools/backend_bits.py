@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -39,6 +40,22 @@ SIZES = Sizes(hidden=264, out_features=100, heads=2, head_dim=16, ffn=40, vocab=
 ATTN = AttnSizes(lens=(20, 1, 90), q_heads=4, kv_heads=2, head_dim=40, chunks=(7,))
 MASKED = MaskedSizes(lens=(20, 1, 90), q_heads=4, kv_heads=2, head_dim=40)
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """How much arithmetic each section runs. The recorded bits are WORKLOAD's. A smaller one runs
+    the same sections through the same code paths, for a comparison whose both sides are computed
+    (an emulated CPU, where every multiply-add costs a helper call, against this one)."""
+    sizes: Sizes = SIZES
+    attn: AttnSizes = ATTN
+    masked: MaskedSizes = MASKED
+    trained: tuple[tuple[str, int], ...] = ()  # ModelConfig.tiny's overrides for the trained model
+    micro_batch_tokens: int = 96
+    rope_step: int = 97                        # rotary positions 0, step, 2 step, ... below 2^20
+
+
+WORKLOAD = Workload()
 
 
 def _update(h: "hashlib._Hash", label: str, t: torch.Tensor | None) -> None:
@@ -85,7 +102,7 @@ ROPES = ((128, 1_000_000.0, None), (64, 10_000.0, None), (128, 500_000.0, Llama3
          (256, 1_000_000.0, LinearRopeScaling(8.0)))
 
 
-def _model_arithmetic(h: "hashlib._Hash") -> None:
+def _model_arithmetic(h: "hashlib._Hash", work: Workload = WORKLOAD) -> None:
     """The rotary tables at positions up to 2^20, the MoE router on logits of a real router's range
     (fp32 probabilities through exp, 8 of 16 experts, renormalised, and the logits' gradient), and
     exact_math's float64 functions over float64's positive range (inputs from bit patterns, so
@@ -97,7 +114,7 @@ def _model_arithmetic(h: "hashlib._Hash") -> None:
     _update(h, "normal", exact_math.normal((20_001,), torch.Generator().manual_seed(3)))
     for name, p in Transformer.from_config(ModelConfig.tiny("qwen3"), seed=3).state_dict().items():
         _update(h, f"from_config {name}", p)
-    positions = torch.arange(0, 1 << 20, 97)
+    positions = torch.arange(0, 1 << 20, work.rope_step)
     for head_dim, theta, scaling in ROPES:
         _update(h, f"inv_freq {head_dim} {theta} {scaling}", rope_inv_freq(head_dim, theta, scaling))
         for dtype in (torch.float32, torch.bfloat16):
@@ -111,23 +128,26 @@ def _model_arithmetic(h: "hashlib._Hash") -> None:
         _update(h, f"router {label}", t)
 
 
-def tiny_trainer(family: str, dtype: torch.dtype, tokens: list[int], **config):
-    """A Trainer of a random tiny model of `family` (vocabulary 300) in `dtype` (bf16 with fp32
-    master weights) over `tokens`: sequences of 32, micro-batches of 96 tokens, 2 per step."""
+def tiny_trainer(family: str, dtype: torch.dtype, tokens: list[int], model: dict | None = None, **config):
+    """A Trainer of a random tiny model of `family` (vocabulary 300; `model` overrides more of
+    ModelConfig.tiny) in `dtype` (bf16 with fp32 master weights) over `tokens`: sequences of 32,
+    micro-batches of 96 tokens, 2 per step."""
     from ..train import PackedDataset, TrainConfig, Trainer
 
     cfg = TrainConfig(**{"steps": 1, "seq_len": 32, "micro_batch_tokens": 96, "accum": 2, "lr": 3e-3, "warmup": 1,
                          "seed": 0, "master_weights": dtype == torch.bfloat16, **config})
-    model = Transformer.from_config(ModelConfig.tiny(family, vocab_size=300), seed=0, dtype=dtype)
+    model = Transformer.from_config(ModelConfig.tiny(family, **{"vocab_size": 300, **(model or {})}), seed=0,
+                                    dtype=dtype)
     return Trainer(model, PackedDataset(tokens, cfg.seq_len, cfg.micro_batch_tokens, cfg.seed), cfg)
 
 
-def _training(h: "hashlib._Hash") -> None:
+def _training(h: "hashlib._Hash", work: Workload = WORKLOAD) -> None:
     """Two Trainer steps of a random Qwen3 (fp32, and bf16 with fp32 master weights): the weights and
     the optimizer's state after them, AdamW's square root and the gradient norm's included."""
     tokens = torch.randint(0, 300, (600,), generator=torch.Generator().manual_seed(0)).tolist()
     for dtype in (torch.float32, torch.bfloat16):
-        trainer = tiny_trainer("qwen3", dtype, tokens, steps=2, grad_clip=0.5)
+        trainer = tiny_trainer("qwen3", dtype, tokens, dict(work.trained), steps=2, grad_clip=0.5,
+                               micro_batch_tokens=work.micro_batch_tokens)
         for _ in range(2):
             trainer.step()
         for name, t in [*trainer.model.state_dict().items(), *trainer.opt.state_tensors().items()]:
@@ -182,9 +202,9 @@ class _MachineIndependentMasked(MaskedCase):
         return x
 
 
-def _cases(dtype: torch.dtype, spec) -> Pool:
+def _cases(dtype: torch.dtype, spec, sizes: Sizes = SIZES) -> Pool:
     """The check pool of `spec` in `dtype`, its float64 inputs `_machine_independent`."""
-    pool = Pool(spec, dtype, SIZES, seed=0, grad=spec.differentiable)
+    pool = Pool(spec, dtype, sizes, seed=0, grad=spec.differentiable)
     if dtype == torch.float64:
         _machine_independent([*pool.rows.values(), *pool.params.values(), pool.dy, *pool.garbage_dy.values(),
                               *(t for rows in pool.garbage.values() for t in rows.values())],
@@ -192,14 +212,14 @@ def _cases(dtype: torch.dtype, spec) -> Pool:
     return pool
 
 
-def digests() -> dict[str, str]:
+def digests(work: Workload = WORKLOAD) -> dict[str, str]:
     """{section: sha256 hex} over every section named in the module docstring and GENERATORS, on the
     native backend whatever backend the caller selected, with gradients on, at torch's thread count."""
     with use_backend("native"), torch.enable_grad():
-        return _digests()
+        return _digests(work)
 
 
-def _digests() -> dict[str, str]:
+def _digests(work: Workload) -> dict[str, str]:
     sections: dict[str, "hashlib._Hash"] = {}
 
     def section(name: str) -> "hashlib._Hash":
@@ -208,20 +228,20 @@ def _digests() -> dict[str, str]:
     _generators(section(GENERATORS))
     a, b = bf16_edge_operands()
     _update(section("bf16 edge GEMM"), "bf16 edge GEMM", gemm_nt(a, b))
-    _model_arithmetic(section("model arithmetic"))
-    _training(section("training"))
+    _model_arithmetic(section("model arithmetic"), work)
+    _training(section("training"), work)
     for dtype in DTYPES:
         kind = str(dtype).removeprefix("torch.")
         for name, spec in SPECS.items():
             h = section(f"{name} {kind}")
-            r = run(_cases(dtype, spec), "native", list(range(SIZES.pool)))
+            r = run(_cases(dtype, spec, work.sizes), "native", list(range(work.sizes.pool)))
             _update(h, f"{name} {dtype} out", r.out)
             for key in sorted(r.row_grads):
                 _update(h, f"{name} {dtype} d{key}", r.row_grads[key])
             for key in sorted(r.param_grads):
                 _update(h, f"{name} {dtype} d{key}", r.param_grads[key])
         h = section(f"attention {kind}")
-        case = AttnCase(dtype, ATTN, seed=0)
+        case = AttnCase(dtype, work.attn, seed=0)
         if dtype == torch.float64:
             _machine_independent([t for seq in case.seqs + case.garbage for t in (seq.q, seq.k, seq.v, seq.do)],
                                  torch.Generator().manual_seed(18))
@@ -231,7 +251,7 @@ def _digests() -> dict[str, str]:
                 _update(h, f"attention {dtype} {i} {j}", t)
         for i, t in enumerate(paged_decode(case, "native")):
             _update(section(f"paged_attention {kind}"), f"paged_attention {dtype} {i}", t)
-        masked = (_MachineIndependentMasked if dtype == torch.float64 else MaskedCase)(dtype, MASKED, seed=0)
+        masked = (_MachineIndependentMasked if dtype == torch.float64 else MaskedCase)(dtype, work.masked, seed=0)
         h = section(f"masked_attention {kind}")
         for i, tensors in enumerate(masked.run("native", list(range(len(masked.seqs))), grad=True, left=True)):
             for j, t in enumerate(tensors):
