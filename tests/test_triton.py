@@ -106,9 +106,6 @@ def test_the_interpreter_patches_the_language_once_per_launch(monkeypatch):
 
     from lockstep.backends.triton.attention import _forward
 
-    if DEVICE == "cuda":
-        pytest.skip("the interpreter's patching; on a GPU the kernels run compiled")
-
     once = interpreter._patch_lang
     g = torch.Generator().manual_seed(5)
     q, k, v = (torch.randn(70, h, 16, generator=g).to(torch.bfloat16) for h in (2, 1, 1))
