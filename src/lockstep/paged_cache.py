@@ -8,10 +8,31 @@ p % block_size. `build_step` turns "these sequences, these positions" into the i
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import array
+from dataclasses import dataclass, field
+from typing import Sequence
 
 import torch
 from torch import Tensor
+
+from .rotary import MAX_POSITION, Positions
+
+
+@dataclass(frozen=True)
+class StepHost:
+    """The host's copy of a step that `build_step` built and checked: what the ops need to know of
+    the step's values, so that none of them reads the device back (on a GPU each read would wait
+    for it). cu_seqlens_q and seq_lens as in CacheStep; positions of the new tokens; input_ids [T]
+    on the step's device when build_step was given the tokens (checked below vocab_size); the
+    block size and the number of cache blocks the step needs (its highest block id + 1)."""
+
+    cu_seqlens_q: list[int]
+    seq_lens: list[int]
+    positions: Positions
+    block_size: int
+    blocks_needed: int
+    input_ids: Tensor | None = None
+    vocab_size: int | None = None
 
 
 @dataclass
@@ -19,36 +40,63 @@ class CacheStep:
     """Where the new tokens of one `forward_cached` call go and what they attend to.
 
     cu_seqlens_q [B + 1]: new tokens per sequence; seq_lens [B]: each sequence's length after
-    the step; block_table [B, max_blocks]; slot_mapping [T]: the cache slot of each new token."""
+    the step; block_table [B, max_blocks]; slot_mapping [T]: the cache slot of each new token; all
+    int64. host: the checked host copy when `build_step` made the step (None for a step made by
+    hand, whose values the ops check by reading them)."""
 
     cu_seqlens_q: Tensor
     seq_lens: Tensor
     block_table: Tensor
     slot_mapping: Tensor
+    host: StepHost | None = field(default=None, repr=False)
 
 
-def build_step(spans: list[tuple[list[int], int, int]], block_size: int,
-               device: torch.device | str = "cpu") -> tuple[CacheStep, Tensor]:
+def build_step(spans: list[tuple[list[int], int, int]], block_size: int, device: torch.device | str = "cpu",
+               tokens: Sequence[int] | None = None, vocab_size: int | None = None) -> tuple[CacheStep, Tensor]:
     """The CacheStep of one call that computes, for each sequence, positions [start, stop), given its
-    blocks (enough for stop tokens). spans: (blocks, start, stop) per sequence, in call order.
-    Returns (step, positions [T] int64 of the new tokens)."""
+    blocks (enough for stop tokens). spans: (blocks, start, stop) per sequence, in call order;
+    tokens: the T new tokens' ids (optional), each in [0, vocab_size). Everything is checked here,
+    on the host, and moved to `device` in one transfer. Returns (step, positions [T] int64 of the
+    new tokens); with tokens, step.host.input_ids holds them as a [T] int64 tensor."""
     if not spans:
         raise ValueError("spans: expected at least one sequence")
     cu, lens, slots, positions = [0], [], [], []
-    width = max(len(blocks) for blocks, _, _ in spans)
-    table = torch.zeros((len(spans), max(1, width)), dtype=torch.int64)
+    width = max(1, max(len(blocks) for blocks, _, _ in spans))
+    table = [0] * (len(spans) * width)
     for i, (blocks, start, stop) in enumerate(spans):
         if not 0 <= start < stop or len(blocks) * block_size < stop:
             raise ValueError(f"spans: sequence {i} asks for positions [{start}, {stop}) with {len(blocks)} blocks "
                              f"of {block_size}")
+        if stop > MAX_POSITION:
+            raise ValueError(f"spans: sequence {i} reaches position {stop - 1}, beyond rope's 2^24 = {MAX_POSITION}")
+        if any(not isinstance(b, int) or b < 0 for b in blocks):
+            raise ValueError(f"spans: sequence {i} has a block id that is not an int >= 0: {list(blocks)[:8]}")
         span = range(start, stop)
         positions.extend(span)
         slots.extend(blocks[p // block_size] * block_size + p % block_size for p in span)
         cu.append(cu[-1] + stop - start)
         lens.append(stop)
-        table[i, :len(blocks)] = torch.tensor(blocks, dtype=torch.int64)
-    step = CacheStep(torch.tensor(cu), torch.tensor(lens), table.to(device), torch.tensor(slots, device=device))
-    return step, torch.tensor(positions, dtype=torch.int64, device=device)
+        table[i * width:i * width + len(blocks)] = blocks
+    if len(set(slots)) != len(slots):
+        raise ValueError("spans: two new tokens would be written to the same cache slot")
+    ids = [] if tokens is None else list(tokens)
+    if tokens is not None:
+        if len(ids) != len(positions):
+            raise ValueError(f"tokens: expected {len(positions)} ids (one per new token), got {len(ids)}")
+        bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < (vocab_size or 0)]
+        if bad:
+            raise ValueError(f"tokens: expected ids in [0, {vocab_size}), got {bad[:5]}")
+    b, t = len(spans), len(positions)
+    # One host buffer, one transfer; the step's tensors are views of the device's copy.
+    host = torch.tensor(cu + lens + slots + positions + ids + table, dtype=torch.int64)
+    moved = host.to(device)
+    parts = moved.split([b + 1, b, t, t, len(ids), len(table)])
+    host_positions = host[2 * b + 1 + t:2 * b + 1 + 2 * t]
+    pos = Positions(parts[3], host_positions, min(positions), max(positions), array.array("q", positions).tobytes())
+    checked = StepHost(cu, lens, pos, block_size, max(table) + 1, parts[4] if tokens is not None else None,
+                       vocab_size if tokens is not None else None)
+    step = CacheStep(parts[0], parts[1], parts[5].view(b, width), parts[2], checked)
+    return step, parts[3]
 
 
 def gather_packed(cache: Tensor, block_table: Tensor, seq_lens: list[int]) -> Tensor:

@@ -7,6 +7,7 @@ its scalar kernels, and the two differ in the last bit (ADR 0021)."""
 
 from __future__ import annotations
 
+import array
 import dataclasses
 import functools
 import math
@@ -96,28 +97,63 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None = Non
     return torch.where(is_mid, mid, out)
 
 
-def rope_cos_sin(positions: Tensor, head_dim: int, theta: float, scaling: RopeScaling | None,
+@dataclass(frozen=True, eq=False)
+class Positions:
+    """Token positions [T] int64 on their device, with the host's copy of their values, so that
+    rope's checks and angle tables need not read the device. Make one with `Positions.of` (values
+    the host already holds: no read) or `Positions.read` (one read of a device tensor)."""
+
+    tensor: Tensor          # [T] int64, on the tokens' device
+    host: Tensor            # [T] int64, on the CPU: the same values
+    low: int                # the smallest value (0 when T == 0)
+    high: int               # the largest value (-1 when T == 0)
+    key: bytes              # the values as little-endian int64 bytes: rope_cos_sin's memo key
+
+    @classmethod
+    def of(cls, values: list[int], device: torch.device | str = "cpu") -> "Positions":
+        """From the host's own values (Python ints in [0, 2^63)): one transfer to `device`, no read."""
+        host = torch.tensor(values, dtype=torch.int64)
+        return cls(host.to(device), host, min(values, default=0), max(values, default=-1),
+                   array.array("q", values).tobytes())
+
+    @classmethod
+    def read(cls, positions: Tensor) -> "Positions":
+        """From an int tensor [T] on any device, read to the host once."""
+        tensor = positions.long()
+        host = tensor.cpu()
+        values = host.tolist()
+        return cls(tensor, host, min(values, default=0), max(values, default=-1), array.array("q", values).tobytes())
+
+
+def rope_cos_sin(positions: Tensor | Positions, head_dim: int, theta: float, scaling: RopeScaling | None,
                  dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """cos and sin [T, 1, head_dim // 2] for each token's own position [T] (integers in
     [0, MAX_POSITION)), in `dtype`, on the positions' device; the angles are position x frequency
     in float64. Built on the CPU whatever the device (a GPU gets a copy: the same bits everywhere,
     and one copy instead of about 70 small kernels). Read-only: the last few results are reused,
     found by the positions' values, since every layer of a forward rotates its queries and keys by
-    the same positions."""
-    host = positions if positions.device.type == "cpu" else positions.cpu()
-    key = (positions.device, host.dtype, tuple(host.shape), host.numpy().tobytes(), head_dim, theta, scaling, dtype)
+    the same positions. A tensor is read to the host; a Positions brings its host copy."""
+    if not isinstance(positions, Positions):
+        positions = Positions.read(positions)
+    device = positions.tensor.device
+    key = (device, tuple(positions.host.shape), positions.key, head_dim, theta, scaling, dtype)
     with _RECENT_LOCK:
         hit = _RECENT.pop(key, None)
     if hit is None:
         # Outside inference mode, so that a result first made under it can still be saved for backward.
         with torch.inference_mode(False):
-            cos, sin = _cos_sin_by_blocks(host.clone(), head_dim, theta, scaling, dtype)
-            hit = cos.to(positions.device), sin.to(positions.device)
+            cos, sin = _cos_sin_by_blocks(positions, head_dim, theta, scaling, dtype)
+            hit = cos.to(device), sin.to(device)
     with _RECENT_LOCK:
         _RECENT[key] = hit
         while len(_RECENT) > 8:
             _RECENT.pop(next(iter(_RECENT)))
     return hit
+
+
+def position_tensor(positions: Tensor | Positions) -> Tensor:
+    """The positions' tensor on their device [T] (for backends that compute their own angles)."""
+    return positions.tensor if isinstance(positions, Positions) else positions
 
 
 # Recently computed (cos, sin) by their arguments, oldest first. The values are a function of the
@@ -132,18 +168,17 @@ _BLOCK = 256
 _MAX_BLOCKS = 16
 
 
-def _cos_sin_by_blocks(positions: Tensor, head_dim: int, theta: float, scaling: RopeScaling | None,
+def _cos_sin_by_blocks(positions: Positions, head_dim: int, theta: float, scaling: RopeScaling | None,
                        dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """_cos_sin's rows for `positions` [T] (CPU), gathered from cached blocks of _BLOCK consecutive
-    positions. A row is a function of its position alone, so the bits are _cos_sin's."""
-    if positions.dtype != torch.int64 or not positions.numel():
-        return _cos_sin(positions, head_dim, theta, scaling, dtype)
-    blocks = torch.unique(positions // _BLOCK)
-    if blocks.numel() > _MAX_BLOCKS:
-        return _cos_sin(positions, head_dim, theta, scaling, dtype)
-    tables = [_cos_sin_block(int(b), head_dim, theta, scaling, dtype) for b in blocks]
+    """_cos_sin's rows for `positions` (on the CPU), gathered from cached blocks of _BLOCK
+    consecutive positions. A row is a function of its position alone, so the bits are _cos_sin's."""
+    host = positions.host.clone()
+    if not host.numel() or positions.high // _BLOCK - positions.low // _BLOCK >= _MAX_BLOCKS:
+        return _cos_sin(host, head_dim, theta, scaling, dtype)
+    first = positions.low // _BLOCK
+    tables = [_cos_sin_block(b, head_dim, theta, scaling, dtype) for b in range(first, positions.high // _BLOCK + 1)]
     cos, sin = (torch.cat([t[i] for t in tables]) if len(tables) > 1 else tables[0][i] for i in (0, 1))
-    rows = torch.searchsorted(blocks, positions // _BLOCK) * _BLOCK + positions % _BLOCK
+    rows = host - first * _BLOCK
     return cos[rows], sin[rows]
 
 

@@ -21,15 +21,15 @@ class ModelRunner:
         the sequences that are now up to date."""
         device = self.model.device
         spans = [(seq.blocks, seq.computed, seq.computed + n) for seq, n in plan]
-        step, positions = build_step(spans, self.block_size, device)
-        ids = torch.tensor([t for seq, n in plan for t in seq.tokens[seq.computed:seq.computed + n]], device=device)
+        tokens = [t for seq, n in plan for t in seq.tokens[seq.computed:seq.computed + n]]
+        step, positions = build_step(spans, self.block_size, device, tokens, self.model.config.vocab_size)
         with torch.no_grad():
-            hidden = self.model.forward_cached(ids, positions, step, self.cache)
+            hidden = self.model.forward_cached(step.host.input_ids, positions, step, self.cache)
             rows, ready = [], []
             for i, (seq, n) in enumerate(plan):
                 seq.computed += n
                 if seq.remaining == 0:
-                    rows.append(int(step.cu_seqlens_q[i + 1]) - 1)
+                    rows.append(step.host.cu_seqlens_q[i + 1] - 1)
                     ready.append(seq)
             if not ready:
                 return []

@@ -20,6 +20,7 @@ from ..numerics import grad_tree
 from ..numerics.exact_math import normal
 from ..numerics.fixed_order import TP_SPLIT, accumulate_dtype
 from ..paged_cache import CacheStep
+from ..rotary import Positions
 from ..numerics.softcap import softcap
 from ..registry import cpu_backend_kernel_set
 from .config import ModelConfig
@@ -80,7 +81,7 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, c.norm_offset)
             self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, c.norm_offset)
 
-    def qkv(self, x: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def qkv(self, x: Tensor, positions: Tensor | Positions) -> tuple[Tensor, Tensor, Tensor]:
         c = self.c
         t = x.shape[0]
         q = self.q_proj(x).view(t, c.num_heads, c.head_dim)
@@ -99,9 +100,7 @@ class Attention(nn.Module):
 
     def forward_cached(self, x: Tensor, positions: Tensor, step: "CacheStep", k_cache: Tensor, v_cache: Tensor) -> Tensor:
         q, k, v = self.qkv(x, positions)
-        ops.write_kv(k, v, k_cache, v_cache, step.slot_mapping)
-        out = ops.paged_attention(q, k_cache, v_cache, step.block_table, step.seq_lens, step.cu_seqlens_q,
-                                  scale=self.c.attn_scale, window=self.window)
+        out = ops.cached_attention(q, k, v, k_cache, v_cache, step, scale=self.c.attn_scale, window=self.window)
         return self.o_proj(out.reshape(x.shape[0], -1))
 
 
@@ -174,6 +173,14 @@ class KVCache:
     v: list[Tensor]
 
 
+def _read_once(positions: Tensor) -> Tensor | Positions:
+    """Int positions [T] as a rotary.Positions, read from the device once for all layers; anything
+    else is left for ops.rope to refuse with its own message."""
+    if isinstance(positions, Tensor) and positions.dim() == 1 and positions.dtype in (torch.int64, torch.int32):
+        return Positions.read(positions)
+    return positions
+
+
 def positions_from_cu_seqlens(cu_seqlens: Tensor) -> Tensor:
     """0, 1, ..., len-1 for each packed sequence."""
     lengths = cu_seqlens[1:] - cu_seqlens[:-1]
@@ -229,11 +236,16 @@ class Transformer(nn.Module):
         checks.in_range("input_ids", input_ids, self.config.vocab_size)
 
     # --- forward paths ------------------------------------------------------------------------
-    def embed(self, input_ids: Tensor) -> Tensor:
+    def embed(self, input_ids: Tensor, ids_checked: bool = False) -> Tensor:
         """Token embeddings [T, hidden]; Gemma's are scaled by sqrt(hidden_size) rounded to the model's
-        dtype, as transformers does."""
-        self._check_ids(input_ids)
-        x = ops.embedding(input_ids, self.model.embed_tokens.weight)
+        dtype, as transformers does. ids_checked: the caller checked on the host that every id is
+        below the vocabulary (see ops.embedding), so they are not read back from the device."""
+        if ids_checked:
+            checks.int_tensor("input_ids", input_ids)
+            checks.ndim("input_ids", input_ids, 1, "a 1-D tensor of packed token ids [T]")
+        else:
+            self._check_ids(input_ids)
+        x = ops.embedding(input_ids, self.model.embed_tokens.weight, ids_checked=ids_checked)
         if self.config.embed_scale:
             x = x * torch.tensor(math.sqrt(self.config.hidden_size), dtype=torch.float32).to(x.dtype)  # IEEE, unlike pow
         return x
@@ -260,6 +272,7 @@ class Transformer(nn.Module):
             raise ValueError(f"sequences: sequence {worst} has {lengths[worst]} tokens (position "
                              f"{int(positions.max())}), beyond the model's context of {context} "
                              "(max_position_embeddings)")
+        positions = _read_once(positions)
         for layer in self.model.layers:
             x = layer(x, positions, cu_seqlens)
         return self.model.norm(x)
@@ -267,8 +280,14 @@ class Transformer(nn.Module):
     def forward_cached(self, input_ids: Tensor, positions: Tensor, step: CacheStep, cache: KVCache) -> Tensor:
         """Final hidden states [T, hidden] of new tokens, attending through the paged cache.
 
-        Prefill chunks and decode tokens of different sequences can share one call."""
-        x = self.embed(input_ids)
+        Prefill chunks and decode tokens of different sequences can share one call. A step made by
+        paged_cache.build_step (with the tokens, as the engine makes it) is run from its checked
+        host copy, reading nothing back from the device; a step made by hand is checked by reading
+        it (input_ids [T] int, positions [T] int, cache from allocate_kv_cache)."""
+        host = step.host
+        x = self.embed(input_ids, ids_checked=host is not None and input_ids is host.input_ids
+                       and host.vocab_size == self.config.vocab_size)
+        positions = host.positions if host is not None and positions is host.positions.tensor else _read_once(positions)
         for layer, k_cache, v_cache in zip(self.model.layers, cache.k, cache.v):
             x = layer.forward_cached(x, positions, step, k_cache, v_cache)
         return self.model.norm(x)

@@ -7,7 +7,7 @@ torch.autocast each op casts its inputs as autocast would for the aten op it sta
 """
 
 from ..rotary import LinearRopeScaling, Llama3RopeScaling, rope_inv_freq
-from .attention import attention, paged_attention, write_kv
+from .attention import attention, cached_attention, paged_attention, write_kv
 from .cross_entropy import cross_entropy
 from .embedding import embedding
 from .gelu_mul import gelu_mul
@@ -21,6 +21,6 @@ from .silu_mul import silu_mul
 from .vocab_logprobs import vocab_logprobs
 
 __all__ = [
-    "attention", "paged_attention", "write_kv", "cross_entropy", "embedding", "gelu_mul", "linear", "log_softmax", "masked_attention", "rms_norm", "rope", "rope_inv_freq",
+    "attention", "cached_attention", "paged_attention", "write_kv", "cross_entropy", "embedding", "gelu_mul", "linear", "log_softmax", "masked_attention", "rms_norm", "rope", "rope_inv_freq",
     "Llama3RopeScaling", "LinearRopeScaling", "selected_logprobs", "silu_mul", "vocab_logprobs",
 ]

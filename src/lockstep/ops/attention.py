@@ -15,6 +15,7 @@ from torch import Tensor
 
 from .. import autocast
 from .. import checks as c
+from ..paged_cache import CacheStep
 from ..registry import resolve
 
 MAX_HEAD_DIM = 256
@@ -146,6 +147,19 @@ def write_kv(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mappin
     torch.autocast, keys and values computed in the autocast dtype are stored in the cache's (wider)
     dtype, which holds them exactly.
     """
+    k, v = _check_kv(k, v, k_cache, v_cache)
+    c.int_tensor("slot_mapping", slot_mapping)
+    if tuple(slot_mapping.shape) != (k.shape[0],):
+        raise ValueError(f"slot_mapping: expected shape [{k.shape[0]}] (one slot per token), got {tuple(slot_mapping.shape)}")
+    c.in_range("slot_mapping", slot_mapping, k_cache.shape[0] * k_cache.shape[1])
+    if slot_mapping.numel() != torch.unique(slot_mapping).numel():
+        raise ValueError("slot_mapping: expected distinct slots, found a slot written twice")
+    _write(k, v, k_cache, v_cache, slot_mapping.long())
+
+
+def _check_kv(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor) -> tuple[Tensor, Tensor]:
+    """write_kv's checks of everything but the slots' values (no read of the device); returns k and
+    v as the cache stores them."""
     if autocast.enabled(k_cache.device.type) and isinstance(k, Tensor) and isinstance(v, Tensor):
         k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)
     c.float_tensor("k", k)
@@ -160,13 +174,41 @@ def write_kv(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mappin
             raise ValueError(f"{name}: expected shape {tuple(ref.shape)} (the shape of {ref_name}), got {tuple(t.shape)}")
     if tuple(k.shape[1:]) != tuple(k_cache.shape[2:]):
         raise ValueError(f"k: expected [T, {k_cache.shape[2]}, {k_cache.shape[3]}] to match the cache, got {tuple(k.shape)}")
-    c.int_tensor("slot_mapping", slot_mapping)
-    if tuple(slot_mapping.shape) != (k.shape[0],):
-        raise ValueError(f"slot_mapping: expected shape [{k.shape[0]}] (one slot per token), got {tuple(slot_mapping.shape)}")
+    return k, v
+
+
+def _write(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
     slots = k_cache.shape[0] * k_cache.shape[1]
-    c.in_range("slot_mapping", slot_mapping, slots)
-    if slot_mapping.numel() != torch.unique(slot_mapping).numel():
-        raise ValueError("slot_mapping: expected distinct slots, found a slot written twice")
     with torch.no_grad():
-        k_cache.view(slots, *k_cache.shape[2:])[slot_mapping.long()] = k
-        v_cache.view(slots, *v_cache.shape[2:])[slot_mapping.long()] = v
+        k_cache.view(slots, *k_cache.shape[2:])[slot_mapping] = k
+        v_cache.view(slots, *v_cache.shape[2:])[slot_mapping] = v
+
+
+def cached_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, step: CacheStep,
+                     scale: float | None = None, window: int | None = None) -> Tensor:
+    """One layer's causal attention of a step's new tokens through the paged cache: `write_kv` of
+    k, v at the step's slots, then `paged_attention` over each sequence's keys (forward only).
+
+    q: [T, Hq, D]; k, v: [T, Hkv, D]; k_cache, v_cache: [num_blocks, block_size, Hkv, D]; step: a
+    paged_cache.CacheStep. When `build_step` made the step, its checked host copy (step.host) stands
+    for the step's values and nothing is read back from the device; otherwise write_kv and
+    paged_attention check them. Returns [T, Hq, D] in q's dtype."""
+    host = step.host
+    if host is None:
+        write_kv(k, v, k_cache, v_cache, step.slot_mapping)
+        return paged_attention(q, k_cache, v_cache, step.block_table, step.seq_lens, step.cu_seqlens_q,
+                               scale=scale, window=window)
+    k, v = _check_kv(k, v, k_cache, v_cache)
+    q, k_cache, v_cache = autocast.cast("paged_attention", q, k_cache, v_cache)
+    _check_qkv_heads(q, k_cache, v_cache, "k_cache", "v_cache")
+    if host.block_size != k_cache.shape[1] or host.blocks_needed > k_cache.shape[0]:
+        raise ValueError(f"step: built for blocks of {host.block_size} up to block {host.blocks_needed - 1}, "
+                         f"the cache has {k_cache.shape[0]} blocks of {k_cache.shape[1]}")
+    if not q.shape[0] == k.shape[0] == host.cu_seqlens_q[-1]:
+        raise ValueError(f"q: expected the step's {host.cu_seqlens_q[-1]} new tokens in q, k and v, got "
+                         f"{q.shape[0]}, {k.shape[0]}")
+    scale = _check_options(scale, window, True, q.shape[-1])
+    _write(k, v, k_cache, v_cache, step.slot_mapping)
+    with autocast.off(q.device.type):
+        return resolve("paged_attention", q.device)(q, k_cache, v_cache, step.block_table, host.seq_lens,
+                                                    host.cu_seqlens_q, scale, True, window)

@@ -7,14 +7,14 @@ import torch
 from torch import Tensor
 
 from ...registry import register
-from ...rotary import rope_inv_freq
+from ...rotary import position_tensor, rope_inv_freq
 
 
 @register("eager", "rope")
 def rope(x: Tensor, positions: Tensor, theta: float, style: str, scaling) -> Tensor:
     dt = torch.float64 if x.dtype == torch.float64 else torch.float32
     inv = rope_inv_freq(x.shape[-1], theta, scaling).to(device=x.device, dtype=dt)
-    angles = positions.to(dt)[:, None] * inv[None, :]
+    angles = position_tensor(positions).to(dt)[:, None] * inv[None, :]
     cos, sin = angles.cos()[:, None, :], angles.sin()[:, None, :]
     xf = x.to(dt)
     if style == "neox":

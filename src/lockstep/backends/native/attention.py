@@ -41,9 +41,11 @@ def attention_forward(q: Tensor, k: Tensor, v: Tensor, cu_q: list[int], len_k: l
         k, v = k.contiguous(), v.contiguous()
     tq, hq, d = q.shape
     hkv = k.shape[1] if mask is not None else k.shape[-2]
-    out = torch.zeros((tq, hq, d), dtype=torch.float32)
-    row_max = torch.full((tq, hq), float("-inf"))
-    row_sum = torch.zeros((tq, hq))
+    # ls_attention starts every row below cu_q[-1] itself; only padding rows past it are filled here.
+    out = torch.empty((tq, hq, d), dtype=torch.float32)
+    row_max, row_sum = torch.empty((tq, hq)), torch.empty((tq, hq))
+    if cu_q[-1] < tq:
+        out[cu_q[-1]:], row_max[cu_q[-1]:], row_sum[cu_q[-1]:] = 0.0, float("-inf"), 0.0
     if out.numel() == 0:  # no heads, no head dims or no queries: nothing to compute
         return out, row_max, row_sum
     if mask is not None:                                  # [B, Hkv, Lk, D]: batch b's keys at k[b]

@@ -197,9 +197,14 @@ INLINE void rms_bwd_strip(const rms_bwd_job *R, int64_t item) {
  *   1, gated backward: gs = g * s;  d up = dy * gs;  d gate = (dy * u) * (((1 - s) * gs) + s);
  *   2, forward: y = g * s;
  *   3, backward: d g = dy * (s + (g * s) * (1 - s)).
+ * Mode 4 is portable/gelu_mul.py's forward, the same with s = 1 / (exp(-2u) + 1) for
+ * 2u = ((g * g) * GELU_C3 + GELU_C1) * g (the Python constants rounded to fp32, as PyTorch rounds a
+ * scalar for an fp32 tensor): y = (g * s) * u.
  * Single IEEE operations on each element alone, so the same bits on every instruction set. */
 
-enum { SILU_GATED = 0, SILU_GATED_BACKWARD = 1, SILU = 2, SILU_BACKWARD = 3 };
+enum { SILU_GATED = 0, SILU_GATED_BACKWARD = 1, SILU = 2, SILU_BACKWARD = 3, GELU_GATED = 4 };
+#define GELU_C1 ((float)(2.0 * 0.7978845608028654))                 /* 2 sqrt(2 / pi) */
+#define GELU_C3 ((float)(2.0 * 0.7978845608028654 * 0.044715))      /* 2 sqrt(2 / pi) 0.044715 */
 
 typedef struct {
     const char *gate, *up, *dy;
@@ -213,7 +218,10 @@ typedef struct {
 INLINE void gated_block(const gated_job *J, int64_t k, int64_t n) {
     float g[ROW_BLOCK], u[ROW_BLOCK], s[ROW_BLOCK], dy[ROW_BLOCK];
     load_block(J->gate, J->dt, k, n, n, g);
-    for (int64_t i = 0; i < n; i++) s[i] = -g[i];
+    if (J->mode == GELU_GATED)
+        for (int64_t i = 0; i < n; i++) s[i] = -((((g[i] * g[i]) * GELU_C3) + GELU_C1) * g[i]);
+    else
+        for (int64_t i = 0; i < n; i++) s[i] = -g[i];
     unary_isa(J->isa, s, s, n, FN_EXP);
     for (int64_t i = 0; i < n; i++) s[i] = 1.0f / (s[i] + 1.0f);
     if (J->mode == SILU) {
@@ -228,6 +236,11 @@ INLINE void gated_block(const gated_job *J, int64_t k, int64_t n) {
         return;
     }
     load_block(J->up, J->dt, k, n, n, u);
+    if (J->mode == GELU_GATED) {
+        for (int64_t i = 0; i < n; i++) s[i] = (g[i] * s[i]) * u[i];
+        store_block(J->out, J->dt, k, n, s);
+        return;
+    }
     if (J->mode == SILU_GATED) {
         for (int64_t i = 0; i < n; i++) s[i] = (s[i] * g[i]) * u[i];
         store_block(J->out, J->dt, k, n, s);
@@ -448,14 +461,15 @@ int ls_rms_norm_bwd(int64_t rows, int64_t H, const void *x, const void *w, const
 
 /* SiLU over n contiguous elements (the section above), all of one dtype dt (fp32 or bf16), in mode
  * 0 (out = y from gate and up), 1 (out = d gate, out_up = d up, from gate, up and dy), 2 (out = y from
- * gate) or 3 (out = d gate from gate and dy). Returns 0, or -1 for arguments it cannot take. */
+ * gate), 3 (out = d gate from gate and dy) or 4 (out = gelu_mul's y from gate and up). Returns 0, or -1
+ * for arguments it cannot take. */
 int ls_silu(int64_t n, const void *gate, const void *up, const void *dy, void *out, void *out_up, int dt, int mode,
             int isa, int threads) {
-    if (n < 0 || (dt != DT_F32 && dt != DT_BF16) || mode < SILU_GATED || mode > SILU_BACKWARD ||
+    if (n < 0 || (dt != DT_F32 && dt != DT_BF16) || mode < SILU_GATED || mode > GELU_GATED ||
         !ls_cpu_supports(isa))
         return -1;
     if (n == 0) return 0; /* empty tensors may have NULL data */
-    if (!gate || !out || (mode <= SILU_GATED_BACKWARD && !up) || (mode == SILU_GATED_BACKWARD && !out_up) ||
+    if (!gate || !out || ((mode <= SILU_GATED_BACKWARD || mode == GELU_GATED) && !up) || (mode == SILU_GATED_BACKWARD && !out_up) ||
         ((mode == SILU_GATED_BACKWARD || mode == SILU_BACKWARD) && !dy))
         return -1;
     gated_job J = {(const char *)gate, (const char *)up, (const char *)dy, (char *)out, (char *)out_up, n, dt, mode,

@@ -12,12 +12,13 @@ from torch import Tensor
 from .build import isa, library
 from .gemm import OUT_CODES
 
-_MODES = {"gated": 0, "gated_backward": 1, "silu": 2, "silu_backward": 3}
+_MODES = {"gated": 0, "gated_backward": 1, "silu": 2, "silu_backward": 3, "gelu_gated": 4}
 
 
 def run(mode: str, gate: Tensor, up: Tensor | None = None, grad_y: Tensor | None = None) -> tuple[Tensor, ...]:
     """One C pass of `mode` over contiguous tensors of one dtype (fp32 or bf16): (y,), or the
-    gradients ((d gate, d up) gated, (d gate,) alone), each of gate's shape and dtype."""
+    gradients ((d gate, d up) gated, (d gate,) alone), each of gate's shape and dtype. Mode
+    "gelu_gated" is gelu_mul's forward."""
     out = torch.empty_like(gate)
     out_up = torch.empty_like(gate) if mode == "gated_backward" else None
     pointers = (None if t is None else t.data_ptr() for t in (gate, up, grad_y, out, out_up))

@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 from ...registry import register
+from ...rotary import position_tensor
 
 f64 = torch.float64
 
@@ -30,7 +31,7 @@ def rope(x: Tensor, positions: Tensor, theta: float = 10000.0, style: str = "neo
                 s = (old / wavelength - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
                 f = (1 - s) * f / scaling.factor + s * f
         freqs.append(f)
-    angle = positions.to(f64)[:, None] * torch.tensor(freqs, dtype=f64, device=x.device)[None, :]
+    angle = position_tensor(positions).to(f64)[:, None] * torch.tensor(freqs, dtype=f64, device=x.device)[None, :]
     cos, sin = torch.cos(angle)[:, None, :], torch.sin(angle)[:, None, :]
     if style == "neox":
         a, b = x[..., : d // 2], x[..., d // 2:]

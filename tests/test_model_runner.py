@@ -1,0 +1,127 @@
+"""The engine's step asks little of the host: a step's metadata is built and checked once, on the
+host (paged_cache.build_step), and the forward reads nothing back from the device.
+
+On a GPU each read of tensor data is a synchronization and each aten op a launch, so they are
+counted here (lockstep.tools.host_work) at two depths of the same model: what a layer adds is the
+difference. The native backend runs the model, as on a CPU it does by default."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lockstep import ops
+from lockstep.engine import Engine
+from lockstep.model import ModelConfig, Transformer
+from lockstep.paged_cache import CacheStep, build_step
+from lockstep.registry import use_backend
+from lockstep.sampling import SamplingParams
+from lockstep.tools.host_work import HostWork
+
+FAMILIES = ["llama", "qwen2", "qwen3", "gemma3_text", "qwen3_moe"]
+# The most aten ops (not views, not bare allocations) one layer may add to a decode step: on a GPU
+# each is a launch of about 5 us.
+OPS_PER_LAYER = 12
+READS_PER_STEP = 2
+SAMPLING = [SamplingParams(max_new_tokens=8, temperature=0.0),
+            SamplingParams(max_new_tokens=8, temperature=0.8, top_k=20, top_p=0.9, seed=3),
+            SamplingParams(max_new_tokens=8, temperature=0.7, min_p=0.05, repetition_penalty=1.3, seed=4, logprobs=3),
+            SamplingParams(max_new_tokens=8, temperature=1.0, seed=5)]
+
+
+def _model(family: str, layers: int) -> Transformer:
+    extra = {"layer_types": ("sliding_attention", "full_attention") * (layers // 2)} if family == "gemma3_text" else {}
+    return Transformer.from_config(ModelConfig.tiny(family, num_layers=layers, **extra))
+
+
+def _counted_steps(family: str, layers: int) -> tuple[HostWork, HostWork]:
+    """(a decode step's work, a step that mixes a prefill chunk with decodes) on a model of `layers`."""
+    engine = Engine(_model(family, layers), max_num_seqs=5, max_num_batched_tokens=12, block_size=4)
+    for i, params in enumerate(SAMPLING):
+        engine.add_request([1 + i, 7, 3, 9, 4, 2][: 3 + i], params)
+    engine.step()
+    engine.step()                           # every prompt in: the next step decodes 4 rows
+    with HostWork() as decode:
+        engine.step()
+    engine.add_request(list(range(20, 40)), SamplingParams(max_new_tokens=2))
+    with HostWork() as mixed:                # 4 decode rows and a chunk of the new prompt
+        engine.step()
+    return decode, mixed
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def counted(request):
+    with use_backend("native"):
+        return request.param, {layers: _counted_steps(request.param, layers) for layers in (2, 4)}
+
+
+def _sparse_moe_misses(request, family: str, reason: str) -> None:
+    if family == "qwen3_moe":
+        request.applymarker(pytest.mark.xfail(strict=True, reason=reason))
+
+
+def test_a_step_reads_the_device_at_most_twice_at_any_depth(counted, request):
+    """The drawn tokens and their logprobs: nothing else of a step comes back to the host, in a
+    decode step or one that mixes a prefill chunk in, whatever the number of layers."""
+    family, work = counted
+    _sparse_moe_misses(request, family, "a sparse MoE layer reads its experts' token counts to split the rows by expert")
+    for kind in (0, 1):
+        assert work[2][kind].reads == work[4][kind].reads, (family, kind)
+        assert work[4][kind].total_reads <= READS_PER_STEP, (family, kind, work[4][kind].reads)
+
+
+def test_a_layer_adds_at_most_twelve_aten_ops_to_a_decode_step(counted, request):
+    family, work = counted
+    _sparse_moe_misses(request, family, "a sparse MoE layer runs its experts one by one, a few ops each")
+    per_layer = (work[4][0].total_ops - work[2][0].total_ops) / 2
+    assert per_layer <= OPS_PER_LAYER, (family, per_layer, work[4][0].ops - work[2][0].ops)
+
+
+def test_a_step_built_by_hand_gives_the_bits_of_the_checked_host_copy():
+    """forward_cached over a CacheStep made by hand (no host copy: the ops read and check its
+    values) and over build_step's (nothing read back) give the same hidden states and caches."""
+    model = _model("qwen3", 2)
+    spans = [([3, 1], 0, 6), ([0], 2, 3)]
+    tokens = [5, 9, 2, 7, 7, 1, 4]
+    results = []
+    for by_hand in (False, True):
+        cache = model.allocate_kv_cache(4, 4)
+        for k, v in zip(cache.k, cache.v):
+            k.zero_(), v.zero_()
+        step, positions = build_step(spans, 4, tokens=tokens, vocab_size=model.config.vocab_size)
+        ids = step.host.input_ids
+        if by_hand:
+            step = CacheStep(step.cu_seqlens_q.clone(), step.seq_lens.clone(), step.block_table.clone(),
+                             step.slot_mapping.clone())
+            ids, positions = ids.clone(), positions.clone()
+        with torch.no_grad():
+            hidden = model.forward_cached(ids, positions, step, cache)
+        results.append((hidden, torch.stack(cache.k), torch.stack(cache.v)))
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+
+
+@pytest.mark.parametrize("spans, tokens, message", [
+    ([([0], 0, 2), ([0], 0, 2)], None, "^spans: two new tokens would be written to the same cache slot$"),
+    ([([0, -1], 0, 6)], None, r"^spans: sequence 0 has a block id that is not an int >= 0: \[0, -1\]$"),
+    ([([0], 2, 2)], None, r"^spans: sequence 0 asks for positions \[2, 2\) with 1 blocks of 4$"),
+    ([([0], 0, 2)], [1], r"^tokens: expected 2 ids \(one per new token\), got 1$"),
+    ([([0], 0, 2)], [1, 512], r"^tokens: expected ids in \[0, 512\), got \[512\]$"),
+    ([([0], 0, 2)], [1, True], r"^tokens: expected ids in \[0, 512\), got \[True\]$"),
+])
+def test_build_step_refuses_bad_metadata_by_name(spans, tokens, message):
+    with pytest.raises(ValueError, match=message):
+        build_step(spans, 4, tokens=tokens, vocab_size=512)
+
+
+def test_a_built_step_is_checked_against_the_cache_it_meets():
+    """The host copy stands for the step's values, so what it cannot know (the cache it is run
+    with, the new tokens' rows) is checked by name where the two meet."""
+    step, _ = build_step([([5], 0, 3)], 4)
+    q, kv = torch.zeros(3, 4, 8), torch.zeros(3, 2, 8)
+    small, other_blocks = torch.zeros(4, 4, 2, 8), torch.zeros(8, 8, 2, 8)
+    for cache in (small, other_blocks):
+        with pytest.raises(ValueError, match=r"^step: built for blocks of 4 up to block 5, the cache has"):
+            ops.cached_attention(q, kv, kv, cache, cache.clone(), step)
+    cache = torch.zeros(8, 4, 2, 8)
+    with pytest.raises(ValueError, match=r"^q: expected the step's 3 new tokens in q, k and v, got 2, 2$"):
+        ops.cached_attention(q[:2], kv[:2], kv[:2], cache, cache.clone(), step)
