@@ -70,6 +70,7 @@ def register(backend: str, op: str) -> Callable[[Callable], Callable]:
 
     def wrap(fn: Callable) -> Callable:
         _REGISTRY.setdefault(backend, {})[op] = fn
+        _RESOLVED.clear()
         return fn
 
     return wrap
@@ -84,6 +85,7 @@ def register_backend(name: str, module: str | None = None, fallback: str | None 
     _REGISTRY.setdefault(name, {})
     if fallback is not None:
         _FALLBACK[name] = fallback
+    _RESOLVED.clear()
 
 
 def op_module(op: str) -> str:
@@ -119,6 +121,7 @@ def load(backend: str) -> None:
         hint = " (pip install 'lockstep[triton]')" if missing else ""
         raise BackendUnavailable(f"backend: {backend!r} cannot be loaded: {e}{hint}") from e
     _loaded.add(backend)
+    _RESOLVED.clear()
 
 
 def _implements(backend: str, op: str) -> bool:
@@ -215,9 +218,24 @@ def cpu_backend_kernels() -> NoReturn:
                             "pass lockstep.registry.cpu_backend_kernel_set() as the `kernels` argument instead")
 
 
+# (selected backend, device type, op) -> implementation: what `resolve` found, emptied whenever a
+# backend registers an op or loads, so that a call does not walk the registry again.
+_RESOLVED: dict[tuple[str, str, str], Callable] = {}
+
+
 def resolve(op: str, device: torch.device) -> Callable:
     """The implementation of `op` for tensors on `device` under the current selection."""
     name = current_backend()
+    key = (name, device.type, op)
+    impl = _RESOLVED.get(key)
+    if impl is None:
+        impl = _RESOLVED[key] = _find(name, op, device)
+    if RECORDERS:
+        return RECORDERS[-1].wrap(op, impl)
+    return impl
+
+
+def _find(name: str, op: str, device: torch.device) -> Callable:
     if name == "auto":
         if device.type == "cuda" and _implements("triton", op):
             name = "triton"
@@ -231,6 +249,4 @@ def resolve(op: str, device: torch.device) -> Callable:
         impl = _REGISTRY.get(name, {}).get(op)
     if impl is None:
         raise NotImplementedError(f"backend {name!r} has no implementation of {op!r}")
-    if RECORDERS:
-        return RECORDERS[-1].wrap(op, impl)
     return impl
