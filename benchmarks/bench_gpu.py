@@ -3,8 +3,8 @@
 bf16 linear for M in {1, 16, 128, 512, 2048, 8192} and (N, K) in {(4096, 4096), (14336, 4096),
 (4096, 14336)}, forward and backward; rms_norm; selected_logprobs at a 152k vocabulary; attention
 prefill (2k-8k) and decode over 4k cached keys; Engine.generate against transformers' generate at 1,
-8 and 64 requests on a Qwen3-0.6B-shaped model (random weights); the mode's overhead on that model's
-forward. Reports time ratios measured in the same run (ratio < 1: lockstep faster).
+8 and 64 requests on a Qwen3-0.6B-shaped model (random weights); a decode step's kernel launches,
+copies and host reads on it; the mode's overhead on that model's forward. Reports time ratios measured in the same run (ratio < 1: lockstep faster).
 
 `--json PATH` also writes what Triton compiled on this GPU (registers, spills, shared memory, warps
 per kernel and specialization), to set beside `lockstep gpu-audit`'s figures for the same arch."""
@@ -131,6 +131,7 @@ def model_rows(dev: str, layers: int = 28, prompt: int = 128, new: int = 64) -> 
         t_hf = time.perf_counter() - t
         a, b = n * new / t_engine, n * new / t_hf
         print(f"| {n} | {a:.0f} | {b:.0f} | {a / b:.2f} |", flush=True)
+    decode_step_work(ours)
     ids = torch.randint(0, 151936, (8, 512), device=dev)
     with torch.no_grad():
         stock = bench(lambda: hf(ids).logits, 5)
@@ -138,6 +139,32 @@ def model_rows(dev: str, layers: int = 28, prompt: int = 128, new: int = 64) -> 
             inside = bench(lambda: hf(ids).logits, 5)
     print(f"\n| the mode | transformers forward, 8 x 512 tokens, {layers} layers | {inside:.2f} ms | "
           f"{stock:.2f} ms stock | {inside / stock:.2f} |", flush=True)
+
+
+def decode_step_work(ours, rows: int = 8, prompt: int = 32) -> None:
+    """One decode step of `rows` sequences: the kernels it launches (the profiler's CUDA events:
+    Triton's launches included, which aten counting misses), its copies, and its reads of tensor
+    data back to the host (lockstep.tools.host_work)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    from lockstep.tools.host_work import HostWork
+
+    engine = Engine(ours, max_num_seqs=rows, max_num_batched_tokens=rows * prompt, block_size=16)
+    for i in range(rows):
+        engine.add_request([1 + i] * prompt, SamplingParams(temperature=0, max_new_tokens=8))
+    engine.step()                                   # the prompts
+    engine.step()
+    torch.cuda.synchronize()
+    with HostWork() as work, profile(activities=[ProfilerActivity.CUDA]) as prof:
+        engine.step()
+        torch.cuda.synchronize()
+    events = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    copies = sum("memcpy" in e.name.lower() or "memset" in e.name.lower() for e in events)
+    layers = len(ours.model.layers)
+    print(f"\n| decode step, {rows} rows, {layers} layers | {len(events) - copies} kernels "
+          f"({(len(events) - copies) / layers:.1f} per layer) | {copies} copies | {work.total_reads} reads "
+          f"{dict(work.reads)} |", flush=True)
 
 
 def compiled_kernels() -> list[dict]:

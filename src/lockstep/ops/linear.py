@@ -38,8 +38,8 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, split_k: in
     for name, split, size in (("split_k", split_k, weight.shape[1]), ("split_n", split_n, weight.shape[0])):
         if not isinstance(split, int) or isinstance(split, bool) or split < 1 or size % split:
             raise ValueError(f"{name}: expected a positive int that divides {size}, got {split!r}")
-    rows = x.reshape(-1, x.shape[-1])
+    rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
     with autocast.off(x.device.type):
         impl = resolve("linear", x.device)
         y = impl(rows, weight, bias) if split_k == split_n == 1 else impl(rows, weight, bias, split_k, split_n)
-    return y.reshape(*x.shape[:-1], weight.shape[0])
+    return y if x.dim() == 2 else y.reshape(*x.shape[:-1], weight.shape[0])

@@ -177,7 +177,8 @@ def matmul_rows(a: Tensor, b: Tensor, bias: Tensor | None = None) -> Tensor:
     result is rounded in the kernel (the bits of the fp32 result's `.to(torch.bfloat16)`)."""
     b = _like_first(a, b)
     out_dtype = torch.bfloat16 if a.dtype == torch.bfloat16 else fixed_order.accumulate_dtype(a.dtype)
-    return gemm_nt(a, b.transpose(-1, -2), bias, out_dtype=out_dtype).to(a.dtype)
+    out = gemm_nt(a, b.transpose(-1, -2), bias, out_dtype=out_dtype)
+    return out if out.dtype == a.dtype else out.to(a.dtype)
 
 
 # gemm.c's limits on a split dot: MAX_PARTS slices, each under KC_FROM_BYTES.

@@ -20,7 +20,8 @@ def linear_forward(x: Tensor, weight: Tensor, bias: Tensor | None, split_k: int 
     `split_k` parts combined by the canonical tree (the bias added after); the GEMMs on the CPU
     kernels `kernels` (None: PyTorch's)."""
     if split_k == 1:
-        return matmul_rows(x, weight.t(), bias, kernels=kernels).to(x.dtype)
+        y = matmul_rows(x, weight.t(), bias, kernels=kernels)
+        return y if y.dtype == x.dtype else y.to(x.dtype)
     y = split_matmul_rows(x, weight.t(), split_k, kernels=kernels)
     return (y if bias is None else y + bias).to(x.dtype)
 
