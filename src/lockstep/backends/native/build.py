@@ -35,6 +35,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from .calls import CTYPES, SIGNATURES, bind
+
 SOURCE = Path(__file__).with_name("kernels.c")
 # What the cache key reads: kernels.c is one translation unit with the files it includes, so a
 # change to any of them is a change to the library.
@@ -234,8 +236,9 @@ def _compile(cc: list[str], folder: Path | None = None, rebuild: bool = False) -
 
 
 @functools.cache
-def library() -> ctypes.CDLL:
-    """The loaded kernel library (built on first use); raises NativeUnavailable."""
+def library():
+    """The loaded kernel library (built on first use), its entry points called through a compiled
+    extension where one builds (calls.py; else ctypes'); raises NativeUnavailable."""
     if sys.platform == "win32":
         raise NativeUnavailable("the native kernels are built for Linux and macOS only")
     cc = compiler()
@@ -262,7 +265,7 @@ def library() -> ctypes.CDLL:
         raise NativeUnavailable(f"kernel library ABI {lib.ls_abi_version()}, expected {ABI_VERSION}")
     lib = declare(lib)
     lib.ls_use_openmp(_gomp_parallel(_pool_asked()))
-    return lib
+    return bind(lib, cc, cache_dir(), compiler_version(cc))
 
 
 def openmp_runtime() -> str | None:
@@ -306,50 +309,11 @@ def pool_name() -> str:
 
 
 def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
-    """`lib` with the argument and result types of kernels.c's exported functions."""
-    i64, ptr, cint = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-    lib.ls_gemm_nt.argtypes = [i64, i64, i64, i64, ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, ptr, cint, cint, cint, cint,
-                               cint]
-    lib.ls_gemm_nt.restype = cint
-    lib.ls_gemm_nt_tree.argtypes = [i64, i64, i64, ptr, i64, ptr, i64, ptr, i64, i64, ptr, cint, cint, cint]
-    lib.ls_gemm_nt_tree.restype = cint
-    flt = ctypes.c_float
-    lib.ls_attention_fwd.argtypes = [i64, i64, i64, i64, ptr, ptr, ptr, i64, i64, ptr, ptr, ptr, ptr, i64, i64, ptr,
-                                     i64, flt, cint, i64, ptr, ptr, ptr, cint, cint, cint]
-    lib.ls_attention_fwd.restype = cint
-    lib.ls_attention_bwd.argtypes = [i64, i64, i64, i64, ptr, ptr, ptr, ptr, i64, i64, ptr, ptr, ptr, ptr, i64, flt,
-                                     cint, i64, ptr, ptr, ptr, ptr, ptr, ptr, cint, cint, cint]
-    lib.ls_attention_bwd.restype = cint
-    lib.ls_rms_norm_fwd.argtypes = [i64, i64, ptr, ptr, flt, flt, ptr, ptr, cint, cint, cint, cint, cint]
-    lib.ls_rms_norm_fwd.restype = cint
-    lib.ls_rms_norm_bwd.argtypes = [i64, i64, ptr, ptr, ptr, ptr, flt, ptr, ptr, ptr, i64, i64, cint, cint, cint, cint,
-                                    cint, cint]
-    lib.ls_rms_norm_bwd.restype = cint
-    lib.ls_silu.argtypes = [i64, ptr, ptr, ptr, ptr, ptr, cint, cint, cint, cint]
-    lib.ls_silu.restype = cint
-    lib.ls_rope.argtypes = [i64, i64, i64, ptr, ptr, ptr, ptr, cint, cint, cint, cint]
-    lib.ls_rope.restype = cint
-    lib.ls_rows.argtypes = [i64, i64, ptr, ptr, ptr, cint, cint, cint]
-    lib.ls_rows.restype = cint
-    lib.ls_unary.argtypes = [ptr, ptr, i64, cint, cint, cint]
-    lib.ls_unary.restype = cint
-    lib.ls_unary_f64.argtypes = [ptr, ptr, i64, cint, cint, cint]
-    lib.ls_unary_f64.restype = cint
-    lib.ls_gemm_nt_f64.argtypes = [i64, i64, i64, i64, ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, ptr, cint, cint]
-    lib.ls_gemm_nt_f64.restype = cint
-    lib.ls_logit_rows.argtypes = [i64, i64, i64, ptr, i64, cint, flt, cint, cint, ptr, ptr, ptr, ptr, ptr, ptr, ptr,
-                                  cint, cint, cint]
-    lib.ls_logit_rows.restype = cint
-    lib.ls_cpu_supports.argtypes = [cint]
-    lib.ls_cpu_supports.restype = cint
-    lib.ls_cpu_isas.argtypes = []
-    lib.ls_cpu_isas.restype = cint
-    lib.ls_built_isas.argtypes = []
-    lib.ls_built_isas.restype = cint
-    lib.ls_transpose.argtypes = [i64, i64, i64, ptr, i64, i64, ptr, i64, i64, cint, cint]
-    lib.ls_transpose.restype = cint
-    lib.ls_use_openmp.argtypes = [ptr]
-    lib.ls_use_openmp.restype = None
+    """`lib` with the argument and result types of kernels.c's exported functions (SIGNATURES)."""
+    for name, (args, result) in SIGNATURES.items():
+        function = getattr(lib, name)
+        function.argtypes = [CTYPES[code] for code in args]
+        function.restype = CTYPES[result]
     return lib
 
 

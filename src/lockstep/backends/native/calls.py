@@ -1,0 +1,210 @@
+"""The kernels' entry points called from Python through a small CPython extension.
+
+A ctypes call converts each argument through ctypes' type objects: about 3.8 us for a call of 20
+arguments on the 2-core Xeon, where a METH_FASTCALL function of a compiled extension takes 0.2 us,
+and an engine's decode step makes about 15 kernel calls per layer. So beside the kernel library
+`build.library()` compiles a module generated from SIGNATURES: one function per entry
+point that converts its arguments (an int64, an int, an address or None, a float) as ctypes would
+and calls the library's own function through its address. The same C functions with the same
+arguments: the same bits. The module is cached like the library, by its source, the compiler and
+the Python it was built for.
+
+Where it cannot be built (no Python headers, say) the calls stay ctypes', after one line on stderr;
+LOCKSTEP_NATIVE_CALLS=ctypes asks for ctypes' calls.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import importlib.machinery
+import importlib.util
+import logging
+import os
+import subprocess
+import sys
+import sysconfig
+import tempfile
+from pathlib import Path
+from types import ModuleType
+
+
+# kernels.c's exported functions (build.declare gives ctypes the same): their arguments and
+# result, one letter each: q int64_t, i int, p a pointer (an address as an int, or None for
+# NULL), f float; v (a result only) void.
+SIGNATURES = {
+    "ls_gemm_nt": ("qqqqpqqpqqpqqpiiiii", "i"),
+    "ls_gemm_nt_tree": ("qqqpqpqpqqpiii", "i"),
+    "ls_attention_fwd": ("qqqqpppqqppppqqpqfiqpppiii", "i"),
+    "ls_attention_bwd": ("qqqqppppqqppppqfiqppppppiii", "i"),
+    "ls_rms_norm_fwd": ("qqppffppiiiii", "i"),
+    "ls_rms_norm_bwd": ("qqppppfpppqqiiiiii", "i"),
+    "ls_silu": ("qpppppiiii", "i"),
+    "ls_rope": ("qqqppppiiii", "i"),
+    "ls_rows": ("qqpppiii", "i"),
+    "ls_unary": ("ppqiii", "i"),
+    "ls_unary_f64": ("ppqiii", "i"),
+    "ls_gemm_nt_f64": ("qqqqpqqpqqpqqpii", "i"),
+    "ls_logit_rows": ("qqqpqifiipppppppiii", "i"),
+    "ls_cpu_supports": ("i", "i"),
+    "ls_cpu_isas": ("", "i"),
+    "ls_built_isas": ("", "i"),
+    "ls_transpose": ("qqqpqqpqqii", "i"),
+    "ls_use_openmp": ("p", "v"),
+}
+CTYPES = {"q": ctypes.c_int64, "i": ctypes.c_int, "p": ctypes.c_void_p, "f": ctypes.c_float, "v": None}
+
+
+
+MODULE = "_lockstep_calls"
+_C_TYPES = {"q": "int64_t", "i": "int", "p": "void *", "f": "float"}
+_CONVERT = {"q": "as_int64", "i": "as_int", "p": "as_pointer", "f": "as_float"}
+
+_PROLOGUE = r"""#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <limits.h>
+#include <stdint.h>
+
+static int as_int64(PyObject *o, int64_t *v) {
+    *v = (int64_t)PyLong_AsLongLong(o);
+    return *v == -1 && PyErr_Occurred() ? -1 : 0;
+}
+static int as_int(PyObject *o, int *v) {
+    long long x = PyLong_AsLongLong(o);
+    if (x == -1 && PyErr_Occurred()) return -1;
+    if (x < INT_MIN || x > INT_MAX) {
+        PyErr_SetString(PyExc_OverflowError, "an int argument is out of the C int's range");
+        return -1;
+    }
+    *v = (int)x;
+    return 0;
+}
+static int as_pointer(PyObject *o, void **v) {
+    if (o == Py_None) { *v = NULL; return 0; }
+    *v = PyLong_AsVoidPtr(o);
+    return *v == NULL && PyErr_Occurred() ? -1 : 0;
+}
+static int as_float(PyObject *o, float *v) {
+    double x = PyFloat_AsDouble(o);
+    if (x == -1.0 && PyErr_Occurred()) return -1;
+    *v = (float)x;
+    return 0;
+}
+static PyObject *wrong_count(const char *name, Py_ssize_t want, Py_ssize_t got) {
+    PyErr_Format(PyExc_TypeError, "%s: expected %zd arguments, got %zd", name, want, got);
+    return NULL;
+}
+"""
+
+
+def source() -> str:
+    """The extension's C source: a function per entry point of SIGNATURES, and `bind`, which
+    takes {name: address} from the loaded library."""
+    parts = [_PROLOGUE]
+    for name, (args, result) in SIGNATURES.items():
+        c_result = "void" if result == "v" else _C_TYPES[result]
+        params = ", ".join(_C_TYPES[code] for code in args) or "void"
+        parts.append(f"typedef {c_result} (*{name}_t)({params});\nstatic {name}_t {name}_at;\n")
+        lines = [f"static PyObject *call_{name}(PyObject *self, PyObject *const *a, Py_ssize_t n) {{",
+                 f"    if (n != {len(args)}) return wrong_count(\"{name}\", {len(args)}, n);"]
+        lines += [f"    {_C_TYPES[code]} x{i};" for i, code in enumerate(args)]
+        if args:
+            checks = " || ".join(f"{_CONVERT[code]}(a[{i}], &x{i})" for i, code in enumerate(args))
+            lines.append(f"    if ({checks}) return NULL;")
+        call = f"{name}_at({', '.join(f'x{i}' for i in range(len(args)))})"
+        if result == "v":
+            lines += [f"    {call};", "    Py_RETURN_NONE;"]
+        else:
+            lines.append(f"    return PyLong_FromLongLong((long long){call});")
+        parts.append("\n".join(lines) + "\n}\n")
+    binds = "\n".join(f"    if (!({name}_at = ({name}_t)address(table, \"{name}\"))) return NULL;" for name in SIGNATURES)
+    parts.append(r"""static void *address(PyObject *table, const char *name) {
+    PyObject *value = PyDict_GetItemString(table, name);
+    if (!value) { PyErr_Format(PyExc_KeyError, "bind: no address for %s", name); return NULL; }
+    return PyLong_AsVoidPtr(value);
+}
+static PyObject *bind(PyObject *self, PyObject *table) {
+    if (!PyDict_Check(table)) { PyErr_SetString(PyExc_TypeError, "bind: expected a dict"); return NULL; }
+""" + binds + "\n    Py_RETURN_NONE;\n}\n")
+    methods = "\n".join(f"    {{\"{name}\", (PyCFunction)(void (*)(void))call_{name}, METH_FASTCALL, NULL}},"
+                        for name in SIGNATURES)
+    parts.append(f"""static PyMethodDef methods[] = {{
+    {{"bind", bind, METH_O, NULL}},
+{methods}
+    {{NULL, NULL, 0, NULL}}
+}};
+static struct PyModuleDef module = {{PyModuleDef_HEAD_INIT, "{MODULE}", NULL, -1, methods}};
+PyMODINIT_FUNC PyInit_{MODULE}(void) {{ return PyModule_Create(&module); }}
+""")
+    return "\n".join(parts)
+
+
+class Calls:
+    """The kernel library as `build.library()` hands it out: the entry points of SIGNATURES
+    as the extension's functions, anything else from the ctypes library (`ctypes_library`)."""
+
+    def __init__(self, module: ModuleType, ctypes_library: ctypes.CDLL):
+        self.ctypes_library = ctypes_library
+        for name in SIGNATURES:
+            setattr(self, name, getattr(module, name))
+
+    def __getattr__(self, name: str):
+        return getattr(self.ctypes_library, name)
+
+
+def _python_include() -> str:
+    return sysconfig.get_paths()["include"]
+
+
+def _build(cc: list[str], code: str, folder: Path, version: str) -> Path:
+    """The extension compiled from `code` by `cc` (which says it is `version`), from the cache
+    `folder` or compiled into it."""
+    include = _python_include()
+    suffix = importlib.machinery.EXTENSION_SUFFIXES[0]
+    flags = ["-O2", "-shared", "-fPIC", f"-I{include}"] + (["-undefined", "dynamic_lookup"]
+                                                           if sys.platform == "darwin" else [])
+    key = hashlib.sha256("\0".join([code, *cc, *flags, suffix, version]).encode()).hexdigest()[:16]
+    target = folder / f"calls-{key}{suffix}"
+    if target.exists():
+        return target
+    if not Path(include, "Python.h").exists():
+        raise OSError(f"no Python.h in {include} (the Python headers: python3-dev on Debian)")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
+        c_file, built = Path(scratch, f"{MODULE}.c"), Path(scratch, f"{MODULE}{suffix}")
+        c_file.write_text(code)
+        done = subprocess.run([*cc, *flags, "-o", str(built), str(c_file)], capture_output=True, text=True)
+        if done.returncode != 0:
+            lines = done.stderr.strip().splitlines()
+            raise OSError(next((x for x in lines if "error" in x.lower()), lines[0] if lines else "(no message)"))
+        os.chmod(built, 0o755)
+        os.replace(built, target)   # a process never loads a partial file
+    return target
+
+
+def _load(path: Path) -> ModuleType:
+    loader = importlib.machinery.ExtensionFileLoader(MODULE, str(path))
+    spec = importlib.util.spec_from_file_location(MODULE, str(path), loader=loader)
+    module = importlib.util.module_from_spec(spec)
+    loader.exec_module(module)
+    return module
+
+
+def bind(lib: ctypes.CDLL, cc: list[str], folder: Path, version: str) -> Calls | ctypes.CDLL:
+    """`lib`'s entry points through the extension (a Calls), built by `cc` (which says it is
+    `version`) into the cache `folder`; or `lib` itself where the extension cannot be built or
+    loaded, or LOCKSTEP_NATIVE_CALLS=ctypes asks for it."""
+    asked = os.environ.get("LOCKSTEP_NATIVE_CALLS") or "extension"
+    if asked not in ("extension", "ctypes"):
+        raise ValueError(f"LOCKSTEP_NATIVE_CALLS: expected 'extension' or 'ctypes', got {asked!r}")
+    if asked == "ctypes":
+        return lib
+    try:
+        module = _load(_build(cc, source(), folder, version))
+        module.bind({name: ctypes.cast(getattr(lib, name), ctypes.c_void_p).value for name in SIGNATURES})
+    except (OSError, ImportError) as e:
+        logging.getLogger("lockstep").warning("lockstep: the native kernels are called through ctypes, which costs "
+                                              "a few microseconds more per call (their extension could not be "
+                                              "built: %s)", e)
+        return lib
+    return Calls(module, lib)

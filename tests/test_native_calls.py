@@ -1,0 +1,50 @@
+"""lockstep.backends.native.calls: the kernels called through a compiled extension instead of
+ctypes, with ctypes' bits, its argument checks, and ctypes where the extension cannot be built."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from lockstep.backends.native import bits, build, calls
+
+
+def test_the_kernels_are_called_through_the_extension_with_ctypes_bits():
+    """Every section of the native digest (GEMMs, rows, rope, SiLU, attention forward and backward,
+    the LM head's rows, float64), on 1 and 3 threads: the same bits through either call path."""
+    lib = build.library()
+    assert isinstance(lib, calls.Calls)
+    assert set(calls.SIGNATURES) <= set(vars(lib))
+    for threads in (1, 3):
+        assert bits.digests(lib, build.isa(), threads) == bits.digests(lib.ctypes_library, build.isa(), threads)
+    assert lib.ls_abi_version() == build.ABI_VERSION           # what the extension does not hold: ctypes'
+
+
+def test_a_call_with_bad_arguments_is_refused_by_name():
+    lib = build.library()
+    with pytest.raises(TypeError, match=r"^ls_rope: expected 11 arguments, got 2$"):
+        lib.ls_rope(1, 2)
+    with pytest.raises(TypeError):
+        lib.ls_rope("3", 1, 8, None, None, None, None, 0, 0, 0, 1)
+    with pytest.raises(OverflowError, match="out of the C int's range"):
+        lib.ls_cpu_supports(2 ** 40)
+    assert lib.ls_rope(-1, 1, 8, None, None, None, None, 0, 0, 0, 1) == -1   # the kernel's own refusal
+
+
+def test_without_python_headers_the_calls_stay_ctypes(monkeypatch, tmp_path, caplog):
+    monkeypatch.setenv("LOCKSTEP_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(calls, "_python_include", lambda: str(tmp_path / "no-headers"))
+    lib = build.library().ctypes_library
+    with caplog.at_level(logging.WARNING, logger="lockstep"):
+        assert calls.bind(lib, build.compiler(), build.cache_dir(), build.compiler_version(build.compiler())) is lib
+    assert "the native kernels are called through ctypes" in caplog.text and "no Python.h in" in caplog.text
+
+
+def test_ctypes_calls_can_be_asked_for_and_a_bad_choice_is_named(monkeypatch):
+    lib = build.library().ctypes_library
+    monkeypatch.setenv("LOCKSTEP_NATIVE_CALLS", "ctypes")
+    assert calls.bind(lib, build.compiler(), build.cache_dir(), build.compiler_version(build.compiler())) is lib
+    monkeypatch.setenv("LOCKSTEP_NATIVE_CALLS", "cffi")
+    with pytest.raises(ValueError, match=r"^LOCKSTEP_NATIVE_CALLS: expected 'extension' or 'ctypes', got 'cffi'$"):
+        calls.bind(lib, build.compiler(), build.cache_dir(), build.compiler_version(build.compiler()))
