@@ -29,7 +29,7 @@ PACKAGE = ROOT / "src" / "lockstep"
 # What the extras bring (pyproject.toml), and what the test extra adds; none is a core dependency.
 # (pydantic and starlette come with fastapi.)
 OPTIONAL = ("transformers", "fastapi", "uvicorn", "httpx", "triton", "trl", "openai", "gguf", "ziglang", "pydantic",
-            "starlette")
+            "starlette", "sglang_router")
 
 
 @pytest.fixture(scope="module")

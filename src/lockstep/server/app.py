@@ -7,10 +7,11 @@
     SGLang (sglang_api.py, shapes in sglang_protocol.py):
     POST /generate                                  text or input_ids, one or a batch; sampling_params, return_logprob,
                                                     logprob_start_len, top_logprobs_num, stream, rid
-    POST /update_weights_from_disk                  {model_path, weight_version, abort_all_requests, flush_cache}
+    POST /update_weights_from_disk                  {model_path (a folder or a GGUF file), weight_version,
+                                                    abort_all_requests, flush_cache}
                                                     -> {success, message, num_paused_requests}
     POST /update_weights                            lockstep's: the same, a safetensors file as the body
-    POST /flush_cache, GET /get_model_info
+    POST /flush_cache, GET /get_model_info, GET /get_server_info (also /model_info, /server_info)
 
 The routes are module-level functions on APIRouters; the one piece of state, the `Server` (model,
 engine thread, request checks), is `app.state.server`, which every route gets through
@@ -22,7 +23,8 @@ str(weights_version) (SGLang's meta_info.weight_version). Every completion's log
 the same request sent alone, whatever else is in flight, and equal `lockstep.logprobs` on its
 tokens at its temperature: the engine is batch-invariant. A bad request gets a 4xx whose body names
 the field (OpenAI's error shape, `param`): requests are checked by the engine's own check
-(lockstep.engine.requests) before they are queued. The server keeps serving.
+(lockstep.engine.requests) before they are queued. The fields SGLang's clients and router add are
+accepted at the values that change nothing (compat.py). The server keeps serving.
 """
 
 from __future__ import annotations

@@ -14,6 +14,7 @@ from fastapi.responses import StreamingResponse
 
 from ..engine import RequestOutput
 from ..sampling import Draw, SamplingParams
+from . import compat
 from .protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -24,7 +25,7 @@ from .protocol import (
     error_body,
     usage,
 )
-from .state import RequestError, Server, get_server
+from .state import RequestError, Server, get_server, refuse_unsupported
 from .worker import Job
 
 router = APIRouter()
@@ -50,6 +51,7 @@ async def models(server: Server = Depends(get_server)):
 
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request, server: Server = Depends(get_server)):
+    refuse_unsupported(body, compat.COMPLETIONS)
     prompts = [server.encode(p, "prompt") for p in body.prompts()]
     params = _sampling(server, body, body.max_tokens, body.logprobs or 0, prompts, {"max_new_tokens": "max_tokens"})
     want_logprobs = body.logprobs is not None
@@ -66,6 +68,7 @@ async def completions(body: CompletionRequest, request: Request, server: Server 
 
 @router.post("/v1/chat/completions")
 async def chat(body: ChatCompletionRequest, request: Request, server: Server = Depends(get_server)):
+    refuse_unsupported(body, compat.CHAT)
     if server.chat_template is None:
         raise RequestError(400, "messages: this model has no chat template (tokenizer_config.json); use "
                                 "/v1/completions", "messages")

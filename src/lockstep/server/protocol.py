@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from ..engine import RequestOutput
 from ..sampling import SamplingParams
+from . import compat
 
 MAX_TOP_LOGPROBS = SamplingParams.MAX_LOGPROBS
 
@@ -60,8 +61,9 @@ class _Sampling(_Strict):
                               logprobs=logprobs, seed=self.seed if self.seed is not None else 0)
 
 
-class CompletionRequest(_Sampling):
-    """POST /v1/completions: prompt is a string, a list of token ids, or a list of either."""
+class _Completion(_Sampling):
+    """POST /v1/completions: prompt is a string, a list of token ids, or a list of either (and the
+    fields of compat.COMPLETIONS at the values that change nothing)."""
 
     prompt: Union[str, list[int], list[str], list[list[int]]]
     max_tokens: int = Field(16, ge=1)
@@ -87,8 +89,8 @@ class ChatMessage(_Strict):
     name: str | None = None
 
 
-class ChatCompletionRequest(_Sampling):
-    """POST /v1/chat/completions."""
+class _ChatCompletion(_Sampling):
+    """POST /v1/chat/completions (and the fields of compat.CHAT at the values that change nothing)."""
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
@@ -99,6 +101,10 @@ class ChatCompletionRequest(_Sampling):
 
     def budget(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+
+CompletionRequest = compat.with_fields("CompletionRequest", _Completion, compat.COMPLETIONS)
+ChatCompletionRequest = compat.with_fields("ChatCompletionRequest", _ChatCompletion, compat.CHAT)
 
 
 def _new_id(prefix: str) -> str:

@@ -1,5 +1,7 @@
 """SGLang's native API (the rollout API of RL frameworks): POST /generate, the weight updates, POST
-/flush_cache and GET /get_model_info. Request and answer shapes: sglang_protocol.py."""
+/flush_cache, GET /get_model_info and /get_server_info (also as /model_info and /server_info, the
+names SGLang's router asks first when it registers a worker). Request and answer shapes:
+sglang_protocol.py."""
 
 from __future__ import annotations
 
@@ -100,7 +102,8 @@ async def _stream(server: Server, todo: list[Item], jobs: list[Job], events: asy
 
 @router.post("/update_weights_from_disk")
 async def update_weights_from_disk(body: UpdateWeightsFromDiskRequest, server: Server = Depends(get_server)):
-    """SGLang's weight update from a checkpoint folder: requests in flight finish on the old weights,
+    """SGLang's weight update from disk, read as the server read its model at start (a checkpoint
+    folder, a GGUF file or a folder holding one): requests in flight finish on the old weights,
     or with abort_all_requests end now (finish_reason abort; num_paused_requests counts them); later
     answers carry `weight_version` (meta_info.weight_version) and the int `weights_version`."""
     if server.load_weights is None:
@@ -139,5 +142,15 @@ async def flush_cache(server: Server = Depends(get_server)):
 
 
 @router.get("/get_model_info")
-async def get_model_info(server: Server = Depends(get_server)):
+@router.get("/model_info")
+async def get_model_info(server: Server = Depends(get_server)) -> dict:
+    """The model served: SGLang's fields (model_path, tokenizer_path, is_generation, weight_version, ...)."""
     return server.model_info()
+
+
+@router.get("/get_server_info")
+@router.get("/server_info")
+async def get_server_info(server: Server = Depends(get_server)) -> dict:
+    """The server: the model's fields and SGLang's server fields that describe this one (one engine,
+    no data or tensor parallelism, its context and KV cache)."""
+    return server.server_info()

@@ -17,8 +17,10 @@ greedy), as lockstep.logprobs recomputes them. finish_reason is SGLang's object:
 "matched": token id or string}, {"type": "length", "length": max_new_tokens} or {"type": "abort",
 "message": why}, and None in a stream's chunks before the last.
 
-As everywhere in lockstep, unknown fields are refused (SGLang's fields that lockstep does not
-implement among them) rather than ignored.
+As everywhere in lockstep, unknown fields are refused rather than ignored. SGLang's other fields,
+which its router sends on every request, are accepted at the values that change nothing
+(compat.GENERATE, compat.GENERATE_SAMPLING) and refused, naming what is accepted, at any other;
+`model` is accepted and, as on /v1, not checked: the server serves one model.
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from ..engine import RequestOutput
 from ..sampling import SamplingParams
-from .state import RequestError, describe_validation_error
+from . import compat
+from .state import RequestError, describe_validation_error, refuse_unsupported
 
 # SGLang's default max_new_tokens; lockstep cuts it to what the context leaves.
 DEFAULT_MAX_NEW_TOKENS = 128
@@ -43,7 +46,7 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-class GenerateSampling(_Strict):
+class _Sampling(_Strict):
     """`sampling_params` of POST /generate (SGLang's names; top_k -1 or 0: no top-k)."""
 
     temperature: float = Field(1.0, ge=0.0, le=100.0)
@@ -67,9 +70,13 @@ class GenerateSampling(_Strict):
         return stops
 
 
-class GenerateRequest(_Strict):
+GenerateSampling = compat.with_fields("GenerateSampling", _Sampling, compat.GENERATE_SAMPLING)
+
+
+class _Generate(_Strict):
     """POST /generate. The polymorphic fields (one value or one per prompt) are checked by `items`."""
 
+    model: str | None = None
     text: Any = None
     input_ids: Any = None
     sampling_params: Any = None
@@ -79,6 +86,9 @@ class GenerateRequest(_Strict):
     return_text_in_logprobs: bool = False
     stream: bool = False
     rid: Any = None
+
+
+GenerateRequest = compat.with_fields("GenerateRequest", _Generate, compat.GENERATE)
 
 
 class UpdateWeightsFromDiskRequest(_Strict):
@@ -150,16 +160,19 @@ def _sampling_specs(raw, count: int) -> list[tuple[GenerateSampling, str]]:
     for k, r in enumerate(raws):
         where = f"sampling_params.{k}" if isinstance(raw, list) else "sampling_params"
         try:
-            specs.append((GenerateSampling.model_validate({} if r is None else r), where))
+            spec = GenerateSampling.model_validate({} if r is None else r)
         except ValidationError as e:
             param, message = describe_validation_error(e.errors()[0], where)
             raise RequestError(400, message, param) from None
+        refuse_unsupported(spec, compat.GENERATE_SAMPLING, where)
+        specs.append((spec, where))
     return specs
 
 
 def items(body: GenerateRequest, server) -> tuple[list[Item], bool]:
     """The prompts of a /generate request, each checked (the engine's own check, lockstep.engine.requests)
     and ready to run; and whether the answer is one object rather than a list."""
+    refuse_unsupported(body, compat.GENERATE)
     prompts, field, single = _prompts(body)
     count = len(prompts)
     encoded = [server.encode(p, field) for p in prompts]

@@ -15,12 +15,14 @@ from typing import Callable, Mapping
 import torch
 from fastapi import Request
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 
 from ..engine import Engine, RequestOutput
 from ..engine.requests import InvalidRequest, encode_prompt, validate_request
 from ..model import Transformer
 from ..sampling import SamplingParams
 from ..model.chat_template import ChatTemplate
+from . import compat
 from .protocol import error_body
 from .worker import EngineWorker, Job, WeightUpdateError
 
@@ -52,6 +54,14 @@ def describe_validation_error(err: dict, prefix: str = "") -> tuple[str, str]:
     if err.get("type") == "extra_forbidden":
         return param, f"{param}: unknown field"
     return param, f"{param}: {err.get('msg')}"
+
+
+def refuse_unsupported(body: BaseModel, accepted: Mapping[str, tuple], prefix: str = "") -> None:
+    """A 400 naming the first field of `accepted` (a table of compat.py) whose value in `body` lockstep
+    does not accept, and what it accepts: "echo: only false is supported, got true"."""
+    found = compat.unsupported(body, accepted, prefix)
+    if found is not None:
+        raise RequestError(400, found[1], found[0])
 
 
 class Server:
@@ -197,6 +207,15 @@ class Server:
                 "weights_version": self.worker.version, "served_model_name": self.name,
                 "model_type": config.get("model_type"), "architectures": config.get("architectures"),
                 "max_context_length": self.context}
+
+    def server_info(self) -> dict:
+        """What /get_server_info answers: model_info and the SGLang server fields a router reads
+        (dp_size, tp_size, context_length, the running and token limits)."""
+        engine = self.worker.engine
+        return {**self.model_info(), "dp_size": 1, "tp_size": 1,
+                "context_length": self.context, "max_running_requests": engine.scheduler.max_num_seqs,
+                "max_total_num_tokens": engine.limits.num_blocks * engine.limits.block_size,
+                "page_size": engine.limits.block_size}
 
 
 def get_server(request: Request) -> Server:

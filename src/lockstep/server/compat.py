@@ -1,0 +1,87 @@
+"""Fields that SGLang's clients and its router (sglang-router) send, which lockstep accepts at the
+values that change nothing here.
+
+SGLang's router re-serializes every request through its own structs, so a request through it carries
+fields its client never wrote (`model: null` and `log_metrics: true` on /generate; `echo: false`,
+`no_stop_trim: false` and `skip_special_tokens: true` on /v1/completions; ...). Refusing them would
+refuse every request through the router; ignoring a value that asks for something lockstep does not
+do would silently answer another question. So each such field is accepted only at the values listed
+here, and any other value is a 400 that names the field and what is accepted
+(state.refuse_unsupported). Fields nobody sends stay unknown fields, refused as before.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Mapping
+
+from pydantic import BaseModel, create_model
+
+# SGLang 0.5's /generate fields (io_struct.GenerateReqInput) beside those lockstep implements:
+# multimodal inputs, LoRA, disaggregation, sessions, ... all at their defaults. Metrics and request
+# logs: lockstep keeps neither, so either value changes nothing.
+GENERATE: dict[str, tuple] = {
+    "log_metrics": (True, False), "no_logs": (False, True), "return_hidden_states": (False,),
+    "background": (False,), "return_bytes": (False,), "return_entropy": (False,), "input_embeds": (None,),
+    "image_data": (None,), "video_data": (None,), "audio_data": (None,), "modalities": (None,),
+    "token_ids_logprob": (None,), "session_params": (None,), "lora_path": (None,), "lora_id": (None,),
+    "custom_logit_processor": (None,), "bootstrap_host": (None,), "bootstrap_port": (None,),
+    "bootstrap_room": (None,), "bootstrap_pair_key": (None,), "data_parallel_rank": (None,),
+    "conversation_id": (None,), "priority": (None,), "extra_key": (None,), "custom_labels": (None,),
+}
+
+# SGLang's sampling_params beside lockstep's: penalties and constraints at their no-op values. Text is
+# always decoded without special tokens and stop strings are trimmed, as SGLang does by default.
+GENERATE_SAMPLING: dict[str, tuple] = {
+    "frequency_penalty": (0.0,), "presence_penalty": (0.0,), "min_new_tokens": (0,), "json_schema": (None,),
+    "regex": (None,), "ebnf": (None,), "structural_tag": (None,), "stop_regex": (None,),
+    "skip_special_tokens": (True,), "spaces_between_special_tokens": (True,), "no_stop_trim": (False,),
+    "custom_params": (None,), "stream_interval": (None, 1), "logit_bias": (None,),
+}
+
+# OpenAI's and SGLang's extensions of /v1/completions and /v1/chat/completions.
+_OPENAI_COMMON: dict[str, tuple] = {
+    "frequency_penalty": (0.0,), "presence_penalty": (0.0,), "logit_bias": (None,), "response_format": (None,),
+    "min_tokens": (0,), "regex": (None,), "ebnf": (None,), "json_schema": (None,), "no_stop_trim": (False,),
+    "skip_special_tokens": (True,), "return_hidden_states": (False,), "lora_path": (None,),
+    "session_params": (None,), "rid": (None,), "extra_key": (None,), "cache_salt": (None,), "priority": (None,),
+}
+COMPLETIONS: dict[str, tuple] = {**_OPENAI_COMMON, "echo": (False,), "best_of": (None, 1), "suffix": (None,)}
+# lockstep has no reasoning parser: separating reasoning from the answer finds none, either way.
+CHAT: dict[str, tuple] = {
+    **_OPENAI_COMMON, "continue_final_message": (False,), "separate_reasoning": (True, False),
+    "stream_reasoning": (True, False), "tools": (None, []), "tool_choice": (None, "none"),
+    "parallel_tool_calls": (None, True), "reasoning_effort": (None,), "chat_template_kwargs": (None, {}),
+}
+
+
+def with_fields(name: str, model: type[BaseModel], accepted: Mapping[str, tuple]) -> type[BaseModel]:
+    """`model` named `name`, with every field of `accepted` added, of any type, its first accepted
+    value the default: `unsupported` checks them rather than pydantic, so that the refusal
+    says what is accepted."""
+    fields: dict[str, Any] = {field: (Any, values[0]) for field, values in accepted.items()}
+    return create_model(name, __base__=model, __module__=model.__module__, __doc__=model.__doc__, **fields)
+
+
+def _same(a, b) -> bool:
+    # true is not 1, and 0 is 0.0: JSON's values, as a client wrote them
+    return a == b and isinstance(a, bool) == isinstance(b, bool)
+
+
+def _json(value) -> str:
+    try:
+        return json.dumps(value)
+    except (TypeError, ValueError):
+        return repr(value)
+
+
+def unsupported(body: BaseModel, accepted: Mapping[str, tuple], prefix: str = "") -> tuple[str, str] | None:
+    """(param, message) of the first field of `accepted` whose value in `body` (a model of
+    `with_fields`) is not one lockstep accepts, e.g. ("echo", "echo: only false is supported, got
+    true"); None if every one is."""
+    for name, allowed in accepted.items():
+        value = getattr(body, name)
+        if not any(_same(value, a) for a in allowed):
+            param = f"{prefix}.{name}" if prefix else name
+            return param, f"{param}: only {' or '.join(_json(a) for a in allowed)} is supported, got {_json(value)}"
+    return None
