@@ -142,7 +142,8 @@ def _stand_in_compiler(tmp_path: Path, library: Path | None, builds: str = "", p
     With `builds`, it stands in for a compiler too old for some of kernels.c's intrinsics (named
     old-cc): it builds only when the define `builds` is among its arguments, and otherwise fails as
     GCC 4.8 fails on AVX-512 code, its error after the line that names the function. Returns CC's
-    value, quoted as a shell would need it."""
+    value, quoted as a shell would need it. The calls' extension (backends/native/calls.py) is
+    not kernels.c: the real compiler builds it."""
     real = shlex.join(build.compiler())
     script = tmp_path / ("old-cc" if builds else "copying-cc")
     asked = shlex.quote(str(tmp_path / "asked-for-the-version"))
@@ -164,6 +165,7 @@ for arg in "$@"; do case $prev in -o) out=$arg ;; esac; prev=$arg; done
 case " $* " in
   *" --version "*) echo $PPID >> {asked}; exec {real} "$@" ;;
   *" -print-prog-name="*) exec {real} "$@" ;;
+  *"/_lockstep_calls.c "*) exec {real} "$@" ;;
 esac
 {refuse}{make}""")
     script.chmod(0o755)

@@ -15,7 +15,7 @@ def test_the_kernels_are_called_through_the_extension_with_ctypes_bits():
     the LM head's rows, float64), on 1 and 3 threads: the same bits through either call path."""
     lib = build.library()
     assert isinstance(lib, calls.Calls)
-    assert set(calls.SIGNATURES) <= set(vars(lib))
+    assert set(build.SIGNATURES) <= set(vars(lib))
     for threads in (1, 3):
         assert bits.digests(lib, build.isa(), threads) == bits.digests(lib.ctypes_library, build.isa(), threads)
     assert lib.ls_abi_version() == build.ABI_VERSION           # what the extension does not hold: ctypes'
@@ -37,14 +37,14 @@ def test_without_python_headers_the_calls_stay_ctypes(monkeypatch, tmp_path, cap
     monkeypatch.setattr(calls, "_python_include", lambda: str(tmp_path / "no-headers"))
     lib = build.library().ctypes_library
     with caplog.at_level(logging.WARNING, logger="lockstep"):
-        assert calls.bind(lib, build.compiler(), build.cache_dir(), build.compiler_version(build.compiler())) is lib
+        assert calls.bind(lib, build.SIGNATURES, build.compiler(), build.cache_dir(), build.compiler_version(build.compiler())) is lib
     assert "the native kernels are called through ctypes" in caplog.text and "no Python.h in" in caplog.text
 
 
 def test_ctypes_calls_can_be_asked_for_and_a_bad_choice_is_named(monkeypatch):
     lib = build.library().ctypes_library
     monkeypatch.setenv("LOCKSTEP_NATIVE_CALLS", "ctypes")
-    assert calls.bind(lib, build.compiler(), build.cache_dir(), build.compiler_version(build.compiler())) is lib
+    assert calls.bind(lib, build.SIGNATURES, build.compiler(), build.cache_dir(), build.compiler_version(build.compiler())) is lib
     monkeypatch.setenv("LOCKSTEP_NATIVE_CALLS", "cffi")
     with pytest.raises(ValueError, match=r"^LOCKSTEP_NATIVE_CALLS: expected 'extension' or 'ctypes', got 'cffi'$"):
-        calls.bind(lib, build.compiler(), build.cache_dir(), build.compiler_version(build.compiler()))
+        calls.bind(lib, build.SIGNATURES, build.compiler(), build.cache_dir(), build.compiler_version(build.compiler()))

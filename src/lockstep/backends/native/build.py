@@ -35,8 +35,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-from .calls import CTYPES, SIGNATURES, bind
-
 SOURCE = Path(__file__).with_name("kernels.c")
 # What the cache key reads: kernels.c is one translation unit with the files it includes, so a
 # change to any of them is a change to the library.
@@ -265,7 +263,10 @@ def library():
         raise NativeUnavailable(f"kernel library ABI {lib.ls_abi_version()}, expected {ABI_VERSION}")
     lib = declare(lib)
     lib.ls_use_openmp(_gomp_parallel(_pool_asked()))
-    return bind(lib, cc, cache_dir(), compiler_version(cc))
+    # Here, not at the top: this file's top level stays the standard library's (bits.py runs it alone).
+    from .calls import bind
+
+    return bind(lib, SIGNATURES, cc, path.parent, compiler_version(cc))
 
 
 def openmp_runtime() -> str | None:
@@ -308,12 +309,38 @@ def pool_name() -> str:
     return "openmp" if _gomp_parallel(_pool_asked()) else "own"
 
 
+# kernels.c's exported functions: their arguments and result, one letter each: q int64_t, i int, p a pointer (an address as an int, or None for
+# NULL), f float; v (a result only) void.
+SIGNATURES = {
+    "ls_gemm_nt": ("qqqqpqqpqqpqqpiiiii", "i"),
+    "ls_gemm_nt_tree": ("qqqpqpqpqqpiii", "i"),
+    "ls_attention_fwd": ("qqqqpppqqppppqqpqfiqpppiii", "i"),
+    "ls_attention_bwd": ("qqqqppppqqppppqfiqppppppiii", "i"),
+    "ls_rms_norm_fwd": ("qqppffppiiiii", "i"),
+    "ls_rms_norm_bwd": ("qqppppfpppqqiiiiii", "i"),
+    "ls_silu": ("qpppppiiii", "i"),
+    "ls_rope": ("qqqppppiiii", "i"),
+    "ls_rows": ("qqpppiii", "i"),
+    "ls_unary": ("ppqiii", "i"),
+    "ls_unary_f64": ("ppqiii", "i"),
+    "ls_gemm_nt_f64": ("qqqqpqqpqqpqqpii", "i"),
+    "ls_logit_rows": ("qqqpqifiipppppppiii", "i"),
+    "ls_cpu_supports": ("i", "i"),
+    "ls_cpu_isas": ("", "i"),
+    "ls_built_isas": ("", "i"),
+    "ls_transpose": ("qqqpqqpqqii", "i"),
+    "ls_use_openmp": ("p", "v"),
+}
+_CTYPES = {"q": ctypes.c_int64, "i": ctypes.c_int, "p": ctypes.c_void_p, "f": ctypes.c_float, "v": None}
+
+
+
 def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     """`lib` with the argument and result types of kernels.c's exported functions (SIGNATURES)."""
     for name, (args, result) in SIGNATURES.items():
         function = getattr(lib, name)
-        function.argtypes = [CTYPES[code] for code in args]
-        function.restype = CTYPES[result]
+        function.argtypes = [_CTYPES[code] for code in args]
+        function.restype = _CTYPES[result]
     return lib
 
 

@@ -3,7 +3,7 @@
 A ctypes call converts each argument through ctypes' type objects: about 3.8 us for a call of 20
 arguments on the 2-core Xeon, where a METH_FASTCALL function of a compiled extension takes 0.2 us,
 and an engine's decode step makes about 15 kernel calls per layer. So beside the kernel library
-`build.library()` compiles a module generated from SIGNATURES: one function per entry
+`build.library()` compiles a module generated from build.SIGNATURES: one function per entry
 point that converts its arguments (an int64, an int, an address or None, a float) as ctypes would
 and calls the library's own function through its address. The same C functions with the same
 arguments: the same bits. The module is cached like the library, by its source, the compiler and
@@ -27,33 +27,6 @@ import sysconfig
 import tempfile
 from pathlib import Path
 from types import ModuleType
-
-
-# kernels.c's exported functions (build.declare gives ctypes the same): their arguments and
-# result, one letter each: q int64_t, i int, p a pointer (an address as an int, or None for
-# NULL), f float; v (a result only) void.
-SIGNATURES = {
-    "ls_gemm_nt": ("qqqqpqqpqqpqqpiiiii", "i"),
-    "ls_gemm_nt_tree": ("qqqpqpqpqqpiii", "i"),
-    "ls_attention_fwd": ("qqqqpppqqppppqqpqfiqpppiii", "i"),
-    "ls_attention_bwd": ("qqqqppppqqppppqfiqppppppiii", "i"),
-    "ls_rms_norm_fwd": ("qqppffppiiiii", "i"),
-    "ls_rms_norm_bwd": ("qqppppfpppqqiiiiii", "i"),
-    "ls_silu": ("qpppppiiii", "i"),
-    "ls_rope": ("qqqppppiiii", "i"),
-    "ls_rows": ("qqpppiii", "i"),
-    "ls_unary": ("ppqiii", "i"),
-    "ls_unary_f64": ("ppqiii", "i"),
-    "ls_gemm_nt_f64": ("qqqqpqqpqqpqqpii", "i"),
-    "ls_logit_rows": ("qqqpqifiipppppppiii", "i"),
-    "ls_cpu_supports": ("i", "i"),
-    "ls_cpu_isas": ("", "i"),
-    "ls_built_isas": ("", "i"),
-    "ls_transpose": ("qqqpqqpqqii", "i"),
-    "ls_use_openmp": ("p", "v"),
-}
-CTYPES = {"q": ctypes.c_int64, "i": ctypes.c_int, "p": ctypes.c_void_p, "f": ctypes.c_float, "v": None}
-
 
 
 MODULE = "_lockstep_calls"
@@ -81,6 +54,15 @@ static int as_int(PyObject *o, int *v) {
 }
 static int as_pointer(PyObject *o, void **v) {
     if (o == Py_None) { *v = NULL; return 0; }
+    if (!PyLong_Check(o)) { /* a ctypes pointer (c_void_p), as ctypes takes one: its address */
+        PyObject *value = PyObject_GetAttrString(o, "value");
+        if (!value) return -1;
+        int failed = 0;
+        if (value == Py_None) *v = NULL;
+        else { *v = PyLong_AsVoidPtr(value); failed = *v == NULL && PyErr_Occurred(); }
+        Py_DECREF(value);
+        return failed ? -1 : 0;
+    }
     *v = PyLong_AsVoidPtr(o);
     return *v == NULL && PyErr_Occurred() ? -1 : 0;
 }
@@ -97,11 +79,11 @@ static PyObject *wrong_count(const char *name, Py_ssize_t want, Py_ssize_t got) 
 """
 
 
-def source() -> str:
-    """The extension's C source: a function per entry point of SIGNATURES, and `bind`, which
-    takes {name: address} from the loaded library."""
+def source(signatures: dict[str, tuple[str, str]]) -> str:
+    """The extension's C source: a function per entry point of `signatures` (build.SIGNATURES), and
+    `bind`, which takes {name: address} from the loaded library."""
     parts = [_PROLOGUE]
-    for name, (args, result) in SIGNATURES.items():
+    for name, (args, result) in signatures.items():
         c_result = "void" if result == "v" else _C_TYPES[result]
         params = ", ".join(_C_TYPES[code] for code in args) or "void"
         parts.append(f"typedef {c_result} (*{name}_t)({params});\nstatic {name}_t {name}_at;\n")
@@ -117,7 +99,7 @@ def source() -> str:
         else:
             lines.append(f"    return PyLong_FromLongLong((long long){call});")
         parts.append("\n".join(lines) + "\n}\n")
-    binds = "\n".join(f"    if (!({name}_at = ({name}_t)address(table, \"{name}\"))) return NULL;" for name in SIGNATURES)
+    binds = "\n".join(f"    if (!({name}_at = ({name}_t)address(table, \"{name}\"))) return NULL;" for name in signatures)
     parts.append(r"""static void *address(PyObject *table, const char *name) {
     PyObject *value = PyDict_GetItemString(table, name);
     if (!value) { PyErr_Format(PyExc_KeyError, "bind: no address for %s", name); return NULL; }
@@ -127,7 +109,7 @@ static PyObject *bind(PyObject *self, PyObject *table) {
     if (!PyDict_Check(table)) { PyErr_SetString(PyExc_TypeError, "bind: expected a dict"); return NULL; }
 """ + binds + "\n    Py_RETURN_NONE;\n}\n")
     methods = "\n".join(f"    {{\"{name}\", (PyCFunction)(void (*)(void))call_{name}, METH_FASTCALL, NULL}},"
-                        for name in SIGNATURES)
+                        for name in signatures)
     parts.append(f"""static PyMethodDef methods[] = {{
     {{"bind", bind, METH_O, NULL}},
 {methods}
@@ -140,12 +122,12 @@ PyMODINIT_FUNC PyInit_{MODULE}(void) {{ return PyModule_Create(&module); }}
 
 
 class Calls:
-    """The kernel library as `build.library()` hands it out: the entry points of SIGNATURES
-    as the extension's functions, anything else from the ctypes library (`ctypes_library`)."""
+    """The kernel library as `build.library()` hands it out: the entry points the extension was
+    made for as its functions, anything else from the ctypes library (`ctypes_library`)."""
 
-    def __init__(self, module: ModuleType, ctypes_library: ctypes.CDLL):
+    def __init__(self, module: ModuleType, ctypes_library: ctypes.CDLL, names: list[str]):
         self.ctypes_library = ctypes_library
-        for name in SIGNATURES:
+        for name in names:
             setattr(self, name, getattr(module, name))
 
     def __getattr__(self, name: str):
@@ -190,21 +172,22 @@ def _load(path: Path) -> ModuleType:
     return module
 
 
-def bind(lib: ctypes.CDLL, cc: list[str], folder: Path, version: str) -> Calls | ctypes.CDLL:
-    """`lib`'s entry points through the extension (a Calls), built by `cc` (which says it is
-    `version`) into the cache `folder`; or `lib` itself where the extension cannot be built or
-    loaded, or LOCKSTEP_NATIVE_CALLS=ctypes asks for it."""
+def bind(lib: ctypes.CDLL, signatures: dict[str, tuple[str, str]], cc: list[str], folder: Path,
+         version: str) -> Calls | ctypes.CDLL:
+    """`lib`'s entry points of `signatures` through the extension (a Calls), built by `cc` (which
+    says it is `version`) into `folder` (the library's own); or `lib` itself where the extension
+    cannot be built or loaded, or LOCKSTEP_NATIVE_CALLS=ctypes asks for it."""
     asked = os.environ.get("LOCKSTEP_NATIVE_CALLS") or "extension"
     if asked not in ("extension", "ctypes"):
         raise ValueError(f"LOCKSTEP_NATIVE_CALLS: expected 'extension' or 'ctypes', got {asked!r}")
     if asked == "ctypes":
         return lib
     try:
-        module = _load(_build(cc, source(), folder, version))
-        module.bind({name: ctypes.cast(getattr(lib, name), ctypes.c_void_p).value for name in SIGNATURES})
+        module = _load(_build(cc, source(signatures), folder, version))
+        module.bind({name: ctypes.cast(getattr(lib, name), ctypes.c_void_p).value for name in signatures})
     except (OSError, ImportError) as e:
         logging.getLogger("lockstep").warning("lockstep: the native kernels are called through ctypes, which costs "
                                               "a few microseconds more per call (their extension could not be "
                                               "built: %s)", e)
         return lib
-    return Calls(module, lib)
+    return Calls(module, lib, list(signatures))
