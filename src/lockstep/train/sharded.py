@@ -135,13 +135,15 @@ class ShardedAdamW(AdamW):
                              grad_scale, bc1, bc2_sqrt, kernels)
 
     # --- the exchanges ---------------------------------------------------------------------------
-    def _pack(self, pieces: list[Piece], tensors) -> Tensor:
-        """The bytes of `tensors(piece)` for each piece, end to end: a 1-D uint8 tensor."""
-        parts = [tensors(pc).contiguous().view(torch.uint8) for pc in pieces]
-        if not parts:
-            p = self.params[0][1]
-            return torch.empty(0, dtype=torch.uint8, device=p.device)
-        return torch.cat(parts)
+    def _pack(self, out: Tensor, pieces: list[Piece], tensors) -> int:
+        """The bytes of `tensors(piece)` for each piece, end to end, into the front of `out` (1-D
+        uint8); returns how many. The rest of `out` is padding, left as it is."""
+        at = 0
+        for pc in pieces:
+            t = tensors(pc).contiguous().view(torch.uint8)
+            out[at:at + t.numel()].copy_(t)
+            at += t.numel()
+        return at
 
     def _nbytes(self, pieces: list[Piece], dtype_of) -> int:
         return sum(pc.numel * dtype_of(pc.name).itemsize for pc in pieces)
@@ -150,9 +152,8 @@ class ShardedAdamW(AdamW):
         """Every rank's pieces of the parameters, copied bit for bit into this rank's parameters."""
         dtype_of = lambda n: self.by_name[n].dtype                     # noqa: E731
         width = max(self._nbytes(pieces, dtype_of) for pieces in self.owned)
-        mine = self._pack(self.mine, self._flat)
-        buffer = torch.zeros(width, dtype=torch.uint8, device=mine.device)
-        buffer[:mine.numel()] = mine
+        buffer = torch.empty(width, dtype=torch.uint8, device=self.params[0][1].device)
+        buffer[self._pack(buffer, self.mine, self._flat):].zero_()     # padding: sent, never read
         every = self.exchange.all_gather_shards(buffer)               # [ranks * width]
         for r, pieces in enumerate(self.owned):
             if r == self.rank:
@@ -170,9 +171,10 @@ class ShardedAdamW(AdamW):
         kinds = [k for k in STATE_KINDS if k != "master" or self.master is not None]
         acc_of = lambda n: accumulate_dtype(self.by_name[n].dtype)      # noqa: E731
         width = max(self._nbytes(pieces, acc_of) for pieces in self.owned) * len(kinds)
-        mine = torch.cat([self._pack(self.mine, lambda pc, k=k: getattr(self, k)[pc.name]) for k in kinds])
-        buffer = torch.zeros(width, dtype=torch.uint8, device=mine.device)
-        buffer[:mine.numel()] = mine
+        buffer = torch.zeros(width, dtype=torch.uint8, device=self.params[0][1].device)
+        at = 0
+        for k in kinds:
+            at += self._pack(buffer[at:], self.mine, lambda pc, k=k: getattr(self, k)[pc.name])
         every = self.exchange.gather_shards(buffer)                   # [ranks * width] on rank 0, else None
         if every is None:
             return {}
