@@ -88,7 +88,8 @@ SHARDED_RUNS = {2: [("dp2-mb64x2", 1, 64, 2, "fp32"), ("dp2-mb128x1", 1, 128, 1,
 
 
 def _sharded_worker(rank, world, out):
-    results = {f"{dtype}/{name}": _train(dtype, mb, accum, True, tp) for name, tp, mb, accum, dtype in SHARDED_RUNS[world]}
+    results = {f"{dtype}/{name}": _train(dtype, mb, accum, True, tp)
+               for name, tp, mb, accum, dtype in SHARDED_RUNS[world]}
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(results, f)
 

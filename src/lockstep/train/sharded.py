@@ -20,6 +20,7 @@ above 1 (at size 1 the one rank owns every element: the optimizer is lockstep.tr
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable, Protocol
 
 import torch
 from torch import Tensor
@@ -68,6 +69,19 @@ def partition(shapes: list[tuple[str, tuple[int, ...]]], ranks: int) -> list[lis
     return owned
 
 
+class ShardExchange(Protocol):
+    """The data-parallel collectives the sharded optimizer needs (lockstep.dist.ParallelSync's)."""
+
+    dp_rank: int
+    dp_size: int
+
+    def all_gather_shards(self, mine: Tensor) -> Tensor:
+        """[dp * n]: every data-parallel rank's 1-D `mine` ([n]) in rank order, on every rank."""
+
+    def gather_shards(self, mine: Tensor) -> Tensor | None:
+        """The same on data-parallel rank 0 alone; None on the others."""
+
+
 class ShardedAdamW(AdamW):
     """lockstep.train.optim.AdamW whose state this data-parallel rank keeps for its own pieces only
     (`partition`); after each step the ranks exchange the updated parameters (`exchange`).
@@ -77,7 +91,7 @@ class ShardedAdamW(AdamW):
     `state_tensors` together. The state tensors are 1-D: exp_avg[name] is [piece.numel] in the
     accumulation dtype (fp32; float64 for a float64 parameter)."""
 
-    def __init__(self, named_params: list[tuple[str, torch.nn.Parameter]], cfg: AdamWConfig, exchange,
+    def __init__(self, named_params: list[tuple[str, torch.nn.Parameter]], cfg: AdamWConfig, exchange: ShardExchange,
                  master_weights: bool = False):
         for attr in ("dp_rank", "dp_size", "all_gather_shards", "gather_shards"):
             if not hasattr(exchange, attr):
@@ -135,7 +149,7 @@ class ShardedAdamW(AdamW):
                              grad_scale, bc1, bc2_sqrt, kernels)
 
     # --- the exchanges ---------------------------------------------------------------------------
-    def _pack(self, out: Tensor, pieces: list[Piece], tensors) -> int:
+    def _pack(self, out: Tensor, pieces: list[Piece], tensors: Callable[[Piece], Tensor]) -> int:
         """The bytes of `tensors(piece)` for each piece, end to end, into the front of `out` (1-D
         uint8); returns how many. The rest of `out` is padding, left as it is."""
         at = 0
@@ -145,13 +159,18 @@ class ShardedAdamW(AdamW):
             at += t.numel()
         return at
 
-    def _nbytes(self, pieces: list[Piece], dtype_of) -> int:
-        return sum(pc.numel * dtype_of(pc.name).itemsize for pc in pieces)
+    def _nbytes(self, pieces: list[Piece], state: bool) -> int:
+        """Bytes of the pieces' parameter elements, or (state) of one state tensor's elements."""
+        return sum(pc.numel * self._dtype(pc.name, state).itemsize for pc in pieces)
+
+    def _dtype(self, name: str, state: bool) -> torch.dtype:
+        """A parameter's dtype, or (state) that of its state: the accumulation dtype."""
+        dtype = self.by_name[name].dtype
+        return accumulate_dtype(dtype) if state else dtype
 
     def _gather_params(self) -> None:
         """Every rank's pieces of the parameters, copied bit for bit into this rank's parameters."""
-        dtype_of = lambda n: self.by_name[n].dtype                     # noqa: E731
-        width = max(self._nbytes(pieces, dtype_of) for pieces in self.owned)
+        width = max(self._nbytes(pieces, False) for pieces in self.owned)
         buffer = torch.empty(width, dtype=torch.uint8, device=self.params[0][1].device)
         buffer[self._pack(buffer, self.mine, self._flat):].zero_()     # padding: sent, never read
         every = self.exchange.all_gather_shards(buffer)               # [ranks * width]
@@ -169,8 +188,7 @@ class ShardedAdamW(AdamW):
         """The whole state tensors ({"kind.name": tensor of the parameter's shape}, as AdamW's) on
         data-parallel rank 0, the checkpoint's writer; {} on the other ranks. Every rank calls it."""
         kinds = [k for k in STATE_KINDS if k != "master" or self.master is not None]
-        acc_of = lambda n: accumulate_dtype(self.by_name[n].dtype)      # noqa: E731
-        width = max(self._nbytes(pieces, acc_of) for pieces in self.owned) * len(kinds)
+        width = max(self._nbytes(pieces, True) for pieces in self.owned) * len(kinds)
         buffer = torch.zeros(width, dtype=torch.uint8, device=self.params[0][1].device)
         at = 0
         for k in kinds:
@@ -178,7 +196,8 @@ class ShardedAdamW(AdamW):
         every = self.exchange.gather_shards(buffer)                   # [ranks * width] on rank 0, else None
         if every is None:
             return {}
-        out = {f"{k}.{n}": torch.empty(p.shape, dtype=acc_of(n), device=p.device) for k in kinds for n, p in self.params}
+        out = {f"{k}.{n}": torch.empty(p.shape, dtype=self._dtype(n, True), device=p.device)
+               for k in kinds for n, p in self.params}
         for r, pieces in enumerate(self.owned):
             at = r * width
             for k in kinds:
