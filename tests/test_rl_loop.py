@@ -62,17 +62,21 @@ def _torchrun(*args: str) -> subprocess.CompletedProcess:
                            "rl", *args], capture_output=True, text=True, timeout=600)
 
 
-def test_rl_under_torchrun_trains_the_bits_of_one_process(tmp_path):
+@pytest.mark.parametrize("shard", [False, True], ids=["replicated", "shard-optimizer"])
+def test_rl_under_torchrun_trains_the_bits_of_one_process(tmp_path, shard):
     """Data parallel 2 (and another micro-batch size): rank 0 samples and broadcasts, each rank
     trains its share of the window (sequences of uneven lengths: the word problems' prompts differ);
-    the same rollouts, losses and weights as one process. Uneven completions at DP 2 are
-    tested on the Trainer's step itself (test_rl.py)."""
+    the same rollouts, losses and weights as one process, with AdamW's state replicated or sharded
+    over the ranks (docs/adr/0037). Uneven completions at DP 2 are tested on the Trainer's step
+    itself (test_rl.py)."""
     one, two = tmp_path / "one", tmp_path / "two"
     assert cli.main(["rl", *TINY, "--steps", "2", "--out", str(one)]) == 0
-    proc = _torchrun(*TINY, "--steps", "2", "--micro-batch-tokens", "16", "--out", str(two))
+    proc = _torchrun(*TINY, "--steps", "2", "--micro-batch-tokens", "16", "--out", str(two),
+                     *(["--shard-optimizer"] if shard else []))
     assert proc.returncode == 0, proc.stderr[-3000:]
     steps, events = train.read_log(str(two))
     assert events[0]["ranks"] == 2 and events[0]["layout"]["data_parallel"] == 2 and len(steps) == 2
+    assert events[0]["layout"].get("shard_optimizer", False) is shard
     keys = ("step", "loss", "grad_norm", "reward", "tokens", "max_abs_dlogp", "approx_kl0", "mean_ratio")
     assert [[r[k] for k in keys] for r in steps] == [[r[k] for k in keys] for r in train.read_log(str(one))[0]]
     assert all(r["max_abs_dlogp"] == 0 and r["mean_ratio"] == 1 for r in steps)

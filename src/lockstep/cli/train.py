@@ -19,7 +19,7 @@ def cmd_train(args: argparse.Namespace) -> int:
                             accum=args.accum, lr=args.lr, warmup=args.warmup, weight_decay=args.weight_decay,
                             grad_clip=args.grad_clip, seed=args.seed, master_weights=args.master_weights,
                             save_every=args.save_every, keep_checkpoints=args.keep_checkpoints,
-                            global_batch_tokens=args.global_batch_tokens)
+                            global_batch_tokens=args.global_batch_tokens, shard_optimizer=args.shard_optimizer)
     rank = os.environ.get("RANK") if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None
     where = f"rank {rank}: " if rank is not None else ""
     try:
@@ -60,7 +60,8 @@ def cmd_rl(args: argparse.Namespace) -> int:
                       group=args.group, max_new_tokens=args.max_new_tokens, temperature=args.temperature, lr=args.lr,
                       kl_coef=args.kl_coef, micro_batch_tokens=args.micro_batch_tokens,
                       max_num_seqs=args.max_num_seqs, save_every=args.save_every,
-                      keep_checkpoints=args.keep_checkpoints, seed=args.seed, backend=args.backend)
+                      keep_checkpoints=args.keep_checkpoints, seed=args.seed, backend=args.backend,
+                      shard_optimizer=args.shard_optimizer)
     rl.run(cfg, args.out, server_url=args.server, resume=args.resume)
     if int(os.environ.get("RANK", "0")) != 0:      # under torchrun, rank 0 writes the log and reports
         return 0
@@ -94,6 +95,9 @@ def add_train(sub, formatter) -> None:
                         "micro-batches its share needs); 0: ranks x accum x micro-batch-tokens")
     t.add_argument("--tp", type=int, default=1, help="tensor-parallel size under torchrun (data-parallel size: "
                                                     "ranks / tp)")
+    t.add_argument("--shard-optimizer", action="store_true",
+                   help="keep AdamW's state for each parameter element on one data-parallel rank (ZeRO stage 1; "
+                        "changes no bit, and --resume may turn it on or off; nothing to shard at one rank)")
     t.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
     t.add_argument("--warmup", type=int, default=10, help="linear warmup steps before the cosine decay")
     t.add_argument("--weight-decay", type=float, default=0.0, help="decoupled AdamW weight decay")
@@ -145,6 +149,9 @@ def add_rl(sub, formatter) -> None:
     g.add_argument("--keep-checkpoints", type=int, default=defaults.keep_checkpoints,
                    help="keep the newest N checkpoints, deleting older ones once the new one is written (0: keep all)")
     g.add_argument("--seed", type=int, default=defaults.seed, help="seed of the problems and the sampling")
+    g.add_argument("--shard-optimizer", action="store_true",
+                   help="under torchrun, keep AdamW's state for each parameter element on one data-parallel rank "
+                        "(ZeRO stage 1; changes no bit; nothing to shard at one rank)")
     g.add_argument("--backend", type=backend_name, default="auto",
                    help="op backend of trainer and server (eager: stock PyTorch, which shows the mismatch)")
     g.add_argument("--server", metavar="URL", help="use a running lockstep serve (it must hold the initial weights)")

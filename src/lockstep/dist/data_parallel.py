@@ -184,5 +184,24 @@ class ParallelSync:
         size = full.shape[dim] // self.tp_size
         return full.narrow(dim, self.tp_rank * size, size)
 
+    def all_gather_shards(self, mine: Tensor) -> Tensor:
+        """[dp * n]: every data-parallel rank's 1-D `mine` ([n], every rank the same n and dtype),
+        in rank order, on every rank: a copy of the bits (the sharded optimizer's parameters)."""
+        if self.dp_size == 1:
+            return mine
+        out = torch.empty(self.dp_size * mine.numel(), dtype=mine.dtype, device=mine.device)
+        _all_gather_single(out, mine.contiguous(), group=self.dp_group)
+        return out
+
+    def gather_shards(self, mine: Tensor) -> Tensor | None:
+        """[dp * n] as all_gather_shards, on data-parallel rank 0 alone (None on the others): the
+        sharded optimizer's state, to the checkpoint's writer."""
+        if self.dp_size == 1:
+            return mine
+        root = dist.get_global_rank(self.dp_group, 0) if self.dp_group is not None else 0
+        parts = [torch.empty_like(mine) for _ in range(self.dp_size)] if self.dp_rank == 0 else None
+        dist.gather(mine.contiguous(), parts, dst=root, group=self.dp_group)
+        return torch.cat(parts) if parts is not None else None
+
     def barrier(self) -> None:
         dist.barrier()

@@ -61,6 +61,7 @@ class RLConfig:
     keep_checkpoints: int = 2       # a SmolLM2 checkpoint with fp32 master weights and AdamW is 1.8 GB
     seed: int = 0
     backend: str = "auto"           # of the trainer and the server; "eager" shows the mismatch
+    shard_optimizer: bool = False   # AdamW's state on one data-parallel rank per element (docs/adr/0037)
 
     def validate(self) -> None:
         for name in ("steps", "prompts_per_step", "max_new_tokens", "micro_batch_tokens"):
@@ -84,11 +85,11 @@ class RLConfig:
         return TrainConfig(steps=self.steps, seq_len=2, micro_batch_tokens=self.micro_batch_tokens, lr=self.lr,
                            warmup=0, min_lr_ratio=1.0, betas=(0.9, 0.99), grad_clip=1.0, seed=self.seed,
                            master_weights=self.dtype != "fp32", save_every=self.save_every,
-                           keep_checkpoints=self.keep_checkpoints)
+                           keep_checkpoints=self.keep_checkpoints, shard_optimizer=self.shard_optimizer)
 
 
 # What a resumed run may change: how long it runs and what it keeps on disk.
-RESUMABLE = ("steps", "save_every", "keep_checkpoints")
+RESUMABLE = ("steps", "save_every", "keep_checkpoints", "shard_optimizer")
 
 
 def group_advantages(rewards: list[float], group: int) -> list[float]:
@@ -188,8 +189,8 @@ def _run(cfg: RLConfig, out: str, task: ArithmeticTask, server_url: str | None, 
         changed = sorted(k for k, v in asdict(cfg).items() if k in before and before[k] != v and k not in RESUMABLE)
         if changed:
             raise ValueError(f"resume: the run in {out} was started with other settings ({', '.join(changed)}); "
-                             "a resumed run keeps them (only --steps, --save-every and --keep-checkpoints may "
-                             "change)")
+                             "a resumed run keeps them (only --steps, --save-every, --keep-checkpoints and "
+                             "--shard-optimizer may change)")
     log_path = os.path.join(out, "log.jsonl")
     client: RolloutClient | None = None
 

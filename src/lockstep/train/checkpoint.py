@@ -46,7 +46,8 @@ class TrainerState:
 # micro-batch size, the accumulation steps and the global batch setting may change as long as the
 # window (sequences per step) stays: they are the layout, like the data- and tensor-parallel sizes.
 LAYOUT_SETTINGS = ("micro_batch_tokens", "accum", "global_batch_tokens")
-RESUMABLE = ("steps", "save_every", "log_every", "keep_checkpoints") + LAYOUT_SETTINGS
+# Sharding the optimizer is layout too, but leaves the window as it is.
+RESUMABLE = ("steps", "save_every", "log_every", "keep_checkpoints", "shard_optimizer") + LAYOUT_SETTINGS
 # Trainer.settings' names -> trainer_state.json's.
 _SETTINGS_KEYS = {"train_config": "train_config", "dtype": "dtype", "data": "data_fingerprint", "window": "window",
                   "layout": "layout"}

@@ -138,6 +138,17 @@ def run(model: str, data: str, out: str, cfg: TrainConfig, dtype: torch.dtype = 
             torch.distributed.destroy_process_group()
 
 
+def shard_note(trainer: Trainer) -> str:
+    """What the start message says of the optimizer's sharding ("" when it is not asked for)."""
+    if not trainer.cfg.shard_optimizer:
+        return ""
+    if not trainer.sharded:
+        return ("; shard_optimizer: one data-parallel rank, nothing to shard (it holds the whole optimizer "
+                "state)")
+    return (f"; optimizer state sharded over {trainer.sync.dp_size} data-parallel ranks "
+            f"({trainer.optimizer_state_bytes()} bytes on rank {trainer.sync.rank})")
+
+
 def _train_loop(out: str, cfg: TrainConfig, trainer: Trainer, rank: int, progress: bool, resumed: bool) -> dict:
     """Steps, progress, JSONL log and checkpoints; rank 0 alone writes (every rank holds the same bits)."""
     os.makedirs(out, exist_ok=True)
@@ -154,6 +165,7 @@ def _train_loop(out: str, cfg: TrainConfig, trainer: Trainer, rank: int, progres
         start["dropped_log_records"] = truncate_log(log_path, trainer.step_idx) if resumed else 0
         dp, accum = layout["data_parallel"], layout["accum"]
         tp = f", tensor-parallel size {layout['tensor_parallel']}" if layout["tensor_parallel"] > 1 else ""
+        tp += shard_note(trainer)
         print(f"lockstep train: global batch {window} sequences x {cfg.seq_len} tokens = {start['global_batch_tokens']} "
               f"tokens per step ({dp} data-parallel rank{'s' if dp > 1 else ''} x {accum} micro-batch"
               f"{'es' if accum > 1 else ''} of up to {cfg.micro_batch_tokens} tokens{tp})"

@@ -34,6 +34,7 @@ from .checkpoint import TrainerState
 from .data import PackedDataset, micro_batches, sequences_of
 from .losses import CrossEntropy, RouterAuxLoss, TokenLoss
 from .optim import AdamW, AdamWConfig, check_betas_and_eps, clip_scale, grad_norm, lr_at
+from .sharded import ShardedAdamW, state_bytes
 from .sync import GradientSync, SingleProcessSync
 
 
@@ -57,6 +58,9 @@ class TrainConfig:
     log_every: int = 1
     # Tokens per optimizer step across all ranks; 0: ranks x accum x micro_batch_tokens.
     global_batch_tokens: int = 0
+    # AdamW's state on one data-parallel rank per element (lockstep.train.sharded, docs/adr/0037);
+    # the layout: it changes no bit of the run, and a resumed run may change it.
+    shard_optimizer: bool = False
 
     def validate(self) -> None:
         for name in ("steps", "seq_len", "micro_batch_tokens", "accum"):
@@ -73,6 +77,8 @@ class TrainConfig:
         if not 0 <= self.min_lr_ratio <= 1:
             raise ValueError(f"min_lr_ratio: expected a number in [0, 1], got {self.min_lr_ratio!r}")
         check_betas_and_eps(self.betas, self.eps)
+        if not isinstance(self.shard_optimizer, bool):
+            raise ValueError(f"shard_optimizer: expected True or False, got {self.shard_optimizer!r}")
         if self.global_batch_tokens:
             if self.global_batch_tokens % self.seq_len:
                 raise ValueError(f"global_batch_tokens: expected a multiple of seq_len ({self.seq_len}), "
@@ -119,8 +125,11 @@ class Trainer:
         self.layout_invariant = layout_invariant
         self.named = [(n, p) for n, p in model.named_parameters()]
         self.parts = reduction_parts(model)
-        self.opt = AdamW(self.named, AdamWConfig(cfg.lr, tuple(cfg.betas), cfg.eps, cfg.weight_decay),
-                         master_weights=cfg.master_weights)
+        adamw = AdamWConfig(cfg.lr, tuple(cfg.betas), cfg.eps, cfg.weight_decay)
+        # At one data-parallel rank, sharding is the unsharded optimizer: the one rank owns every element.
+        self.opt = (ShardedAdamW(self.named, adamw, self.sync, master_weights=cfg.master_weights)
+                    if cfg.shard_optimizer and self.sync.dp_size > 1
+                    else AdamW(self.named, adamw, master_weights=cfg.master_weights))
         self.step_idx = 0
         self.rng = torch.Generator().manual_seed(cfg.seed)
         self.grads: dict[str, Tensor] = {}
@@ -135,8 +144,20 @@ class Trainer:
         units = self.cfg.window_sequences(self.sync.dp_size)
         start, stop = share_of(units, self.sync.dp_rank, self.sync.dp_size)
         per = max(1, self.cfg.micro_batch_tokens // self.cfg.seq_len)
-        return {"data_parallel": self.sync.dp_size, "tensor_parallel": self.sync.tp_size,
-                "micro_batch_tokens": self.cfg.micro_batch_tokens, "accum": -(-(stop - start) // per)}
+        layout = {"data_parallel": self.sync.dp_size, "tensor_parallel": self.sync.tp_size,
+                  "micro_batch_tokens": self.cfg.micro_batch_tokens, "accum": -(-(stop - start) // per)}
+        if self.sharded:        # named only when on, so an unsharded run's layout reads as before
+            layout["shard_optimizer"] = True
+        return layout
+
+    @property
+    def sharded(self) -> bool:
+        """Whether the optimizer's state is sharded over the data-parallel ranks (lockstep.train.sharded)."""
+        return isinstance(self.opt, ShardedAdamW)
+
+    def optimizer_state_bytes(self) -> int:
+        """Bytes of AdamW's state (moments, master weights where kept) that this rank holds."""
+        return state_bytes(self.opt)
 
     def window(self) -> list[Tensor]:
         """The next window's sequences (every rank draws the whole window)."""
@@ -261,8 +282,11 @@ class Trainer:
                 "window": self.cfg.window_sequences(self.sync.dp_size), "layout": self.layout}
 
     def full_state(self) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
-        """(parameters, optimizer state) whole, gathered from the tensor-parallel ranks: a
-        checkpoint holds no rank's shard. Every rank must call it."""
+        """(parameters, optimizer state) whole, gathered from the tensor-parallel ranks (and, for a
+        sharded optimizer, from the data-parallel ranks): a checkpoint holds no rank's shard. Every
+        rank must call it. A sharded optimizer's state comes whole to the data-parallel rank 0 of
+        each tensor-parallel slice (global ranks 0 .. tp - 1, rank 0's tensor-parallel group, which
+        the writer's full_tensor gathers over); the other ranks get {} for it."""
         params = {n: self.sync.full_tensor(n, p.detach()) for n, p in self.named}
         state = {}
         for key, t in self.opt.state_tensors().items():
