@@ -111,6 +111,8 @@ def test_a_step_built_by_hand_gives_the_bits_of_the_checked_host_copy():
 def test_build_step_refuses_bad_metadata_by_name(spans, tokens, message):
     with pytest.raises(ValueError, match=message):
         build_step(spans, 4, tokens=tokens, vocab_size=512)
+    with pytest.raises(ValueError, match=r"^vocab_size: expected a positive int with the tokens, got None$"):
+        build_step([([0], 0, 2)], 4, tokens=[1, 2])
 
 
 def test_a_built_step_is_checked_against_the_cache_it_meets():

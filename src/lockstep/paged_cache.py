@@ -81,9 +81,11 @@ def build_step(spans: list[tuple[list[int], int, int]], block_size: int, device:
         raise ValueError("spans: two new tokens would be written to the same cache slot")
     ids = [] if tokens is None else list(tokens)
     if tokens is not None:
+        if not isinstance(vocab_size, int) or isinstance(vocab_size, bool) or vocab_size < 1:
+            raise ValueError(f"vocab_size: expected a positive int with the tokens, got {vocab_size!r}")
         if len(ids) != len(positions):
             raise ValueError(f"tokens: expected {len(positions)} ids (one per new token), got {len(ids)}")
-        bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < (vocab_size or 0)]
+        bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size]
         if bad:
             raise ValueError(f"tokens: expected ids in [0, {vocab_size}), got {bad[:5]}")
     b, t = len(spans), len(positions)

@@ -100,21 +100,14 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None = Non
 @dataclass(frozen=True, eq=False)
 class Positions:
     """Token positions [T] int64 on their device, with the host's copy of their values, so that
-    rope's checks and angle tables need not read the device. Make one with `Positions.of` (values
-    the host already holds: no read) or `Positions.read` (one read of a device tensor)."""
+    rope's checks and angle tables need not read the device: paged_cache.build_step makes one from
+    the values the host already holds, and `Positions.read` from a device tensor, in one read."""
 
     tensor: Tensor          # [T] int64, on the tokens' device
     host: Tensor            # [T] int64, on the CPU: the same values
     low: int                # the smallest value (0 when T == 0)
     high: int               # the largest value (-1 when T == 0)
     key: bytes              # the values as little-endian int64 bytes: rope_cos_sin's memo key
-
-    @classmethod
-    def of(cls, values: list[int], device: torch.device | str = "cpu") -> "Positions":
-        """From the host's own values (Python ints in [0, 2^63)): one transfer to `device`, no read."""
-        host = torch.tensor(values, dtype=torch.int64)
-        return cls(host.to(device), host, min(values, default=0), max(values, default=-1),
-                   array.array("q", values).tobytes())
 
     @classmethod
     def read(cls, positions: Tensor) -> "Positions":

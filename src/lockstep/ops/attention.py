@@ -201,6 +201,8 @@ def cached_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: 
     k, v = _check_kv(k, v, k_cache, v_cache)
     q, k_cache, v_cache = autocast.cast("paged_attention", q, k_cache, v_cache)
     _check_qkv_heads(q, k_cache, v_cache, "k_cache", "v_cache")
+    for name, t in (("step.slot_mapping", step.slot_mapping), ("step.block_table", step.block_table)):
+        c.same_device(name, t, "q", q)
     if host.block_size != k_cache.shape[1] or host.blocks_needed > k_cache.shape[0]:
         raise ValueError(f"step: built for blocks of {host.block_size} up to block {host.blocks_needed - 1}, "
                          f"the cache has {k_cache.shape[0]} blocks of {k_cache.shape[1]}")
