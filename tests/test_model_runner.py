@@ -77,9 +77,11 @@ def test_a_layer_adds_at_most_twelve_aten_ops_to_a_decode_step(counted, request)
     assert per_layer <= OPS_PER_LAYER, (family, per_layer, work[4][0].ops - work[2][0].ops)
 
 
-def test_a_step_built_by_hand_gives_the_bits_of_the_checked_host_copy():
+@pytest.mark.parametrize("autocast", [False, True], ids=["plain", "autocast-bf16"])
+def test_a_step_built_by_hand_gives_the_bits_of_the_checked_host_copy(autocast):
     """forward_cached over a CacheStep made by hand (no host copy: the ops read and check its
-    values) and over build_step's (nothing read back) give the same hidden states and caches."""
+    values) and over build_step's (nothing read back) give the same hidden states and caches, also
+    under torch.autocast, where the fp32 cache stores the keys and is read in bf16."""
     model = _model("qwen3", 2)
     spans = [([3, 1], 0, 6), ([0], 2, 3)]
     tokens = [5, 9, 2, 7, 7, 1, 4]
@@ -94,7 +96,7 @@ def test_a_step_built_by_hand_gives_the_bits_of_the_checked_host_copy():
             step = CacheStep(step.cu_seqlens_q.clone(), step.seq_lens.clone(), step.block_table.clone(),
                              step.slot_mapping.clone())
             ids, positions = ids.clone(), positions.clone()
-        with torch.no_grad():
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
             hidden = model.forward_cached(ids, positions, step, cache)
         results.append((hidden, torch.stack(cache.k), torch.stack(cache.v)))
     assert all(torch.equal(a, b) for a, b in zip(*results))

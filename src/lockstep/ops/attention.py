@@ -199,18 +199,19 @@ def cached_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: 
         return paged_attention(q, k_cache, v_cache, step.block_table, step.seq_lens, step.cu_seqlens_q,
                                scale=scale, window=window)
     k, v = _check_kv(k, v, k_cache, v_cache)
-    q, k_cache, v_cache = autocast.cast("paged_attention", q, k_cache, v_cache)
-    _check_qkv_heads(q, k_cache, v_cache, "k_cache", "v_cache")
     for name, t in (("step.slot_mapping", step.slot_mapping), ("step.block_table", step.block_table)):
-        c.same_device(name, t, "q", q)
+        c.same_device(name, t, "k_cache", k_cache)
     if host.block_size != k_cache.shape[1] or host.blocks_needed > k_cache.shape[0]:
         raise ValueError(f"step: built for blocks of {host.block_size} up to block {host.blocks_needed - 1}, "
                          f"the cache has {k_cache.shape[0]} blocks of {k_cache.shape[1]}")
     if not q.shape[0] == k.shape[0] == host.cu_seqlens_q[-1]:
         raise ValueError(f"q: expected the step's {host.cu_seqlens_q[-1]} new tokens in q, k and v, got "
                          f"{q.shape[0]}, {k.shape[0]}")
-    scale = _check_options(scale, window, True, q.shape[-1])
     _write(k, v, k_cache, v_cache, step.slot_mapping)
+    # Then read as paged_attention reads: under autocast, q and the cache in autocast's dtype.
+    q, k_cache, v_cache = autocast.cast("paged_attention", q, k_cache, v_cache)
+    _check_qkv_heads(q, k_cache, v_cache, "k_cache", "v_cache")
+    scale = _check_options(scale, window, True, q.shape[-1])
     with autocast.off(q.device.type):
         return resolve("paged_attention", q.device)(q, k_cache, v_cache, step.block_table, host.seq_lens,
                                                     host.cu_seqlens_q, scale, True, window)
