@@ -133,7 +133,11 @@ def test_a_server_that_dies_mid_run_leaves_its_requests_to_the_others(tmp_path, 
     assert two[1]["served"][dead] == 0 and sum(two[1]["served"].values()) == 3, two[1]["served"]
 
 
-def test_with_no_server_left_the_run_stops_with_a_clear_error(tmp_path, monkeypatch):
+def test_with_no_server_left_the_run_stops_with_a_clear_error(tmp_path, monkeypatch, capsys):
     _kill_before_step(monkeypatch, 2, lambda pool: pool.servers)
-    with pytest.raises(RuntimeError, match="no rollout server is left"):
-        _run(tmp_path, "none", "--servers", "2")
+    out = tmp_path / "none"
+    assert cli.main(["rl", *TINY, "--steps", "2", "--servers", "2", "--out", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert "lockstep rl: rollout: no rollout server is left (" in err and "do not answer /health" in err, err
+    assert f"the last checkpoint is kept in {out}" in err
+    assert [r["step"] for r in train.read_log(str(out))[0]] == [1]

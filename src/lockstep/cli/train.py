@@ -69,8 +69,12 @@ def cmd_rl(args: argparse.Namespace) -> int:
                       max_num_seqs=args.max_num_seqs, save_every=args.save_every,
                       keep_checkpoints=args.keep_checkpoints, seed=args.seed, backend=args.backend,
                       shard_optimizer=args.shard_optimizer)
-    rl.run(cfg, args.out, server_url=args.server, resume=args.resume, servers=args.servers,
-           accept_mismatch=args.accept_mismatch)
+    try:
+        rl.run(cfg, args.out, server_url=args.server, resume=args.resume, servers=args.servers,
+               accept_mismatch=args.accept_mismatch)
+    except rl.NoServerLeft as e:
+        print(f"lockstep rl: {e}; the last checkpoint is kept in {args.out}", file=sys.stderr)
+        return 1
     if int(os.environ.get("RANK", "0")) != 0:      # under torchrun, rank 0 writes the log and reports
         return 0
     s = rl.summary(args.out)

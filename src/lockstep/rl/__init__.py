@@ -39,7 +39,7 @@ from ..model import Transformer, logprobs, model_from_source, with_byte_tokenize
 from ..registry import use_backend
 from ..train import PolicyLoss, TrainConfig, Trainer, read_log, truncate_log
 from .rollout import RolloutClient, Rollout
-from .servers import ServerPool, connect
+from .servers import FingerprintMismatch, NoServerLeft, ServerPool, connect
 from .task import ArithmeticTask, Problem
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}

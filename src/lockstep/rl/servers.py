@@ -39,6 +39,10 @@ log = logging.getLogger("lockstep.rl")
 ROUTER_POLICY = "round_robin"      # consecutive requests to each server in turn
 
 
+class NoServerLeft(RuntimeError):
+    """Every rollout server of the pool has stopped answering: the run cannot sample."""
+
+
 class FingerprintMismatch(ValueError):
     """A rollout server computes with another backend, machine or library version than the trainer."""
 
@@ -183,7 +187,7 @@ class ServerPool:
             except (httpx.TransportError, RuntimeError) as e:
                 alive = self.alive()
                 if not alive:
-                    raise RuntimeError(f"rollout: no rollout server is left ({', '.join(self.server_urls)} do not "
+                    raise NoServerLeft(f"rollout: no rollout server is left ({', '.join(self.server_urls)} do not "
                                        f"answer /health); the last error: {e}") from None
                 if attempt == self.retries:
                     raise
@@ -222,7 +226,7 @@ class ServerPool:
         died is left out of the pool (the router routes around it); none left stops the run."""
         alive = self.alive()
         if not alive:
-            raise RuntimeError(f"weight update: no rollout server is left ({', '.join(self.server_urls)} do not "
+            raise NoServerLeft(f"weight update: no rollout server is left ({', '.join(self.server_urls)} do not "
                                "answer /health)")
         for s in self.servers:
             if s not in alive:
