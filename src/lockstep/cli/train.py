@@ -50,8 +50,9 @@ def rl_defaults():
 
 
 def cmd_rl(args: argparse.Namespace) -> int:
-    """`lockstep rl`: exit status 1 where lockstep's sampler-trainer mismatch is not exactly 0."""
-    # The loop samples from `lockstep serve` over HTTP: its own server unless --server names one.
+    """`lockstep rl`: exit status 1 where lockstep's sampler-trainer mismatch is not exactly 0, or
+    where every rollout server of several has stopped answering."""
+    # The loop samples from `lockstep serve` over HTTP: its own servers unless --server names some.
     require_extra("rl", "httpx", *(() if args.server else ("fastapi", "uvicorn")))
     if args.server and args.servers != 1:
         raise UsageError(f"--servers {args.servers} starts servers and --server names running ones; give one "
