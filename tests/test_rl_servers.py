@@ -2,12 +2,15 @@
 (sglang-router 0.3.2, subprocesses on 127.0.0.1), with the bits of one server: the same completions
 (token ids, logprobs), losses and final weights with one server and with two, each of the two
 serving part of every step; a server whose fingerprint differs from the trainer's is refused; a
-server that dies mid-run leaves the run to the others, with the same bits. The router must run
-here: without it, these tests fail rather than skip."""
+server that dies mid-run (before a step, or while its requests run) leaves them to the others, with
+the same bits; with none left the run stops in one line. The router must run here: without it, these
+tests fail rather than skip."""
 
 from __future__ import annotations
 
 import logging
+import threading
+import time
 
 import pytest
 import torch
@@ -141,3 +144,26 @@ def test_with_no_server_left_the_run_stops_with_a_clear_error(tmp_path, monkeypa
     assert "lockstep rl: rollout: no rollout server is left (" in err and "do not answer /health" in err, err
     assert f"the last checkpoint is kept in {out}" in err
     assert [r["step"] for r in train.read_log(str(out))[0]] == [1]
+
+
+def test_a_server_killed_while_its_requests_run_leaves_them_to_the_other():
+    """The pool alone (two servers of the tiny model, the router): one server killed a third of the
+    way through a batch of long completions; the router sends its requests to the other, and the
+    answers are the bits of the same batch with both alive."""
+    pool = rl_servers.ServerPool(None, 2, rl.fingerprint("auto"), model="tiny", dtype="bf16", max_num_seqs=8)
+    try:
+        prompts = [[1, 2, 3], [4, 5, 6], [7, 8], [9, 10]]
+        started = time.time()
+        want = pool.generate(prompts, 2, 120, 1.0, 5)
+        took = time.time() - started
+        victim = pool.servers[0].process
+        killer = threading.Timer(took / 3, victim.kill)
+        killer.start()
+        got = pool.generate(prompts, 2, 120, 1.0, 5)
+        killer.join()
+        assert victim.poll() is not None
+        assert [(r.prompt_index, r.token_ids, r.logprobs) for r in got] == \
+            [(r.prompt_index, r.token_ids, r.logprobs) for r in want]
+        assert pool.alive() == pool.servers[1:]
+    finally:
+        pool.close()
