@@ -18,7 +18,7 @@ LAYERS = {
     0: ["lockstep.registry", "lockstep.numerics", "lockstep.rotary", "lockstep.paged_cache", "lockstep.checks",
         "lockstep.autocast", "lockstep.contract", "lockstep.mismatch"],
     1: ["lockstep.ops", "lockstep.backends"],
-    2: ["lockstep.harness", "lockstep.model", "lockstep.sampling"],
+    2: ["lockstep.harness", "lockstep.model", "lockstep.sampling", "lockstep.machine"],
     3: ["lockstep.engine", "lockstep.train", "lockstep.dist", "lockstep.mode", "lockstep.integrations.hf"],
     4: ["lockstep.tools", "lockstep.parity", "lockstep.integrations", "lockstep.rl", "lockstep.server"],
     5: ["lockstep.cli", "lockstep.__main__", "lockstep"],

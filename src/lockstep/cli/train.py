@@ -7,7 +7,7 @@ import argparse
 import os
 import sys
 
-from .arguments import backend_name, train_dtype
+from .arguments import UsageError, backend_name, train_dtype
 from .output import require_extra
 
 
@@ -50,9 +50,17 @@ def rl_defaults():
 
 
 def cmd_rl(args: argparse.Namespace) -> int:
-    """`lockstep rl`: exit status 1 where lockstep's sampler-trainer mismatch is not exactly 0."""
-    # The loop samples from `lockstep serve` over HTTP: its own server unless --server names one.
+    """`lockstep rl`: exit status 1 where lockstep's sampler-trainer mismatch is not exactly 0, or
+    where every rollout server of several has stopped answering."""
+    # The loop samples from `lockstep serve` over HTTP: its own servers unless --server names some.
     require_extra("rl", "httpx", *(() if args.server else ("fastapi", "uvicorn")))
+    if args.server and args.servers != 1:
+        raise UsageError(f"--servers {args.servers} starts servers and --server names running ones; give one "
+                         "or the other")
+    if args.servers < 1:
+        raise UsageError(f"--servers: expected a positive int, got {args.servers}")
+    if args.servers > 1 or len(args.server or []) > 1:       # several servers: SGLang's router in front
+        require_extra("router", "sglang_router")
     from .. import rl
     from ..tools.report import from_run_dir
 
@@ -62,7 +70,12 @@ def cmd_rl(args: argparse.Namespace) -> int:
                       max_num_seqs=args.max_num_seqs, save_every=args.save_every,
                       keep_checkpoints=args.keep_checkpoints, seed=args.seed, backend=args.backend,
                       shard_optimizer=args.shard_optimizer)
-    rl.run(cfg, args.out, server_url=args.server, resume=args.resume)
+    try:
+        rl.run(cfg, args.out, server_url=args.server, resume=args.resume, servers=args.servers,
+               accept_mismatch=args.accept_mismatch)
+    except rl.NoServerLeft as e:
+        print(f"lockstep rl: {e}; the last checkpoint is kept in {args.out}", file=sys.stderr)
+        return 1
     if int(os.environ.get("RANK", "0")) != 0:      # under torchrun, rank 0 writes the log and reports
         return 0
     s = rl.summary(args.out)
@@ -154,7 +167,15 @@ def add_rl(sub, formatter) -> None:
                         "(ZeRO stage 1; changes no bit; nothing to shard at one rank)")
     g.add_argument("--backend", type=backend_name, default="auto",
                    help="op backend of trainer and server (eager: stock PyTorch, which shows the mismatch)")
-    g.add_argument("--server", metavar="URL", help="use a running lockstep serve (it must hold the initial weights)")
+    g.add_argument("--servers", type=int, default=1, metavar="N",
+                   help="start N lockstep serve behind SGLang's router (the router extra), each step's prompts "
+                        "shared among them; the run's bits are those of one server")
+    g.add_argument("--server", metavar="URL", action="append",
+                   help="use a running lockstep serve (it must hold the initial weights); given several times, "
+                        "use them all behind a router started for the run")
+    g.add_argument("--accept-mismatch", action="store_true",
+                   help="sample from servers whose backend, CPU instruction set or GPU, torch or Triton version "
+                        "differ from the trainer's (logged); without it they are refused")
     g.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
     g.add_argument("--out", required=True, help="run folder: log.jsonl, rollouts.jsonl, checkpoints, report.html")
     g.set_defaults(func=cmd_rl)

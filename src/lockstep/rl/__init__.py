@@ -3,14 +3,15 @@
 Each step:
 1. the step's problems (lockstep.rl.task; drawn from the seed and the step alone, so a resumed run
    draws the same ones), as chat prompts;
-2. rollouts from a `lockstep serve` over HTTP (lockstep.rl.rollout): n completions per prompt,
-   seeded sampling, with the sampler's logprobs and the weight version that sampled;
+2. rollouts from a `lockstep serve` over HTTP (lockstep.rl.rollout), or from several behind SGLang's
+   router (lockstep.rl.servers): n completions per prompt, seeded sampling, with the sampler's
+   logprobs and the weight version that sampled;
 3. rewards and advantages normalized within each prompt's group;
 4. the Trainer's step (lockstep.train.Trainer.step) on the policy loss (lockstep.train.PolicyLoss):
    the same accumulation windows, clipping, AdamW, checkpoints and layout invariance as supervised
    training;
-5. the new weights pushed to the server with the next weight version, which the next rollouts
-   must carry (SGLang's weight_version label, "step-N").
+5. the new weights pushed to the server (to every server) with the next weight version, which the
+   next rollouts must carry (SGLang's weight_version label, "step-N").
 
 Every step's record has the reward and lockstep.mismatch's metrics between the sampler's logprobs
 and the ones the trainer computed: with lockstep they are the same bits, so max |dlogp| 0, approx
@@ -32,11 +33,13 @@ from dataclasses import asdict, dataclass
 import torch
 
 from .. import checks
+from ..machine import fingerprint
 from ..mismatch import mismatch
 from ..model import Transformer, logprobs, model_from_source, with_byte_tokenizer
 from ..registry import use_backend
 from ..train import PolicyLoss, TrainConfig, Trainer, read_log, truncate_log
 from .rollout import RolloutClient, Rollout
+from .servers import FingerprintMismatch, NoServerLeft, ServerPool, connect
 from .task import ArithmeticTask, Problem
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -136,11 +139,14 @@ def rollout_window(prompts: list[list[int]], rollouts: list[Rollout], advantages
     return sequences, masks, loss
 
 
-def run(cfg: RLConfig, out: str, task: ArithmeticTask | None = None, server_url: str | None = None,
-        resume: bool = False, progress: bool = True) -> list[dict]:
+def run(cfg: RLConfig, out: str, task: ArithmeticTask | None = None, server_url: str | list[str] | None = None,
+        resume: bool = False, progress: bool = True, servers: int = 1, accept_mismatch: bool = False) -> list[dict]:
     """GRPO for cfg.steps steps with rollouts from a `lockstep serve` (started here unless server_url
-    is given). Writes out/log.jsonl (one record a step), out/rollouts.jsonl (every problem, completion
-    and reward), checkpoints in out/checkpoints and the served weights in out/weights. `resume`
+    is given). With `servers` > 1, that many servers are started behind SGLang's router, and several
+    URLs in server_url are servers already running, behind a router started here
+    (lockstep.rl.servers); either way the run has the bits of one server. Every server's fingerprint
+    must be the trainer's (lockstep.machine) unless accept_mismatch. Writes out/log.jsonl (one
+    record a step), out/rollouts.jsonl (every problem, completion and reward), checkpoints in out/checkpoints and the served weights in out/weights. `resume`
     continues the run in `out` from its last checkpoint, bitwise as if it had not stopped.
 
     Under torchrun, data parallel: rank 0 owns the folder and the server and broadcasts each step's
@@ -148,9 +154,11 @@ def run(cfg: RLConfig, out: str, task: ArithmeticTask | None = None, server_url:
     bits are those of one process. Returns the step records (on rank 0; [] on the others)."""
     from .. import dist as ldist
 
+    checks.int_at_least("servers", servers)
     distributed = ldist.init_from_env()
     try:
-        return _run(cfg, out, task or ArithmeticTask(), server_url, resume, progress, distributed)
+        urls = [server_url] if isinstance(server_url, str) else list(server_url or [])
+        return _run(cfg, out, task or ArithmeticTask(), urls, resume, progress, distributed, servers, accept_mismatch)
     finally:
         if distributed:
             torch.distributed.destroy_process_group()
@@ -165,8 +173,8 @@ def _check_out(out: str, resume: bool) -> None:
     os.makedirs(out, exist_ok=True)
 
 
-def _run(cfg: RLConfig, out: str, task: ArithmeticTask, server_url: str | None, resume: bool, progress: bool,
-         distributed: bool) -> list[dict]:
+def _run(cfg: RLConfig, out: str, task: ArithmeticTask, urls: list[str], resume: bool, progress: bool,
+         distributed: bool, servers: int, accept_mismatch: bool) -> list[dict]:
     from .. import dist as ldist
 
     cfg.validate()
@@ -192,13 +200,14 @@ def _run(cfg: RLConfig, out: str, task: ArithmeticTask, server_url: str | None, 
                              "a resumed run keeps them (only --steps, --save-every, --keep-checkpoints and "
                              "--shard-optimizer may change)")
     log_path = os.path.join(out, "log.jsonl")
-    client: RolloutClient | None = None
+    client: RolloutClient | ServerPool | None = None
 
     def start_server() -> str:
         nonlocal client
         weights = push_folder(out, trainer)
-        client = RolloutClient(server_url, model=weights, dtype=cfg.dtype, backend=cfg.backend,
-                               max_num_seqs=cfg.max_num_seqs or cfg.prompts_per_step * cfg.group)
+        client = connect(urls, servers, fingerprint(cfg.backend, model.device), accept_mismatch, model=weights,
+                         dtype=cfg.dtype, backend=cfg.backend,
+                         max_num_seqs=cfg.max_num_seqs or cfg.prompts_per_step * cfg.group)
         return client.update_weights(weights, f"step-{trainer.step_idx}")
 
     def push() -> str:
@@ -213,12 +222,18 @@ def _run(cfg: RLConfig, out: str, task: ArithmeticTask, server_url: str | None, 
             truncate_log(os.path.join(out, "rollouts.jsonl"), trainer.step_idx) if resume else None
             log, data = open(log_path, "a"), open(os.path.join(out, "rollouts.jsonl"), "a")
             log.write(json.dumps({"event": "resume" if resume else "start", "step": trainer.step_idx,
-                                  "config": asdict(cfg), "server": client.url, "ranks": trainer.sync.world,
+                                  "config": asdict(cfg), "server": client.url,
+                                  "servers": client.server_urls, "ranks": trainer.sync.world,
                                   "layout": trainer.layout,
                                   "dropped_log_records": dropped}) + "\n")
+        served_before: dict[str, int] = {}
         with use_backend(cfg.backend):
             while trainer.step_idx < cfg.steps:
                 rec, rows = rl_step(trainer, client, task, cfg, model.tokenizer, version, reference)
+                if lead and isinstance(client, ServerPool):      # how the router shared the step
+                    served, before = client.served(), served_before
+                    rec["served"] = {url: n - before.get(url, 0) for url, n in served.items()}
+                    served_before = served
                 version = rec["weight_version"] = ldist.from_rank0(push, "weight push")
                 if cfg.save_every and trainer.step_idx % cfg.save_every == 0 or trainer.step_idx == cfg.steps:
                     trainer.save(ckpt_dir, extra={"config": asdict(cfg)})

@@ -69,6 +69,11 @@ class RolloutClient:
                 raise TimeoutError(f"the server at {url} did not answer within {startup_s:.0f} s")
             time.sleep(0.25)
 
+    @property
+    def server_urls(self) -> list[str]:
+        """The servers behind this client: its own."""
+        return [self.url]
+
     def generate(self, prompts: list[list[int]], n: int, max_new_tokens: int, temperature: float,
                  seed: int) -> list[Rollout]:
         """n completions of every prompt (token ids), prompt by prompt, with the sampler's logprobs."""

@@ -210,9 +210,14 @@ class Server:
 
     def server_info(self) -> dict:
         """What /get_server_info answers: model_info and the SGLang server fields a router reads
-        (dp_size, tp_size, context_length, the running and token limits)."""
+        (dp_size, tp_size, context_length, the running and token limits), and lockstep's
+        `fingerprint` (lockstep.machine: backend, instruction set or GPU, torch and Triton versions),
+        which an RL trainer compares with its own before it samples."""
+        from ..machine import fingerprint
+
         engine = self.worker.engine
         return {**self.model_info(), "dp_size": 1, "tp_size": 1,
+                "fingerprint": fingerprint(self.worker.backend, self.model.device),
                 "context_length": self.context, "max_running_requests": engine.scheduler.max_num_seqs,
                 "max_total_num_tokens": engine.limits.num_blocks * engine.limits.block_size,
                 "page_size": engine.limits.block_size}

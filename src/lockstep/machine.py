@@ -1,0 +1,49 @@
+"""What a process computes with: the backend its ops resolve to, the CPU's instruction set or the
+GPU's model, and the torch and Triton versions. Two processes that must give the same bits (an RL
+trainer and its rollout servers) compare these before they start."""
+
+from __future__ import annotations
+
+import importlib.metadata
+
+import torch
+
+# The order in which fields are compared, and a mismatch reported: the first one that differs.
+FIELDS = ("backend", "device", "isa", "gpu", "torch", "triton")
+
+
+def resolved_backend(backend: str, device: torch.device | str = "cpu") -> str:
+    """The backend that `backend` runs on `device`: "auto" is the native CPU backend where its kernels
+    load (else portable) and Triton on a GPU, as lockstep.registry resolves it."""
+    device = torch.device(device)
+    if backend != "auto":
+        return backend
+    if device.type == "cuda":
+        return "triton"
+    from .registry import cpu_backend
+
+    return cpu_backend()
+
+
+def fingerprint(backend: str = "auto", device: torch.device | str = "cpu") -> dict[str, str | None]:
+    """This process's fingerprint for ops on `backend` and `device`: FIELDS, each a string or None
+    where it does not apply (no GPU; no native kernels, so no instruction set; Triton not installed)."""
+    device = torch.device(device)
+    name = resolved_backend(backend, device)
+    isa = None
+    if name == "native":
+        from .backends.native.build import isa_name
+
+        isa = isa_name()
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
+    try:
+        triton = importlib.metadata.version("triton")
+    except importlib.metadata.PackageNotFoundError:
+        triton = None
+    return {"backend": name, "device": device.type, "isa": isa, "gpu": gpu, "torch": torch.__version__,
+            "triton": triton}
+
+
+def differences(ours: dict, theirs: dict) -> list[tuple[str, object, object]]:
+    """(field, our value, their value) for every field of FIELDS where the two fingerprints differ."""
+    return [(k, ours.get(k), theirs.get(k)) for k in FIELDS if ours.get(k) != theirs.get(k)]

@@ -1,0 +1,169 @@
+"""`lockstep rl --servers N`: rollouts from several `lockstep serve` behind SGLang's real router
+(sglang-router 0.3.2, subprocesses on 127.0.0.1), with the bits of one server: the same completions
+(token ids, logprobs), losses and final weights with one server and with two, each of the two
+serving part of every step; a server whose fingerprint differs from the trainer's is refused; a
+server that dies mid-run (before a step, or while its requests run) leaves them to the others, with
+the same bits; with none left the run stops in one line. The router must run here: without it, these
+tests fail rather than skip."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import pytest
+import torch
+
+from lockstep import cli, rl, train
+from lockstep.model import model_from_source, with_byte_tokenizer
+from lockstep.rl import servers as rl_servers
+from test_rl_loop import TINY, _weights
+
+KEYS = ("step", "loss", "grad_norm", "reward", "tokens", "max_abs_dlogp", "approx_kl0", "mean_ratio")
+
+
+@pytest.fixture
+def sampled(monkeypatch) -> list:
+    """Every step's rollouts as the trainer received them: (prompt index, token ids, logprobs)."""
+    seen = []
+    window = rl.rollout_window
+
+    def recording(prompts, rollouts, advantages, cfg):
+        seen.append([(r.prompt_index, r.token_ids, r.logprobs) for r in rollouts])
+        return window(prompts, rollouts, advantages, cfg)
+
+    monkeypatch.setattr(rl, "rollout_window", recording)
+    return seen
+
+
+def _run(tmp_path, name: str, *args: str) -> tuple[list[dict], list[dict]]:
+    assert cli.main(["rl", *TINY, "--prompts-per-step", "3", "--steps", "2", "--out", str(tmp_path / name),
+                     *args]) == 0
+    return train.read_log(str(tmp_path / name))
+
+
+def test_two_servers_behind_the_router_give_the_bits_of_one(tmp_path, sampled):
+    one, _ = _run(tmp_path, "one")
+    from_one = list(sampled)
+    sampled.clear()
+    two, events = _run(tmp_path, "two", "--servers", "2")
+    assert len(events[0]["servers"]) == 2 and events[0]["server"] not in events[0]["servers"]   # the router's URL
+    assert sampled == from_one and len(sampled) == 2 and all(len(step) == 3 * 2 for step in sampled)
+    assert any(lp for step in sampled for _, _, lp in step)
+    assert [[r[k] for k in KEYS] for r in two] == [[r[k] for k in KEYS] for r in one]
+    assert all(r["max_abs_dlogp"] == 0 and r["mean_ratio"] == 1 for r in two)
+    assert (tmp_path / "two" / "rollouts.jsonl").read_text() == (tmp_path / "one" / "rollouts.jsonl").read_text()
+    assert _weights(tmp_path / "two") == _weights(tmp_path / "one")
+    # One request per prompt, round robin: both servers serve part of every step.
+    for r in two:
+        assert sorted(r["served"]) == sorted(events[0]["servers"]) and sum(r["served"].values()) == 3, r["served"]
+        assert min(r["served"].values()) >= 1, r["served"]
+    assert [(r["sampled_with_version"], r["weight_version"]) for r in two] == [("step-0", "step-1"),
+                                                                             ("step-1", "step-2")]
+    # Servers already running (--server given twice), behind a router the run starts: the run pushes
+    # its initial weights first, so they may start from any model of the architecture.
+    sampled.clear()
+    folder = str(tmp_path / "other-weights")
+    with_byte_tokenizer(model_from_source("tiny", torch.bfloat16, "llama", 1, vocab_size=320)).save(folder)
+    running = [rl_servers.RolloutClient(None, model=folder, dtype="bf16", max_num_seqs=4) for _ in range(2)]
+    try:
+        urls = [arg for c in running for arg in ("--server", c.url)]
+        given, events = _run(tmp_path, "given", *urls)
+    finally:
+        for c in running:
+            c.close()
+    assert events[0]["servers"] == [c.url for c in running] and sampled == from_one
+    assert [[r[k] for k in KEYS] for r in given] == [[r[k] for k in KEYS] for r in one]
+    assert _weights(tmp_path / "given") == _weights(tmp_path / "one")
+    assert all(min(r["served"].values()) >= 1 for r in given)
+
+
+def _other_torch(monkeypatch) -> str:
+    """The trainer's fingerprint with another torch version than the servers', which report their own."""
+    other = "0.0.0+elsewhere"
+    ours = rl.fingerprint
+    monkeypatch.setattr(rl, "fingerprint", lambda *a: {**ours(*a), "torch": other})
+    return other
+
+
+def test_a_server_that_computes_differently_is_refused_naming_the_field(tmp_path, monkeypatch, capsys, caplog):
+    other = _other_torch(monkeypatch)
+    assert cli.main(["rl", *TINY, "--steps", "1", "--servers", "2", "--out", str(tmp_path / "refused")]) == 2
+    err = capsys.readouterr().err
+    assert "computes differently from the trainer (torch: the trainer has " \
+           f"'{other}', the server '{torch.__version__}')" in err, err
+    assert "Pass --accept-mismatch to sample from it anyway" in err
+    with caplog.at_level(logging.WARNING, logger="lockstep.rl"):
+        assert cli.main(["rl", *TINY, "--steps", "1", "--accept-mismatch", "--out", str(tmp_path / "accepted")]) == 0
+    assert f"torch: the trainer has '{other}', the server '{torch.__version__}'" in caplog.text
+    assert "(--accept-mismatch)" in caplog.text
+
+
+def test_flags_that_contradict_each_other_are_refused(tmp_path, capsys):
+    assert cli.main(["rl", *TINY, "--servers", "2", "--server", "http://127.0.0.1:1", "--out", str(tmp_path)]) == 2
+    assert "give one or the other" in capsys.readouterr().err
+    assert cli.main(["rl", *TINY, "--servers", "0", "--out", str(tmp_path)]) == 2
+    assert "--servers: expected a positive int, got 0" in capsys.readouterr().err
+
+
+def _kill_before_step(monkeypatch, step: int, which) -> None:
+    """Kill servers (which(pool) -> the RolloutClients to kill) just before the rollouts of `step`."""
+    generate = rl_servers.ServerPool.generate
+    calls = []
+
+    def killing(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == step:
+            for s in which(self):
+                s.process.kill()
+                s.process.wait(timeout=10)
+        return generate(self, *args, **kwargs)
+
+    monkeypatch.setattr(rl_servers.ServerPool, "generate", killing)
+
+
+def test_a_server_that_dies_mid_run_leaves_its_requests_to_the_others(tmp_path, monkeypatch, sampled):
+    one, _ = _run(tmp_path, "one")
+    from_one = list(sampled)
+    sampled.clear()
+    _kill_before_step(monkeypatch, 2, lambda pool: pool.servers[:1])
+    two, events = _run(tmp_path, "two", "--servers", "2")
+    assert sampled == from_one
+    assert [[r[k] for k in KEYS] for r in two] == [[r[k] for k in KEYS] for r in one]
+    assert _weights(tmp_path / "two") == _weights(tmp_path / "one")
+    dead = events[0]["servers"][0]
+    assert two[1]["served"][dead] == 0 and sum(two[1]["served"].values()) == 3, two[1]["served"]
+
+
+def test_with_no_server_left_the_run_stops_with_a_clear_error(tmp_path, monkeypatch, capsys):
+    _kill_before_step(monkeypatch, 2, lambda pool: pool.servers)
+    out = tmp_path / "none"
+    assert cli.main(["rl", *TINY, "--steps", "2", "--servers", "2", "--out", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert "lockstep rl: rollout: no rollout server is left (" in err and "do not answer /health" in err, err
+    assert f"the last checkpoint is kept in {out}" in err
+    assert [r["step"] for r in train.read_log(str(out))[0]] == [1]
+
+
+def test_a_server_killed_while_its_requests_run_leaves_them_to_the_other():
+    """The pool alone (two servers of the tiny model, the router): one server killed a third of the
+    way through a batch of long completions; the router sends its requests to the other, and the
+    answers are the bits of the same batch with both alive."""
+    pool = rl_servers.ServerPool(None, 2, rl.fingerprint("auto"), model="tiny", dtype="bf16", max_num_seqs=8)
+    try:
+        prompts = [[1, 2, 3], [4, 5, 6], [7, 8], [9, 10]]
+        started = time.time()
+        want = pool.generate(prompts, 2, 120, 1.0, 5)
+        took = time.time() - started
+        victim = pool.servers[0].process
+        killer = threading.Timer(took / 3, victim.kill)
+        killer.start()
+        got = pool.generate(prompts, 2, 120, 1.0, 5)
+        killer.join()
+        assert victim.poll() is not None
+        assert [(r.prompt_index, r.token_ids, r.logprobs) for r in got] == \
+            [(r.prompt_index, r.token_ids, r.logprobs) for r in want]
+        assert pool.alive() == pool.servers[1:]
+    finally:
+        pool.close()
