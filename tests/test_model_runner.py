@@ -129,3 +129,27 @@ def test_a_built_step_is_checked_against_the_cache_it_meets():
     cache = torch.zeros(8, 4, 2, 8)
     with pytest.raises(ValueError, match=r"^q: expected the step's 3 new tokens in q, k and v, got 2, 2$"):
         ops.cached_attention(q[:2], kv[:2], kv[:2], cache, cache.clone(), step)
+
+
+def test_a_built_step_given_another_block_table_is_checked_by_reading_it():
+    """The host copy stands only for the tensors build_step made: a step that holds another block
+    table (dataclasses.replace) goes through the checked ops, which refuse a block outside the cache."""
+    import dataclasses
+
+    step, _ = build_step([([0, 1], 0, 5)], 4)
+    bad = dataclasses.replace(step, block_table=torch.tensor([[0, 1 << 40]]))
+    q, kv, cache = torch.zeros(5, 4, 8), torch.zeros(5, 2, 8), torch.zeros(4, 4, 2, 8)
+    with pytest.raises(ValueError, match=r"^block_table: sequence 0 points at block 1099511627776, outside the "
+                                         r"cache's 4 blocks$"):
+        ops.cached_attention(q, kv, kv, cache, cache.clone(), bad)
+
+
+def test_positions_derive_their_range_from_their_values():
+    from lockstep.rotary import Positions
+
+    p = Positions(torch.tensor([0, 1, 2]), (0, 1, 2))
+    assert (p.low, p.high) == (0, 2) and torch.equal(p.host, torch.tensor([0, 1, 2]))
+    with pytest.raises(ValueError, match=r"^positions: expected a tuple of 3 values, one per position$"):
+        Positions(torch.tensor([0, 1, 2]), (0, 1))
+    with pytest.raises(TypeError, match=r"^positions: expected an int64 tensor \[T\] beside its values$"):
+        Positions(torch.tensor([0, 1, 2], dtype=torch.int32), (0, 1, 2))

@@ -8,7 +8,6 @@ p % block_size. `build_step` turns "these sequences, these positions" into the i
 
 from __future__ import annotations
 
-import array
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -24,13 +23,16 @@ class StepHost:
     the step's values, so that none of them reads the device back (on a GPU each read would wait
     for it). cu_seqlens_q and seq_lens as in CacheStep; positions of the new tokens; input_ids [T]
     on the step's device when build_step was given the tokens (checked below vocab_size); the
-    block size and the number of cache blocks the step needs (its highest block id + 1)."""
+    block size and the number of cache blocks the step needs (its highest block id + 1); the block
+    table [B, max_blocks] and slot mapping [T] it made (views of the one transfer)."""
 
     cu_seqlens_q: list[int]
     seq_lens: list[int]
     positions: Positions
     block_size: int
     blocks_needed: int
+    block_table: Tensor             # the tensors build_step made and checked: a step holding others
+    slot_mapping: Tensor            # (dataclasses.replace, an assignment) is checked by reading them
     input_ids: Tensor | None = None
     vocab_size: int | None = None
 
@@ -93,11 +95,10 @@ def build_step(spans: list[tuple[list[int], int, int]], block_size: int, device:
     host = torch.tensor(cu + lens + slots + positions + ids + table, dtype=torch.int64)
     moved = host.to(device)
     parts = moved.split([b + 1, b, t, t, len(ids), len(table)])
-    host_positions = host[2 * b + 1 + t:2 * b + 1 + 2 * t]
-    pos = Positions(parts[3], host_positions, min(positions), max(positions), array.array("q", positions).tobytes())
-    checked = StepHost(cu, lens, pos, block_size, max(table) + 1, parts[4] if tokens is not None else None,
+    checked = StepHost(cu, lens, Positions(parts[3], tuple(positions)), block_size, max(table) + 1,
+                       parts[5].view(b, width), parts[2], parts[4] if tokens is not None else None,
                        vocab_size if tokens is not None else None)
-    step = CacheStep(parts[0], parts[1], parts[5].view(b, width), parts[2], checked)
+    step = CacheStep(parts[0], parts[1], checked.block_table, parts[2], checked)
     return step, parts[3]
 
 

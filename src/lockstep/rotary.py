@@ -7,12 +7,11 @@ its scalar kernels, and the two differ in the last bit (ADR 0021)."""
 
 from __future__ import annotations
 
-import array
 import dataclasses
 import functools
 import math
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from fractions import Fraction
 
 import torch
@@ -99,23 +98,32 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None = Non
 
 @dataclass(frozen=True, eq=False)
 class Positions:
-    """Token positions [T] int64 on their device, with the host's copy of their values, so that
-    rope's checks and angle tables need not read the device: paged_cache.build_step makes one from
-    the values the host already holds, and `Positions.read` from a device tensor, in one read."""
+    """Token positions [T] on their device with the host's own copy of their values, so that rope's
+    checks and angle tables need not read the device: paged_cache.build_step makes one from the
+    values the host already holds, and `Positions.read` from a device tensor, in one read. The
+    range and the CPU copy are derived from `values`, so the two cannot disagree; editing `tensor`
+    in place afterwards is not seen."""
 
-    tensor: Tensor          # [T] int64, on the tokens' device
-    host: Tensor            # [T] int64, on the CPU: the same values
-    low: int                # the smallest value (0 when T == 0)
-    high: int               # the largest value (-1 when T == 0)
-    key: bytes              # the values as little-endian int64 bytes: rope_cos_sin's memo key
+    tensor: Tensor                  # [T] int64, on the tokens' device
+    values: tuple[int, ...]         # the same T values, as Python ints
+    host: Tensor = field(init=False)    # [T] int64 on the CPU
+    low: int = field(init=False)        # the smallest value (0 when T == 0)
+    high: int = field(init=False)       # the largest value (-1 when T == 0)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.tensor, Tensor) or self.tensor.dtype != torch.int64 or self.tensor.dim() != 1:
+            raise TypeError("positions: expected an int64 tensor [T] beside its values")
+        if not isinstance(self.values, tuple) or len(self.values) != self.tensor.shape[0]:
+            raise ValueError(f"positions: expected a tuple of {self.tensor.shape[0]} values, one per position")
+        object.__setattr__(self, "host", torch.tensor(self.values, dtype=torch.int64))
+        object.__setattr__(self, "low", min(self.values, default=0))
+        object.__setattr__(self, "high", max(self.values, default=-1))
 
     @classmethod
     def read(cls, positions: Tensor) -> "Positions":
         """From an int tensor [T] on any device, read to the host once."""
         tensor = positions.long()
-        host = tensor.cpu()
-        values = host.tolist()
-        return cls(tensor, host, min(values, default=0), max(values, default=-1), array.array("q", values).tobytes())
+        return cls(tensor, tuple(tensor.tolist()))
 
 
 def rope_cos_sin(positions: Tensor | Positions, head_dim: int, theta: float, scaling: RopeScaling | None,
@@ -129,7 +137,7 @@ def rope_cos_sin(positions: Tensor | Positions, head_dim: int, theta: float, sca
     if not isinstance(positions, Positions):
         positions = Positions.read(positions)
     device = positions.tensor.device
-    key = (device, tuple(positions.host.shape), positions.key, head_dim, theta, scaling, dtype)
+    key = (device, positions.values, head_dim, theta, scaling, dtype)
     with _RECENT_LOCK:
         hit = _RECENT.pop(key, None)
     if hit is None:
@@ -165,13 +173,13 @@ def _cos_sin_by_blocks(positions: Positions, head_dim: int, theta: float, scalin
                        dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """_cos_sin's rows for `positions` (on the CPU), gathered from cached blocks of _BLOCK
     consecutive positions. A row is a function of its position alone, so the bits are _cos_sin's."""
-    host = positions.host.clone()
-    if not host.numel() or positions.high // _BLOCK - positions.low // _BLOCK >= _MAX_BLOCKS:
+    host = positions.host
+    blocks = sorted({v // _BLOCK for v in positions.values})
+    if not blocks or len(blocks) > _MAX_BLOCKS:
         return _cos_sin(host, head_dim, theta, scaling, dtype)
-    first = positions.low // _BLOCK
-    tables = [_cos_sin_block(b, head_dim, theta, scaling, dtype) for b in range(first, positions.high // _BLOCK + 1)]
+    tables = [_cos_sin_block(b, head_dim, theta, scaling, dtype) for b in blocks]
     cos, sin = (torch.cat([t[i] for t in tables]) if len(tables) > 1 else tables[0][i] for i in (0, 1))
-    rows = host - first * _BLOCK
+    rows = torch.searchsorted(torch.tensor(blocks), host // _BLOCK) * _BLOCK + host % _BLOCK
     return cos[rows], sin[rows]
 
 

@@ -191,10 +191,11 @@ def cached_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: 
 
     q: [T, Hq, D]; k, v: [T, Hkv, D]; k_cache, v_cache: [num_blocks, block_size, Hkv, D]; step: a
     paged_cache.CacheStep. When `build_step` made the step, its checked host copy (step.host) stands
-    for the step's values and nothing is read back from the device; otherwise write_kv and
-    paged_attention check them. Returns [T, Hq, D] in q's dtype."""
+    for the step's values and nothing is read back from the device; otherwise (or when the step's
+    block table or slot mapping is not the one build_step made) write_kv and paged_attention check
+    them. Returns [T, Hq, D] in q's dtype."""
     host = step.host
-    if host is None:
+    if host is None or step.block_table is not host.block_table or step.slot_mapping is not host.slot_mapping:
         write_kv(k, v, k_cache, v_cache, step.slot_mapping)
         return paged_attention(q, k_cache, v_cache, step.block_table, step.seq_lens, step.cu_seqlens_q,
                                scale=scale, window=window)

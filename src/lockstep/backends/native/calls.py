@@ -15,12 +15,14 @@ LOCKSTEP_NATIVE_CALLS=ctypes asks for ctypes' calls.
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import hashlib
 import importlib.machinery
 import importlib.util
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -52,9 +54,15 @@ static int as_int(PyObject *o, int *v) {
     *v = (int)x;
     return 0;
 }
+static PyObject *void_pointer_type; /* ctypes.c_void_p, given to bind */
 static int as_pointer(PyObject *o, void **v) {
     if (o == Py_None) { *v = NULL; return 0; }
-    if (!PyLong_Check(o)) { /* a ctypes pointer (c_void_p), as ctypes takes one: its address */
+    if (!PyLong_Check(o)) { /* a ctypes.c_void_p, as ctypes takes one: its address; nothing else */
+        if (!void_pointer_type || !PyObject_TypeCheck(o, (PyTypeObject *)void_pointer_type)) {
+            PyErr_Format(PyExc_TypeError, "a pointer argument must be an int, None or a ctypes.c_void_p, not %s",
+                         Py_TYPE(o)->tp_name);
+            return -1;
+        }
         PyObject *value = PyObject_GetAttrString(o, "value");
         if (!value) return -1;
         int failed = 0;
@@ -94,10 +102,13 @@ def source(signatures: dict[str, tuple[str, str]]) -> str:
             checks = " || ".join(f"{_CONVERT[code]}(a[{i}], &x{i})" for i, code in enumerate(args))
             lines.append(f"    if ({checks}) return NULL;")
         call = f"{name}_at({', '.join(f'x{i}' for i in range(len(args)))})"
+        # The kernels touch no Python object: other threads (a server's HTTP loop) run meanwhile,
+        # as they did beside ctypes' calls.
         if result == "v":
-            lines += [f"    {call};", "    Py_RETURN_NONE;"]
+            lines += ["    Py_BEGIN_ALLOW_THREADS", f"    {call};", "    Py_END_ALLOW_THREADS", "    Py_RETURN_NONE;"]
         else:
-            lines.append(f"    return PyLong_FromLongLong((long long){call});")
+            lines += [f"    {_C_TYPES[result]} r;", "    Py_BEGIN_ALLOW_THREADS", f"    r = {call};",
+                      "    Py_END_ALLOW_THREADS", "    return PyLong_FromLongLong((long long)r);"]
         parts.append("\n".join(lines) + "\n}\n")
     binds = "\n".join(f"    if (!({name}_at = ({name}_t)address(table, \"{name}\"))) return NULL;" for name in signatures)
     parts.append(r"""static void *address(PyObject *table, const char *name) {
@@ -105,13 +116,19 @@ def source(signatures: dict[str, tuple[str, str]]) -> str:
     if (!value) { PyErr_Format(PyExc_KeyError, "bind: no address for %s", name); return NULL; }
     return PyLong_AsVoidPtr(value);
 }
-static PyObject *bind(PyObject *self, PyObject *table) {
-    if (!PyDict_Check(table)) { PyErr_SetString(PyExc_TypeError, "bind: expected a dict"); return NULL; }
+static PyObject *bind(PyObject *self, PyObject *const *a, Py_ssize_t n) {
+    if (n != 2 || !PyDict_Check(a[0]) || !PyType_Check(a[1])) {
+        PyErr_SetString(PyExc_TypeError, "bind: expected a dict of addresses and ctypes.c_void_p");
+        return NULL;
+    }
+    PyObject *table = a[0];
+    Py_INCREF(a[1]);
+    Py_XSETREF(void_pointer_type, a[1]);
 """ + binds + "\n    Py_RETURN_NONE;\n}\n")
     methods = "\n".join(f"    {{\"{name}\", (PyCFunction)(void (*)(void))call_{name}, METH_FASTCALL, NULL}},"
                         for name in signatures)
     parts.append(f"""static PyMethodDef methods[] = {{
-    {{"bind", bind, METH_O, NULL}},
+    {{"bind", (PyCFunction)(void (*)(void))bind, METH_FASTCALL, NULL}},
 {methods}
     {{NULL, NULL, 0, NULL}}
 }};
@@ -138,21 +155,28 @@ def _python_include() -> str:
     return sysconfig.get_paths()["include"]
 
 
-def _build(cc: list[str], code: str, folder: Path, version: str) -> Path:
+def _build(cc: list[str], code: str, folder: Path, version: str, rebuild: bool = False) -> Path:
     """The extension compiled from `code` by `cc` (which says it is `version`), from the cache
-    `folder` or compiled into it."""
+    `folder` or compiled into it (`rebuild`: over a file there that does not load), or into a
+    folder of this process's own where `folder` cannot be written."""
     include = _python_include()
     suffix = importlib.machinery.EXTENSION_SUFFIXES[0]
     flags = ["-O2", "-shared", "-fPIC", f"-I{include}"] + (["-undefined", "dynamic_lookup"]
                                                            if sys.platform == "darwin" else [])
     key = hashlib.sha256("\0".join([code, *cc, *flags, suffix, version]).encode()).hexdigest()[:16]
     target = folder / f"calls-{key}{suffix}"
-    if target.exists():
+    if target.exists() and not rebuild:
         return target
     if not Path(include, "Python.h").exists():
         raise OSError(f"no Python.h in {include} (the Python headers: python3-dev on Debian)")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        probe = tempfile.TemporaryDirectory(dir=target.parent)
+    except OSError:          # a cache folder this user cannot write: built for this process alone
+        target = Path(tempfile.mkdtemp(prefix="lockstep-calls-")) / target.name
+        atexit.register(shutil.rmtree, target.parent, ignore_errors=True)
+        probe = tempfile.TemporaryDirectory(dir=target.parent)
+    with probe as scratch:
         c_file, built = Path(scratch, f"{MODULE}.c"), Path(scratch, f"{MODULE}{suffix}")
         c_file.write_text(code)
         done = subprocess.run([*cc, *flags, "-o", str(built), str(c_file)], capture_output=True, text=True)
@@ -160,6 +184,8 @@ def _build(cc: list[str], code: str, folder: Path, version: str) -> Path:
             lines = done.stderr.strip().splitlines()
             raise OSError(next((x for x in lines if "error" in x.lower()), lines[0] if lines else "(no message)"))
         os.chmod(built, 0o755)
+        with open(built, "rb") as f:
+            os.fsync(f.fileno())    # a crash must not leave a short file under the final name
         os.replace(built, target)   # a process never loads a partial file
     return target
 
@@ -176,15 +202,21 @@ def bind(lib: ctypes.CDLL, signatures: dict[str, tuple[str, str]], cc: list[str]
          version: str) -> Calls | ctypes.CDLL:
     """`lib`'s entry points of `signatures` through the extension (a Calls), built by `cc` (which
     says it is `version`) into `folder` (the library's own); or `lib` itself where the extension
-    cannot be built or loaded, or LOCKSTEP_NATIVE_CALLS=ctypes asks for it."""
+    cannot be built or loaded, or LOCKSTEP_NATIVE_CALLS=ctypes asks for it. The extension holds
+    one library's addresses per process: build.library() binds it once."""
     asked = os.environ.get("LOCKSTEP_NATIVE_CALLS") or "extension"
     if asked not in ("extension", "ctypes"):
         raise ValueError(f"LOCKSTEP_NATIVE_CALLS: expected 'extension' or 'ctypes', got {asked!r}")
     if asked == "ctypes":
         return lib
     try:
-        module = _load(_build(cc, source(signatures), folder, version))
-        module.bind({name: ctypes.cast(getattr(lib, name), ctypes.c_void_p).value for name in signatures})
+        code = source(signatures)
+        try:
+            module = _load(_build(cc, code, folder, version))
+        except ImportError:  # a cached file that does not load (cut short, say): built again, once
+            module = _load(_build(cc, code, folder, version, rebuild=True))
+        module.bind({name: ctypes.cast(getattr(lib, name), ctypes.c_void_p).value for name in signatures},
+                    ctypes.c_void_p)
     except (OSError, ImportError) as e:
         logging.getLogger("lockstep").warning("lockstep: the native kernels are called through ctypes, which costs "
                                               "a few microseconds more per call (their extension could not be "
