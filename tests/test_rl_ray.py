@@ -109,4 +109,4 @@ def test_without_ray_the_flag_names_the_extra(tmp_path, capsys, monkeypatch):
     assert "needs the ray extra (pip install 'lockstep[ray]'): no module named 'ray'" in capsys.readouterr().err
     # The flags of a Ray run, without --ray.
     assert cli.main(["rl", *TINY, "--dp", "2", "--out", str(tmp_path / "run")]) == 2
-    assert "--dp and --ray-gpus place the run on a Ray cluster: add --ray [ADDRESS]" in capsys.readouterr().err
+    assert "--dp, --ray-cpus and --ray-gpus place the run on a Ray cluster: add --ray [ADDRESS]" in capsys.readouterr().err

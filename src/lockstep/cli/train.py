@@ -61,16 +61,17 @@ def cmd_rl(args: argparse.Namespace) -> int:
         raise UsageError(f"--servers: expected a positive int, got {args.servers}")
     if args.servers > 1 or len(args.server or []) > 1:       # several servers: SGLang's router in front
         require_extra("router", "sglang_router")
-    if args.ray is None and (args.dp != 1 or args.ray_gpus):
-        raise UsageError("--dp and --ray-gpus place the run on a Ray cluster: add --ray [ADDRESS] (under "
-                         "torchrun, the data-parallel size is the number of processes)")
+    if args.ray is None and (args.dp != 1 or args.ray_gpus or args.ray_cpus != 1):
+        raise UsageError("--dp, --ray-cpus and --ray-gpus place the run on a Ray cluster: add --ray [ADDRESS] "
+                         "(under torchrun, the data-parallel size is the number of processes)")
     if args.ray is not None:
         require_extra("ray", "ray")
         if args.server:
             raise UsageError("--ray places the rollout servers on the cluster (--servers N) and --server names "
                              "running ones; give one or the other")
-        if args.dp < 1:
-            raise UsageError(f"--dp: expected a positive int, got {args.dp}")
+        for flag, value in (("--dp", args.dp), ("--ray-cpus", args.ray_cpus)):
+            if value < 1:
+                raise UsageError(f"{flag}: expected a positive int, got {value}")
     from .. import rl
     from ..tools.report import from_run_dir
 
@@ -85,7 +86,7 @@ def cmd_rl(args: argparse.Namespace) -> int:
             from ..rl import ray_run
 
             ray_run.run(cfg, args.out, address=args.ray, servers=args.servers, dp=args.dp, gpus=args.ray_gpus,
-                        resume=args.resume, accept_mismatch=args.accept_mismatch)
+                        cpus_per_actor=args.ray_cpus, resume=args.resume, accept_mismatch=args.accept_mismatch)
         else:
             rl.run(cfg, args.out, server_url=args.server, resume=args.resume, servers=args.servers,
                    accept_mismatch=args.accept_mismatch)
@@ -199,8 +200,11 @@ def add_rl(sub, formatter) -> None:
     g.add_argument("--dp", type=int, default=1, metavar="D",
                    help="with --ray, the trainer's data-parallel ranks (each a Ray actor); the run's bits do not "
                         "depend on it")
+    g.add_argument("--ray-cpus", type=int, default=1, metavar="C",
+                   help="with --ray, the CPUs of each rollout server and each trainer rank (their threads)")
     g.add_argument("--ray-gpus", action="store_true",
-                   help="with --ray, one GPU for each rollout server and each trainer rank (else one CPU each)")
+                   help="with --ray, also one GPU for each rollout server and each trainer rank: one actor per GPU "
+                        "of GPU nodes")
     g.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
     g.add_argument("--out", required=True, help="run folder: log.jsonl, rollouts.jsonl, checkpoints, report.html")
     g.set_defaults(func=cmd_rl)

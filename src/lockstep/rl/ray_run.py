@@ -5,8 +5,8 @@ What is placed where:
 - each rollout server is a `ServerActor`: an actor that holds the server's resources (CPUs, or one
   GPU) and starts and owns the `lockstep serve` subprocess on its node, listening on the node's
   address; when the actor goes, its server goes with it;
-- each data-parallel rank of the trainer is a `RankActor`: the ranks form a torch.distributed group
-  (gloo on CPUs, NCCL on GPUs) from MASTER_ADDR/MASTER_PORT that rank 0's actor chose on its node,
+- each data-parallel rank of the trainer is a `RankActor`: the ranks form a torch.distributed gloo
+  group from the MASTER_ADDR/MASTER_PORT that rank 0's actor chose on its node,
   and each runs lockstep.rl.run, the code torchrun runs, with torchrun's environment variables. Rank
   0 samples from the servers' URLs (behind SGLang's router on its node when there are several),
   pushes the weights to them and writes the run folder, as under torchrun.
@@ -25,8 +25,13 @@ import shutil
 import socket
 import tempfile
 from dataclasses import asdict
+from types import ModuleType
+from typing import TYPE_CHECKING
 
 from .. import checks
+
+if TYPE_CHECKING:
+    from . import RLConfig
 
 ADDRESS_FORMS = ("'auto' (the cluster this node belongs to), HOST:PORT (the head's GCS address, which "
                  "`ray start --head` prints) or ray://HOST:PORT (Ray Client)")
@@ -36,7 +41,7 @@ class RayAddressError(ValueError):
     """`--ray ADDRESS` names no Ray cluster that answers."""
 
 
-def _ray():
+def _ray() -> ModuleType:
     try:
         import ray
     except ImportError:
@@ -141,20 +146,27 @@ class RankActor:
 
     def run(self, rank: int, world: int, master: tuple[str, int], cfg: dict, out: str, urls: list[str],
             resume: bool, progress: bool, accept_mismatch: bool) -> list[dict]:
+        import datetime
+
         import torch
 
+        from ..dist import DEFAULT_TIMEOUT_S
         from . import RLConfig, run
 
-        # Ray shows each actor only the GPUs it was given, so every rank's GPU is its device 0.
+        # Ray shows each actor only the GPUs it was given, so a rank's GPU is its device 0.
         os.environ.update(MASTER_ADDR=master[0], MASTER_PORT=str(master[1]), RANK=str(rank),
                           WORLD_SIZE=str(world), LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
-        if torch.cuda.is_available():
-            torch.cuda.set_device(0)
+        if world > 1:
+            # gloo, even where the actor holds a GPU: lockstep rl's trainer keeps its tensors on the
+            # CPU, which NCCL (what init_from_env would pick there) cannot reduce. rl.run finds the
+            # group initialized and ends it.
+            torch.distributed.init_process_group("gloo", rank=rank, world_size=world,
+                                                 timeout=datetime.timedelta(seconds=DEFAULT_TIMEOUT_S))
         return run(RLConfig(**cfg), out, server_url=urls, resume=resume, progress=progress and rank == 0,
                    accept_mismatch=accept_mismatch)
 
 
-def run(cfg, out: str, address: str | None = None, servers: int = 1, dp: int = 1, gpus: bool = False,
+def run(cfg: RLConfig, out: str, address: str | None = None, servers: int = 1, dp: int = 1, gpus: bool = False,
         cpus_per_actor: int = 1, resume: bool = False, progress: bool = True,
         accept_mismatch: bool = False) -> list[dict]:
     """lockstep.rl.run on a Ray cluster (`address`; None or "": a cluster started here and shut down at
@@ -195,7 +207,7 @@ def run(cfg, out: str, address: str | None = None, servers: int = 1, dp: int = 1
             ray.shutdown()
 
 
-def _wait(ray, calls: list) -> list:
+def _wait(ray: ModuleType, calls: list) -> list:
     """Every call's result; the error of the first that fails is raised (rank 0's where it failed
     too), and the caller ends the other actors, which would otherwise wait on it until their
     collectives time out."""
@@ -215,7 +227,7 @@ def _wait(ray, calls: list) -> list:
     return [results[c] for c in calls]
 
 
-def _stop(ray, actors: list) -> None:
+def _stop(ray: ModuleType, actors: list) -> None:
     """Close the servers' subprocesses, then end every actor."""
     for a in actors:
         if hasattr(a, "close"):
