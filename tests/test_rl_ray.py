@@ -55,7 +55,7 @@ def test_on_a_local_ray_cluster_the_run_has_the_bits_of_the_run_without_ray(tmp_
 def test_at_the_address_of_a_running_cluster(tmp_path):
     """A cluster's head started apart (`ray start --head`, on this machine, with Ray's token
     authentication): the run connects to it by address, places one server and one rank there, and
-    leaves the cluster running. Its node address is this machine's own, where the server listens. The
+    leaves the cluster running; a run that fails on its rank says why in one line. Its node address is this machine's own, where the server listens. The
     run is `lockstep rl` in a process of its own, as Ray reads RAY_AUTH_MODE when it is imported."""
     env = {**os.environ, "RAY_AUTH_MODE": "token"}      # the head's and the driver's, as Ray's docs say
     port = dist.free_port()
@@ -73,6 +73,11 @@ def test_at_the_address_of_a_running_cluster(tmp_path):
                 assert head.poll() is None and time.time() < deadline, "the head did not come up"
                 time.sleep(0.5)
         plain, _ = _run(tmp_path, "plain")
+        # A rank's error is the command's one line, as under torchrun; the cluster stays up.
+        refused = subprocess.run([sys.executable, "-m", "lockstep", "rl", *TINY, "--steps", "1", "--ray",
+                                  f"127.0.0.1:{port}", "--out", str(tmp_path / "plain")],
+                                 capture_output=True, text=True, env=env, timeout=180)
+        assert refused.returncode == 2 and f"lockstep rl: out: {tmp_path / 'plain'} is not empty;" in refused.stderr
         proc = subprocess.run([sys.executable, "-m", "lockstep", "rl", *TINY, "--prompts-per-step", "3", "--steps",
                                "2", "--ray", f"127.0.0.1:{port}", "--out", str(tmp_path / "ray")],
                               capture_output=True, text=True, env=env, timeout=180)

@@ -33,6 +33,8 @@ from .. import checks
 if TYPE_CHECKING:
     from . import RLConfig
 
+log = logging.getLogger("lockstep.rl")
+
 ADDRESS_FORMS = ("'auto' (the cluster this node belongs to), HOST:PORT (the head's GCS address, which "
                  "`ray start --head` prints) or ray://HOST:PORT (Ray Client)")
 
@@ -186,6 +188,7 @@ def run(cfg: RLConfig, out: str, address: str | None = None, servers: int = 1, d
     resources = {"num_cpus": cpus_per_actor, "num_gpus": 1 if gpus else 0}
     placed: list = []
     try:
+        _say_what_is_missing(ray, actors, cpus_per_actor, gpus)
         server_cls = ray.remote(ServerActor).options(**resources)
         # A local cluster listens on 127.0.0.1 only, and so do its servers.
         host = None if address else "127.0.0.1"
@@ -207,6 +210,17 @@ def run(cfg: RLConfig, out: str, address: str | None = None, servers: int = 1, d
             ray.shutdown()
 
 
+def _say_what_is_missing(ray: ModuleType, actors: int, cpus_per_actor: int, gpus: bool) -> None:
+    """A warning when the cluster holds fewer CPUs or GPUs than the actors take: Ray then waits for
+    them (an autoscaling cluster may add nodes) rather than fail, and the run would seem to hang."""
+    have = ray.cluster_resources()
+    need = {"CPU": actors * cpus_per_actor, "GPU": actors if gpus else 0}
+    short = [f"{n} {kind}s (it has {have.get(kind, 0):g})" for kind, n in need.items() if have.get(kind, 0) < n]
+    if short:
+        log.warning("lockstep rl --ray: the run's %d actors take %s of the cluster; they wait until it has them",
+                    actors, " and ".join(short))
+
+
 def _wait(ray: ModuleType, calls: list) -> list:
     """Every call's result; the error of the first that fails is raised (rank 0's where it failed
     too), and the caller ends the other actors, which would otherwise wait on it until their
@@ -215,16 +229,27 @@ def _wait(ray: ModuleType, calls: list) -> list:
     while pending:
         done, pending = ray.wait(pending, num_returns=1)
         try:
-            results[done[0]] = ray.get(done[0])
+            results[done[0]] = _get(ray, done[0])
         except BaseException:
             if done[0] is not calls[0] and calls[0] in pending:
                 # Rank 0 says why (the others only that rank 0 failed), when it fails in time; the
                 # caller then ends every actor.
                 ready, _ = ray.wait([calls[0]], timeout=10)
                 if ready:
-                    ray.get(ready[0])
+                    _get(ray, ready[0])
             raise
     return [results[c] for c in calls]
+
+
+def _get(ray: ModuleType, ref) -> object:
+    """ray.get, raising a rank's own error as it raised it (Ray's wrapper, which names the actor and
+    its address, is its __cause__): the command line prints it in one line, as under torchrun."""
+    try:
+        return ray.get(ref)
+    except ray.exceptions.RayTaskError as e:
+        if isinstance(e.cause, Exception):
+            raise e.cause from e
+        raise
 
 
 def _stop(ray: ModuleType, actors: list) -> None:
