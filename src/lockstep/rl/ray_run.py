@@ -6,10 +6,10 @@ What is placed where:
   GPU) and starts and owns the `lockstep serve` subprocess on its node, listening on the node's
   address; when the actor goes, its server goes with it;
 - each data-parallel rank of the trainer is a `RankActor`: the ranks form a torch.distributed gloo
-  group from the MASTER_ADDR/MASTER_PORT that rank 0's actor chose on its node,
-  and each runs lockstep.rl.run, the code torchrun runs, with torchrun's environment variables. Rank
-  0 samples from the servers' URLs (behind SGLang's router on its node when there are several),
-  pushes the weights to them and writes the run folder, as under torchrun.
+  group from the MASTER_ADDR/MASTER_PORT that rank 0's actor chose on its node, and each runs
+  lockstep.rl.run, the code torchrun runs, with torchrun's environment variables. Rank 0 samples
+  from the servers' URLs (behind SGLang's router on its node when there are several), pushes the
+  weights to them and writes the run folder, as under torchrun.
 
 The driver only places the actors, waits for them and takes rank 0's step records; if a rank fails,
 the others are stopped and its error is raised here. The run folder must be one path that every node
