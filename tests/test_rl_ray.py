@@ -11,9 +11,11 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import ray
+from ray._private.utils import get_ray_address_file
 
 from lockstep import cli, dist, train
 from test_rl_loop import TINY, _weights
@@ -58,6 +60,10 @@ def test_at_the_address_of_a_running_cluster(tmp_path):
     leaves the cluster running; a run that fails on its rank says why in one line. Its node address is this machine's own, where the server listens. The
     run is `lockstep rl` in a process of its own, as Ray reads RAY_AUTH_MODE when it is imported."""
     env = {**os.environ, "RAY_AUTH_MODE": "token"}      # the head's and the driver's, as Ray's docs say
+    # `ray start` records its address for a later ray.init() on this machine; the test puts back what
+    # was there, so that no one is sent to its head once it is gone.
+    recorded = Path(get_ray_address_file(None))
+    before = recorded.read_text() if recorded.exists() else None
     port = dist.free_port()
     ray_cli = os.path.join(os.path.dirname(sys.executable), "ray")
     head = subprocess.Popen([ray_cli, "start", "--head", "--block", "--port", str(port), "--num-cpus", "2",
@@ -91,6 +97,10 @@ def test_at_the_address_of_a_running_cluster(tmp_path):
         except subprocess.TimeoutExpired:
             os.killpg(head.pid, signal.SIGKILL)
             head.wait(timeout=10)
+        if before is None:
+            recorded.unlink(missing_ok=True)
+        else:
+            recorded.write_text(before)
     assert events[0]["ranks"] == 1
     assert [[r[k] for k in KEYS] for r in placed] == [[r[k] for k in KEYS] for r in plain]
     assert (tmp_path / "ray" / "rollouts.jsonl").read_text() == (tmp_path / "plain" / "rollouts.jsonl").read_text()
