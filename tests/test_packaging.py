@@ -29,7 +29,7 @@ PACKAGE = ROOT / "src" / "lockstep"
 # What the extras bring (pyproject.toml), and what the test extra adds; none is a core dependency.
 # (pydantic and starlette come with fastapi.)
 OPTIONAL = ("transformers", "fastapi", "uvicorn", "httpx", "triton", "trl", "openai", "gguf", "ziglang", "pydantic",
-            "starlette", "sglang_router")
+            "starlette", "sglang_router", "ray")
 
 
 @pytest.fixture(scope="module")
@@ -159,6 +159,7 @@ def test_the_core_jobs_run_without_any_extra(wheel_install, tmp_path):
 @pytest.mark.parametrize("argv, missing, extra", [
     (["rl", "--model", "tiny", "--steps", "1", "--out", "runs/rl"], "httpx", "rl"),
     (["rl", "--model", "tiny", "--steps", "1", "--out", "runs/rl"], "uvicorn", "rl"),
+    (["rl", "--model", "tiny", "--steps", "1", "--ray", "--out", "runs/rl"], "ray", "ray"),
     (["serve", "tiny"], "fastapi", "serve"),
     (["parity", "--trajectory", "native", "plain", "--steps", "1", "--json", "out/p.json"], "transformers", "hf"),
     (["gpu-audit"], "triton", "triton"),

@@ -61,6 +61,17 @@ def cmd_rl(args: argparse.Namespace) -> int:
         raise UsageError(f"--servers: expected a positive int, got {args.servers}")
     if args.servers > 1 or len(args.server or []) > 1:       # several servers: SGLang's router in front
         require_extra("router", "sglang_router")
+    if args.ray is None and (args.dp != 1 or args.ray_gpus or args.ray_cpus != 1):
+        raise UsageError("--dp, --ray-cpus and --ray-gpus place the run on a Ray cluster: add --ray [ADDRESS] "
+                         "(under torchrun, the data-parallel size is the number of processes)")
+    if args.ray is not None:
+        require_extra("ray", "ray")
+        if args.server:
+            raise UsageError("--ray places the rollout servers on the cluster (--servers N) and --server names "
+                             "running ones; give one or the other")
+        for flag, value in (("--dp", args.dp), ("--ray-cpus", args.ray_cpus)):
+            if value < 1:
+                raise UsageError(f"{flag}: expected a positive int, got {value}")
     from .. import rl
     from ..tools.report import from_run_dir
 
@@ -71,8 +82,14 @@ def cmd_rl(args: argparse.Namespace) -> int:
                       keep_checkpoints=args.keep_checkpoints, seed=args.seed, backend=args.backend,
                       shard_optimizer=args.shard_optimizer)
     try:
-        rl.run(cfg, args.out, server_url=args.server, resume=args.resume, servers=args.servers,
-               accept_mismatch=args.accept_mismatch)
+        if args.ray is not None:
+            from ..rl import ray_run
+
+            ray_run.run(cfg, args.out, address=args.ray, servers=args.servers, dp=args.dp, gpus=args.ray_gpus,
+                        cpus_per_actor=args.ray_cpus, resume=args.resume, accept_mismatch=args.accept_mismatch)
+        else:
+            rl.run(cfg, args.out, server_url=args.server, resume=args.resume, servers=args.servers,
+                   accept_mismatch=args.accept_mismatch)
     except rl.NoServerLeft as e:
         print(f"lockstep rl: {e}; the last checkpoint is kept in {args.out}", file=sys.stderr)
         return 1
@@ -176,6 +193,18 @@ def add_rl(sub, formatter) -> None:
     g.add_argument("--accept-mismatch", action="store_true",
                    help="sample from servers whose backend, CPU instruction set or GPU, torch or Triton version "
                         "differ from the trainer's (logged); without it they are refused")
+    g.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
+                   help="place the run on a Ray cluster (the ray extra): the --servers rollout servers and the "
+                        "--dp trainer ranks as Ray actors, with the bits of the run without Ray. ADDRESS: 'auto', "
+                        "HOST:PORT of the cluster's head or ray://HOST:PORT; none: a cluster on this machine")
+    g.add_argument("--dp", type=int, default=1, metavar="D",
+                   help="with --ray, the trainer's data-parallel ranks (each a Ray actor); the run's bits do not "
+                        "depend on it")
+    g.add_argument("--ray-cpus", type=int, default=1, metavar="C",
+                   help="with --ray, the CPUs of each rollout server and each trainer rank (their threads)")
+    g.add_argument("--ray-gpus", action="store_true",
+                   help="with --ray, also one GPU for each rollout server and each trainer rank: one actor per GPU "
+                        "of GPU nodes")
     g.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
     g.add_argument("--out", required=True, help="run folder: log.jsonl, rollouts.jsonl, checkpoints, report.html")
     g.set_defaults(func=cmd_rl)

@@ -37,10 +37,12 @@ def free_port() -> int:
 
 
 class RolloutClient:
-    """A `lockstep serve` over HTTP (started here as a subprocess when `url` is None)."""
+    """A `lockstep serve` over HTTP (started here as a subprocess when `url` is None, listening on
+    `host`: this machine only unless told, as other nodes of a cluster must reach it)."""
 
     def __init__(self, url: str | None = None, model: str | None = None, dtype: str = "bf16", backend: str = "auto",
-                 timeout: float = 600.0, startup_s: float = 300.0, max_num_seqs: int = 64):
+                 timeout: float = 600.0, startup_s: float = 300.0, max_num_seqs: int = 64,
+                 host: str = "127.0.0.1"):
         import httpx
 
         self.process = None
@@ -49,10 +51,10 @@ class RolloutClient:
                 raise ValueError("model: expected the model to serve when no server url is given")
             port = free_port()
             cmd = [sys.executable, "-m", "lockstep", "serve", model, "--dtype", dtype, "--port", str(port),
-                   "--backend", backend, "--log-level", "warning", "--max-num-seqs", str(max_num_seqs),
+                   "--host", host, "--backend", backend, "--log-level", "warning", "--max-num-seqs", str(max_num_seqs),
                    "--max-num-batched-tokens", "4096"]
             self.process = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-            url = f"http://127.0.0.1:{port}"
+            url = f"http://{host}:{port}"
         self.url = url
         self.http = httpx.Client(base_url=url, timeout=timeout)
         deadline = time.time() + startup_s

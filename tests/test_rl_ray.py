@@ -1,0 +1,127 @@
+"""`lockstep rl --ray`: the run placed on a Ray cluster started on this machine (127.0.0.1, CPUs only),
+its rollout servers and its trainer's data-parallel ranks Ray actors, with the bits of the same run
+without Ray: the same rollouts, per-step losses and final weights. Ray must start here: without it,
+these tests fail rather than skip."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import ray
+from ray._private.utils import get_ray_address_file
+
+from lockstep import cli, dist, train
+from test_rl_loop import TINY, _weights
+
+KEYS = ("step", "loss", "grad_norm", "reward", "tokens", "max_abs_dlogp", "approx_kl0", "mean_ratio",
+        "sampled_with_version", "weight_version")
+
+
+@pytest.fixture(autouse=True)
+def no_ray_left():
+    """Whatever a test does, no Ray cluster outlives it."""
+    yield
+    if ray.is_initialized():
+        ray.shutdown()
+
+
+def _run(tmp_path, name: str, *args: str) -> tuple[list[dict], list[dict]]:
+    assert cli.main(["rl", *TINY, "--prompts-per-step", "3", "--steps", "2", "--out", str(tmp_path / name),
+                     *args]) == 0
+    return train.read_log(str(tmp_path / name))
+
+
+def test_on_a_local_ray_cluster_the_run_has_the_bits_of_the_run_without_ray(tmp_path, capsys):
+    """Two rollout servers (behind the router, on rank 0's node) and data parallel 2, each an actor."""
+    plain, _ = _run(tmp_path, "plain")
+    placed, events = _run(tmp_path, "ray", "--ray", "--servers", "2", "--dp", "2")
+    assert not ray.is_initialized(), "the cluster started for the run is shut down with it"
+    assert events[0]["ranks"] == 2 and events[0]["layout"]["data_parallel"] == 2
+    assert len(events[0]["servers"]) == 2 and events[0]["server"] not in events[0]["servers"]
+    assert all(url.startswith("http://127.0.0.1:") for url in events[0]["servers"]), "this machine only"
+    assert [[r[k] for k in KEYS] for r in placed] == [[r[k] for k in KEYS] for r in plain]
+    assert all(r["max_abs_dlogp"] == 0 and r["mean_ratio"] == 1 for r in placed)
+    assert all(min(r["served"].values()) >= 1 for r in placed), "both servers serve every step"
+    assert (tmp_path / "ray" / "rollouts.jsonl").read_text() == (tmp_path / "plain" / "rollouts.jsonl").read_text()
+    assert _weights(tmp_path / "ray") == _weights(tmp_path / "plain")
+    assert "lockstep rl: 2 steps" in capsys.readouterr().out
+
+
+def test_at_the_address_of_a_running_cluster(tmp_path):
+    """A cluster's head started apart (`ray start --head`, on this machine, with Ray's token
+    authentication): the run connects to it by address, places one server and one rank there, and
+    leaves the cluster running; a run that fails on its rank says why in one line. Its node address is this machine's own, where the server listens. The
+    run is `lockstep rl` in a process of its own, as Ray reads RAY_AUTH_MODE when it is imported."""
+    env = {**os.environ, "RAY_AUTH_MODE": "token"}      # the head's and the driver's, as Ray's docs say
+    # `ray start` records its address for a later ray.init() on this machine; the test puts back what
+    # was there, so that no one is sent to its head once it is gone.
+    recorded = Path(get_ray_address_file(None))
+    before = recorded.read_text() if recorded.exists() else None
+    port = dist.free_port()
+    ray_cli = os.path.join(os.path.dirname(sys.executable), "ray")
+    head = subprocess.Popen([ray_cli, "start", "--head", "--block", "--port", str(port), "--num-cpus", "2",
+                             "--include-dashboard", "false", "--disable-usage-stats"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, start_new_session=True)
+    try:
+        deadline = time.time() + 60
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                assert head.poll() is None and time.time() < deadline, "the head did not come up"
+                time.sleep(0.5)
+        plain, _ = _run(tmp_path, "plain")
+        # A rank's error is the command's one line, as under torchrun; the cluster stays up.
+        refused = subprocess.run([sys.executable, "-m", "lockstep", "rl", *TINY, "--steps", "1", "--ray",
+                                  f"127.0.0.1:{port}", "--out", str(tmp_path / "plain")],
+                                 capture_output=True, text=True, env=env, timeout=180)
+        assert refused.returncode == 2 and f"lockstep rl: out: {tmp_path / 'plain'} is not empty;" in refused.stderr
+        proc = subprocess.run([sys.executable, "-m", "lockstep", "rl", *TINY, "--prompts-per-step", "3", "--steps",
+                               "2", "--ray", f"127.0.0.1:{port}", "--out", str(tmp_path / "ray")],
+                              capture_output=True, text=True, env=env, timeout=180)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        placed, events = train.read_log(str(tmp_path / "ray"))
+        assert head.poll() is None, "the cluster outlives the run"
+    finally:
+        head.send_signal(signal.SIGINT)    # `ray start --block` stops the processes it started
+        try:
+            head.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(head.pid, signal.SIGKILL)
+            head.wait(timeout=10)
+        if before is None:
+            recorded.unlink(missing_ok=True)
+        else:
+            recorded.write_text(before)
+    assert events[0]["ranks"] == 1
+    assert [[r[k] for k in KEYS] for r in placed] == [[r[k] for k in KEYS] for r in plain]
+    assert (tmp_path / "ray" / "rollouts.jsonl").read_text() == (tmp_path / "plain" / "rollouts.jsonl").read_text()
+    assert _weights(tmp_path / "ray") == _weights(tmp_path / "plain")
+
+
+@pytest.mark.parametrize("address, said", [
+    ("127.0.0.1:1", "no Ray cluster answers there"),
+    ("not an address", "expected 'auto' (the cluster this node belongs to), HOST:PORT"),
+])
+def test_a_bad_ray_address_is_one_line_naming_it(tmp_path, capsys, address, said):
+    assert cli.main(["rl", *TINY, "--steps", "1", "--ray", address, "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"lockstep rl: --ray {address!r}: ") and said in err and err.count("\n") == 1, err
+    assert "ray://HOST:PORT" in err and not ray.is_initialized()
+
+
+def test_without_ray_the_flag_names_the_extra(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "ray", None)        # how Python marks a module it cannot import
+    assert cli.main(["rl", *TINY, "--ray", "--out", str(tmp_path / "run")]) == 2
+    assert "needs the ray extra (pip install 'lockstep[ray]'): no module named 'ray'" in capsys.readouterr().err
+    # The flags of a Ray run, without --ray.
+    assert cli.main(["rl", *TINY, "--dp", "2", "--out", str(tmp_path / "run")]) == 2
+    assert "--dp, --ray-cpus and --ray-gpus place the run on a Ray cluster: add --ray [ADDRESS]" in capsys.readouterr().err
