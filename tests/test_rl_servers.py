@@ -62,17 +62,27 @@ def test_two_servers_behind_the_router_give_the_bits_of_one(tmp_path, sampled):
     assert [(r["sampled_with_version"], r["weight_version"]) for r in two] == [("step-0", "step-1"),
                                                                              ("step-1", "step-2")]
     # Servers already running (--server given twice), behind a router the run starts: the run pushes
-    # its initial weights first, so they may start from any model of the architecture.
+    # its initial weights first, so they may start from any model of the architecture. Here the
+    # weights travel in the requests, as they must to servers on other hosts (--push-weights http).
     sampled.clear()
+    pushed = []
+    update = rl_servers.RolloutClient.update_weights
+
+    def spying(client, *args):
+        pushed.append(client.over_http)
+        return update(client, *args)
     folder = str(tmp_path / "other-weights")
     with_byte_tokenizer(model_from_source("tiny", torch.bfloat16, "llama", 1, vocab_size=320)).save(folder)
     running = [rl_servers.RolloutClient(None, model=folder, dtype="bf16", max_num_seqs=4) for _ in range(2)]
     try:
         urls = [arg for c in running for arg in ("--server", c.url)]
-        given, events = _run(tmp_path, "given", *urls)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(rl_servers.RolloutClient, "update_weights", spying)
+            given, events = _run(tmp_path, "given", *urls, "--push-weights", "http")
     finally:
         for c in running:
             c.close()
+    assert pushed and all(pushed), pushed           # every push, to each server, in the request
     assert events[0]["servers"] == [c.url for c in running] and sampled == from_one
     assert [[r[k] for k in KEYS] for r in given] == [[r[k] for k in KEYS] for r in one]
     assert _weights(tmp_path / "given") == _weights(tmp_path / "one")
@@ -98,6 +108,16 @@ def test_a_server_that_computes_differently_is_refused_naming_the_field(tmp_path
         assert cli.main(["rl", *TINY, "--steps", "1", "--accept-mismatch", "--out", str(tmp_path / "accepted")]) == 0
     assert f"torch: the trainer has '{other}', the server '{torch.__version__}'" in caplog.text
     assert "(--accept-mismatch)" in caplog.text
+
+
+def test_a_push_goes_in_the_request_to_a_server_on_another_host():
+    client = rl_servers.RolloutClient.__new__(rl_servers.RolloutClient)
+    for url, push, over_http in (("http://127.0.0.1:8000", "auto", False), ("http://10.0.0.5:8000", "auto", True),
+                                 ("http://localhost:8000", "http", True), ("http://10.0.0.5:8000", "disk", False)):
+        client.url, client.push = url, push
+        assert client.over_http is over_http, (url, push)
+    with pytest.raises(ValueError, match=r"^push: expected one of \('auto', 'disk', 'http'\), got 'ftp'$"):
+        rl_servers.RolloutClient("http://127.0.0.1:1", push="ftp")
 
 
 def test_flags_that_contradict_each_other_are_refused(tmp_path, capsys):

@@ -89,7 +89,7 @@ def cmd_rl(args: argparse.Namespace) -> int:
                         cpus_per_actor=args.ray_cpus, resume=args.resume, accept_mismatch=args.accept_mismatch)
         else:
             rl.run(cfg, args.out, server_url=args.server, resume=args.resume, servers=args.servers,
-                   accept_mismatch=args.accept_mismatch)
+                   accept_mismatch=args.accept_mismatch, push_weights=args.push_weights)
     except rl.NoServerLeft as e:
         print(f"lockstep rl: {e}; the last checkpoint is kept in {args.out}", file=sys.stderr)
         return 1
@@ -193,6 +193,10 @@ def add_rl(sub, formatter) -> None:
     g.add_argument("--accept-mismatch", action="store_true",
                    help="sample from servers whose backend, CPU instruction set or GPU, torch or Triton version "
                         "differ from the trainer's (logged); without it they are refused")
+    g.add_argument("--push-weights", choices=("auto", "disk", "http"), default="auto",
+                   help="how each step's weights reach the servers: disk (they read the run folder: a shared "
+                        "filesystem), http (the file travels in the request) or auto (http for a server on "
+                        "another host)")
     g.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
                    help="place the run on a Ray cluster (the ray extra): the --servers rollout servers and the "
                         "--dp trainer ranks as Ray actors, with the bits of the run without Ray. ADDRESS: 'auto', "

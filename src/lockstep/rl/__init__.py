@@ -38,7 +38,7 @@ from ..mismatch import mismatch
 from ..model import Transformer, logprobs, model_from_source, with_byte_tokenizer
 from ..registry import use_backend
 from ..train import PolicyLoss, TrainConfig, Trainer, read_log, truncate_log
-from .rollout import RolloutClient, Rollout
+from .rollout import PUSHES, RolloutClient, Rollout
 from .servers import FingerprintMismatch, NoServerLeft, ServerPool, connect
 from .task import ArithmeticTask, Problem
 
@@ -140,12 +140,15 @@ def rollout_window(prompts: list[list[int]], rollouts: list[Rollout], advantages
 
 
 def run(cfg: RLConfig, out: str, task: ArithmeticTask | None = None, server_url: str | list[str] | None = None,
-        resume: bool = False, progress: bool = True, servers: int = 1, accept_mismatch: bool = False) -> list[dict]:
+        resume: bool = False, progress: bool = True, servers: int = 1, accept_mismatch: bool = False,
+        push_weights: str = "auto") -> list[dict]:
     """GRPO for cfg.steps steps with rollouts from a `lockstep serve` (started here unless server_url
     is given). With `servers` > 1, that many servers are started behind SGLang's router, and several
     URLs in server_url are servers already running, behind a router started here
     (lockstep.rl.servers); either way the run has the bits of one server. Every server's fingerprint
-    must be the trainer's (lockstep.machine) unless accept_mismatch. Writes out/log.jsonl (one
+    must be the trainer's (lockstep.machine) unless accept_mismatch. push_weights: how each step's
+    weights reach the servers (rollout.PUSHES: "disk", a path they read; "http", the file in the
+    request; "auto", http for a server on another host). Writes out/log.jsonl (one
     record a step), out/rollouts.jsonl (every problem, completion and reward), checkpoints in out/checkpoints and the served weights in out/weights. `resume`
     continues the run in `out` from its last checkpoint, bitwise as if it had not stopped.
 
@@ -155,10 +158,13 @@ def run(cfg: RLConfig, out: str, task: ArithmeticTask | None = None, server_url:
     from .. import dist as ldist
 
     checks.int_at_least("servers", servers)
+    if push_weights not in PUSHES:
+        raise ValueError(f"push_weights: expected one of {PUSHES}, got {push_weights!r}")
     distributed = ldist.init_from_env()
     try:
         urls = [server_url] if isinstance(server_url, str) else list(server_url or [])
-        return _run(cfg, out, task or ArithmeticTask(), urls, resume, progress, distributed, servers, accept_mismatch)
+        return _run(cfg, out, task or ArithmeticTask(), urls, resume, progress, distributed, servers, accept_mismatch,
+                    push_weights)
     finally:
         if distributed:
             torch.distributed.destroy_process_group()
@@ -174,7 +180,7 @@ def _check_out(out: str, resume: bool) -> None:
 
 
 def _run(cfg: RLConfig, out: str, task: ArithmeticTask, urls: list[str], resume: bool, progress: bool,
-         distributed: bool, servers: int, accept_mismatch: bool) -> list[dict]:
+         distributed: bool, servers: int, accept_mismatch: bool, push_weights: str = "auto") -> list[dict]:
     from .. import dist as ldist
 
     cfg.validate()
@@ -206,7 +212,7 @@ def _run(cfg: RLConfig, out: str, task: ArithmeticTask, urls: list[str], resume:
         nonlocal client
         weights = push_folder(out, trainer)
         client = connect(urls, servers, fingerprint(cfg.backend, model.device), accept_mismatch, model=weights,
-                         dtype=cfg.dtype, backend=cfg.backend,
+                         dtype=cfg.dtype, backend=cfg.backend, push=push_weights,
                          max_num_seqs=cfg.max_num_seqs or cfg.prompts_per_step * cfg.group)
         return client.update_weights(weights, f"step-{trainer.step_idx}")
 

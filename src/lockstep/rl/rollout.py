@@ -3,18 +3,26 @@ native API (the one slime, AReaL and verl's SGLang rollout speak).
 
 `generate` posts token ids to POST /generate with `n` completions per prompt, seeded sampling
 (`sampling_seed`) and the sampler's logprobs (`return_logprob`); `update_weights` posts a
-safetensors folder to POST /update_weights_from_disk with a `weight_version` label, which every
-later completion carries in its meta_info. The client starts the server as a subprocess on
+safetensors folder's path to POST /update_weights_from_disk (a shared filesystem), or its
+model.safetensors to POST /update_weights (a server on another host, or push "http"), with a
+`weight_version` label, which every later completion carries in its meta_info. The client starts the server as a subprocess on
 127.0.0.1 when it is given no url.
 """
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
 import time
+import urllib.parse
 from dataclasses import dataclass
+
+
+# How weight updates reach a server: "disk" (it reads the pushed folder), "http" (the file is the
+# request's body) or "auto" (http for a server on another host).
+PUSHES = ("auto", "disk", "http")
 
 
 @dataclass
@@ -42,9 +50,12 @@ class RolloutClient:
 
     def __init__(self, url: str | None = None, model: str | None = None, dtype: str = "bf16", backend: str = "auto",
                  timeout: float = 600.0, startup_s: float = 300.0, max_num_seqs: int = 64,
-                 host: str = "127.0.0.1"):
+                 host: str = "127.0.0.1", push: str = "auto"):
         import httpx
 
+        if push not in PUSHES:
+            raise ValueError(f"push: expected one of {PUSHES}, got {push!r}")
+        self.push = push
         self.process = None
         if url is None:
             if model is None:
@@ -99,13 +110,30 @@ class RolloutClient:
         return rollouts
 
     def update_weights(self, model_path: str, weight_version: str) -> str:
-        """Load a safetensors folder into the server under the label `weight_version`, which every later
-        completion carries; returns the label the server reports."""
-        r = self.http.post("/update_weights_from_disk", json={"model_path": model_path, "flush_cache": True,
-                                                              "weight_version": weight_version})
+        """Load a model folder's weights into the server under the label `weight_version`, which every
+        later completion carries; returns the label the server reports. The server reads the folder
+        itself (POST /update_weights_from_disk) where it shares this machine's filesystem; otherwise
+        (push "http", or "auto" with a server on another host) the folder's model.safetensors is
+        the body of POST /update_weights."""
+        if self.over_http:
+            with open(os.path.join(model_path, "model.safetensors"), "rb") as f:
+                body = f.read()
+            r = self.http.post("/update_weights", content=body, params={"weight_version": weight_version},
+                               headers={"content-type": "application/octet-stream"})
+        else:
+            r = self.http.post("/update_weights_from_disk", json={"model_path": model_path, "flush_cache": True,
+                                                                  "weight_version": weight_version})
         if r.status_code != 200 or not r.json().get("success"):
             raise RuntimeError(f"weight update: the server answered {r.status_code}: {r.text[:500]}")
         return str(r.json()["weight_version"])
+
+    @property
+    def over_http(self) -> bool:
+        """Whether weight updates travel in the request (push "http", or "auto" with a server whose
+        host is not this machine's loopback) rather than through a shared filesystem."""
+        if self.push != "auto":
+            return self.push == "http"
+        return urllib.parse.urlsplit(self.url).hostname not in ("127.0.0.1", "localhost", "::1")
 
     def close(self) -> None:
         self.http.close()
