@@ -73,7 +73,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--families", default="llama,qwen3")
     args = parser.parse_args()
-    print(f"machine: {machine()}; torch {torch.__version__}, {torch.get_num_threads()} threads; {ROWS} rows decoding")
+    print(f"machine: {machine()}; {ROWS} rows decoding")
     print("| family | lockstep us / layer-step | transformers us / layer-step | ratio | reads / step | ops / layer-step |")
     print("|---|---|---|---|---|---|")
     for family in args.families.split(","):

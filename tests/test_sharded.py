@@ -4,7 +4,6 @@ and data-parallel sizes, the state each rank holds, and the errors. Ranks are sp
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 
@@ -16,6 +15,8 @@ from lockstep import train
 from lockstep.model import ModelConfig, Transformer
 from lockstep.train import PackedDataset, SingleProcessSync, TrainConfig, Trainer
 from lockstep.train.sharded import Piece, ShardedAdamW, partition
+
+from test_layout import _digest
 
 SEQ_LEN, STEPS = 32, 3
 DTYPES = {"fp32": (torch.float32, False), "bf16-master": (torch.bfloat16, True), "bf16": (torch.bfloat16, False)}
@@ -47,14 +48,6 @@ def test_the_partition_gives_every_element_to_one_rank_in_contiguous_ranges():
 # ------------------------------------------------------------------------------------------------
 def _tokens() -> list[int]:
     return torch.randint(0, 300, (6000,), generator=torch.Generator().manual_seed(0)).tolist()
-
-
-def _digest(tensors: dict[str, torch.Tensor]) -> str:
-    h = hashlib.sha256()
-    for name in sorted(tensors):
-        h.update(name.encode())
-        h.update(tensors[name].detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
 
 
 def _train(dtype_name: str, mb: int, accum: int, shard: bool = False, tp: int = 0) -> dict:
