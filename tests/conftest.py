@@ -104,6 +104,14 @@ def gpu_audit_output(request):
     return audit.result(timeout=1500)
 
 
+@pytest.fixture(scope="session")
+def rl_on_one_server(tmp_path_factory):
+    """The tiny RL run on one server that the many-server, Ray and torchrun runs reproduce (_rl_runs)."""
+    import _rl_runs
+
+    return _rl_runs.one_server(tmp_path_factory.mktemp("rl-one-server"))
+
+
 def pytest_sessionfinish(session, exitstatus):
     """The audit's output stays when a test failed, as pytest keeps a failed test's tmp_path. Under
     xdist the controller stops the audit that one of its workers started."""

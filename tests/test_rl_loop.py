@@ -10,18 +10,8 @@ import sys
 import pytest
 
 from lockstep import cli, dist, rl, train
-from lockstep.model.files import params_digest, read_tensors, safetensors_files
-
-TINY = ["--model", "tiny", "--dtype", "bf16", "--prompts-per-step", "2", "--group", "2", "--max-new-tokens", "4",
-        "--lr", "1e-3"]
-
-
-def _weights(run) -> str:
-    ckpt = train.latest_checkpoint(str(run / "checkpoints"))
-    tensors = {}
-    for f in safetensors_files(ckpt):
-        tensors.update(read_tensors(f))
-    return params_digest(list(tensors.items()))
+from _rl_runs import COMPARED, TINY
+from _rl_runs import weights as _weights
 
 
 def test_rl_loop_is_exact_pushes_weights_and_resumes_bitwise(tmp_path, capsys):
@@ -63,25 +53,24 @@ def _torchrun(*args: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.parametrize("shard", [False, True], ids=["replicated", "shard-optimizer"])
-def test_rl_under_torchrun_trains_the_bits_of_one_process(tmp_path, shard):
+def test_rl_under_torchrun_trains_the_bits_of_one_process(tmp_path, shard, rl_on_one_server):
     """Data parallel 2 (and another micro-batch size): rank 0 samples and broadcasts, each rank
     trains its share of the window (sequences of uneven lengths: the word problems' prompts differ);
     the same rollouts, losses and weights as one process, with AdamW's state replicated or sharded
     over the ranks (docs/adr/0037). Uneven completions at DP 2 are tested on the Trainer's step
     itself (test_rl.py)."""
-    one, two = tmp_path / "one", tmp_path / "two"
-    assert cli.main(["rl", *TINY, "--steps", "2", "--out", str(one)]) == 0
-    proc = _torchrun(*TINY, "--steps", "2", "--micro-batch-tokens", "16", "--out", str(two),
+    one, two = rl_on_one_server, tmp_path / "two"
+    proc = _torchrun(*TINY, *COMPARED, "--micro-batch-tokens", "16", "--out", str(two),
                      *(["--shard-optimizer"] if shard else []))
     assert proc.returncode == 0, proc.stderr[-3000:]
     steps, events = train.read_log(str(two))
     assert events[0]["ranks"] == 2 and events[0]["layout"]["data_parallel"] == 2 and len(steps) == 2
     assert events[0]["layout"].get("shard_optimizer", False) is shard
     keys = ("step", "loss", "grad_norm", "reward", "tokens", "max_abs_dlogp", "approx_kl0", "mean_ratio")
-    assert [[r[k] for k in keys] for r in steps] == [[r[k] for k in keys] for r in train.read_log(str(one))[0]]
+    assert [[r[k] for k in keys] for r in steps] == one.rows(keys)
     assert all(r["max_abs_dlogp"] == 0 and r["mean_ratio"] == 1 for r in steps)
-    assert (two / "rollouts.jsonl").read_text() == (one / "rollouts.jsonl").read_text()
-    assert _weights(two) == _weights(one)
+    assert (two / "rollouts.jsonl").read_text() == one.rollouts_text
+    assert _weights(two) == _weights(one.out)
     assert "lockstep rl: 2 steps" in proc.stdout and proc.stdout.count("lockstep rl:") == 1, "rank 0 reports"
 
 

@@ -18,7 +18,7 @@ import ray
 from ray._private.utils import get_ray_address_file
 
 from lockstep import cli, dist, train
-from test_rl_loop import TINY, _weights
+from _rl_runs import COMPARED, TINY, run, weights
 
 KEYS = ("step", "loss", "grad_norm", "reward", "tokens", "max_abs_dlogp", "approx_kl0", "mean_ratio",
         "sampled_with_version", "weight_version")
@@ -32,29 +32,23 @@ def no_ray_left():
         ray.shutdown()
 
 
-def _run(tmp_path, name: str, *args: str) -> tuple[list[dict], list[dict]]:
-    assert cli.main(["rl", *TINY, "--prompts-per-step", "3", "--steps", "2", "--out", str(tmp_path / name),
-                     *args]) == 0
-    return train.read_log(str(tmp_path / name))
-
-
-def test_on_a_local_ray_cluster_the_run_has_the_bits_of_the_run_without_ray(tmp_path, capsys):
+def test_on_a_local_ray_cluster_the_run_has_the_bits_of_the_run_without_ray(tmp_path, capsys, rl_on_one_server):
     """Two rollout servers (behind the router, on rank 0's node) and data parallel 2, each an actor."""
-    plain, _ = _run(tmp_path, "plain")
-    placed, events = _run(tmp_path, "ray", "--ray", "--servers", "2", "--dp", "2")
+    plain = rl_on_one_server
+    placed, events = run(tmp_path / "ray", "--ray", "--servers", "2", "--dp", "2")
     assert not ray.is_initialized(), "the cluster started for the run is shut down with it"
     assert events[0]["ranks"] == 2 and events[0]["layout"]["data_parallel"] == 2
     assert len(events[0]["servers"]) == 2 and events[0]["server"] not in events[0]["servers"]
     assert all(url.startswith("http://127.0.0.1:") for url in events[0]["servers"]), "this machine only"
-    assert [[r[k] for k in KEYS] for r in placed] == [[r[k] for k in KEYS] for r in plain]
+    assert [[r[k] for k in KEYS] for r in placed] == plain.rows(KEYS)
     assert all(r["max_abs_dlogp"] == 0 and r["mean_ratio"] == 1 for r in placed)
     assert all(min(r["served"].values()) >= 1 for r in placed), "both servers serve every step"
-    assert (tmp_path / "ray" / "rollouts.jsonl").read_text() == (tmp_path / "plain" / "rollouts.jsonl").read_text()
-    assert _weights(tmp_path / "ray") == _weights(tmp_path / "plain")
+    assert (tmp_path / "ray" / "rollouts.jsonl").read_text() == plain.rollouts_text
+    assert weights(tmp_path / "ray") == weights(plain.out)
     assert "lockstep rl: 2 steps" in capsys.readouterr().out
 
 
-def test_at_the_address_of_a_running_cluster(tmp_path):
+def test_at_the_address_of_a_running_cluster(tmp_path, rl_on_one_server):
     """A cluster's head started apart (`ray start --head`, on this machine, with Ray's token
     authentication): the run connects to it by address, places one server and one rank there, and
     leaves the cluster running; a run that fails on its rank says why in one line. Its node address is this machine's own, where the server listens. The
@@ -78,14 +72,17 @@ def test_at_the_address_of_a_running_cluster(tmp_path):
             except OSError:
                 assert head.poll() is None and time.time() < deadline, "the head did not come up"
                 time.sleep(0.5)
-        plain, _ = _run(tmp_path, "plain")
+        plain = rl_on_one_server
         # A rank's error is the command's one line, as under torchrun; the cluster stays up.
+        taken = tmp_path / "taken"
+        taken.mkdir()
+        (taken / "file").write_text("x")
         refused = subprocess.run([sys.executable, "-m", "lockstep", "rl", *TINY, "--steps", "1", "--ray",
-                                  f"127.0.0.1:{port}", "--out", str(tmp_path / "plain")],
+                                  f"127.0.0.1:{port}", "--out", str(taken)],
                                  capture_output=True, text=True, env=env, timeout=180)
-        assert refused.returncode == 2 and f"lockstep rl: out: {tmp_path / 'plain'} is not empty;" in refused.stderr
-        proc = subprocess.run([sys.executable, "-m", "lockstep", "rl", *TINY, "--prompts-per-step", "3", "--steps",
-                               "2", "--ray", f"127.0.0.1:{port}", "--out", str(tmp_path / "ray")],
+        assert refused.returncode == 2 and f"lockstep rl: out: {taken} is not empty;" in refused.stderr
+        proc = subprocess.run([sys.executable, "-m", "lockstep", "rl", *TINY, *COMPARED, "--ray", f"127.0.0.1:{port}",
+                               "--out", str(tmp_path / "ray")],
                               capture_output=True, text=True, env=env, timeout=180)
         assert proc.returncode == 0, proc.stderr[-3000:]
         placed, events = train.read_log(str(tmp_path / "ray"))
@@ -102,9 +99,9 @@ def test_at_the_address_of_a_running_cluster(tmp_path):
         else:
             recorded.write_text(before)
     assert events[0]["ranks"] == 1
-    assert [[r[k] for k in KEYS] for r in placed] == [[r[k] for k in KEYS] for r in plain]
-    assert (tmp_path / "ray" / "rollouts.jsonl").read_text() == (tmp_path / "plain" / "rollouts.jsonl").read_text()
-    assert _weights(tmp_path / "ray") == _weights(tmp_path / "plain")
+    assert [[r[k] for k in KEYS] for r in placed] == plain.rows(KEYS)
+    assert (tmp_path / "ray" / "rollouts.jsonl").read_text() == plain.rollouts_text
+    assert weights(tmp_path / "ray") == weights(plain.out)
 
 
 @pytest.mark.parametrize("address, said", [

@@ -3,7 +3,7 @@
 (token ids, logprobs), losses and final weights with one server and with two, each of the two
 serving part of every step; a server whose fingerprint differs from the trainer's is refused; a
 server that dies mid-run (before a step, or while its requests run) leaves them to the others, with
-the same bits; with none left the run stops in one line. The router must run here: without it, these
+the same bits; with none left the run stops in one line and `--resume` continues it bitwise. The router must run here: without it, these
 tests fail rather than skip."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch
 from lockstep import cli, rl, train
 from lockstep.model import model_from_source, with_byte_tokenizer
 from lockstep.rl import servers as rl_servers
-from test_rl_loop import TINY, _weights
+from _rl_runs import COMPARED, TINY, record_rollouts, run, weights
 
 KEYS = ("step", "loss", "grad_norm", "reward", "tokens", "max_abs_dlogp", "approx_kl0", "mean_ratio")
 
@@ -26,35 +26,19 @@ KEYS = ("step", "loss", "grad_norm", "reward", "tokens", "max_abs_dlogp", "appro
 @pytest.fixture
 def sampled(monkeypatch) -> list:
     """Every step's rollouts as the trainer received them: (prompt index, token ids, logprobs)."""
-    seen = []
-    window = rl.rollout_window
-
-    def recording(prompts, rollouts, advantages, cfg):
-        seen.append([(r.prompt_index, r.token_ids, r.logprobs) for r in rollouts])
-        return window(prompts, rollouts, advantages, cfg)
-
-    monkeypatch.setattr(rl, "rollout_window", recording)
-    return seen
+    return record_rollouts(monkeypatch)
 
 
-def _run(tmp_path, name: str, *args: str) -> tuple[list[dict], list[dict]]:
-    assert cli.main(["rl", *TINY, "--prompts-per-step", "3", "--steps", "2", "--out", str(tmp_path / name),
-                     *args]) == 0
-    return train.read_log(str(tmp_path / name))
-
-
-def test_two_servers_behind_the_router_give_the_bits_of_one(tmp_path, sampled):
-    one, _ = _run(tmp_path, "one")
-    from_one = list(sampled)
-    sampled.clear()
-    two, events = _run(tmp_path, "two", "--servers", "2")
+def test_two_servers_behind_the_router_give_the_bits_of_one(tmp_path, sampled, rl_on_one_server):
+    one = rl_on_one_server
+    two, events = run(tmp_path / "two", "--servers", "2")
     assert len(events[0]["servers"]) == 2 and events[0]["server"] not in events[0]["servers"]   # the router's URL
-    assert sampled == from_one and len(sampled) == 2 and all(len(step) == 3 * 2 for step in sampled)
+    assert sampled == one.sampled and len(sampled) == 2 and all(len(step) == 3 * 2 for step in sampled)
     assert any(lp for step in sampled for _, _, lp in step)
-    assert [[r[k] for k in KEYS] for r in two] == [[r[k] for k in KEYS] for r in one]
+    assert [[r[k] for k in KEYS] for r in two] == one.rows(KEYS)
     assert all(r["max_abs_dlogp"] == 0 and r["mean_ratio"] == 1 for r in two)
-    assert (tmp_path / "two" / "rollouts.jsonl").read_text() == (tmp_path / "one" / "rollouts.jsonl").read_text()
-    assert _weights(tmp_path / "two") == _weights(tmp_path / "one")
+    assert (tmp_path / "two" / "rollouts.jsonl").read_text() == one.rollouts_text
+    assert weights(tmp_path / "two") == weights(one.out)
     # One request per prompt, round robin: both servers serve part of every step.
     for r in two:
         assert sorted(r["served"]) == sorted(events[0]["servers"]) and sum(r["served"].values()) == 3, r["served"]
@@ -78,14 +62,14 @@ def test_two_servers_behind_the_router_give_the_bits_of_one(tmp_path, sampled):
         urls = [arg for c in running for arg in ("--server", c.url)]
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(rl_servers.RolloutClient, "update_weights", spying)
-            given, events = _run(tmp_path, "given", *urls, "--push-weights", "http")
+            given, events = run(tmp_path / "given", *urls, "--push-weights", "http")
     finally:
         for c in running:
             c.close()
     assert pushed and all(pushed), pushed           # every push, to each server, in the request
-    assert events[0]["servers"] == [c.url for c in running] and sampled == from_one
-    assert [[r[k] for k in KEYS] for r in given] == [[r[k] for k in KEYS] for r in one]
-    assert _weights(tmp_path / "given") == _weights(tmp_path / "one")
+    assert events[0]["servers"] == [c.url for c in running] and sampled == one.sampled
+    assert [[r[k] for k in KEYS] for r in given] == one.rows(KEYS)
+    assert weights(tmp_path / "given") == weights(one.out)
     assert all(min(r["served"].values()) >= 1 for r in given)
 
 
@@ -143,27 +127,35 @@ def _kill_before_step(monkeypatch, step: int, which) -> None:
     monkeypatch.setattr(rl_servers.ServerPool, "generate", killing)
 
 
-def test_a_server_that_dies_mid_run_leaves_its_requests_to_the_others(tmp_path, monkeypatch, sampled):
-    one, _ = _run(tmp_path, "one")
-    from_one = list(sampled)
-    sampled.clear()
+def test_a_server_that_dies_mid_run_leaves_its_requests_to_the_others(tmp_path, monkeypatch, sampled,
+                                                                      rl_on_one_server):
+    one = rl_on_one_server
     _kill_before_step(monkeypatch, 2, lambda pool: pool.servers[:1])
-    two, events = _run(tmp_path, "two", "--servers", "2")
-    assert sampled == from_one
-    assert [[r[k] for k in KEYS] for r in two] == [[r[k] for k in KEYS] for r in one]
-    assert _weights(tmp_path / "two") == _weights(tmp_path / "one")
+    two, events = run(tmp_path / "two", "--servers", "2")
+    assert sampled == one.sampled
+    assert [[r[k] for k in KEYS] for r in two] == one.rows(KEYS)
+    assert weights(tmp_path / "two") == weights(one.out)
     dead = events[0]["servers"][0]
     assert two[1]["served"][dead] == 0 and sum(two[1]["served"].values()) == 3, two[1]["served"]
 
 
-def test_with_no_server_left_the_run_stops_with_a_clear_error(tmp_path, monkeypatch, capsys):
+def test_with_no_server_left_the_run_stops_with_a_clear_error_and_resumes_bitwise(tmp_path, monkeypatch, capsys,
+                                                                                  rl_on_one_server):
+    one = rl_on_one_server
     _kill_before_step(monkeypatch, 2, lambda pool: pool.servers)
     out = tmp_path / "none"
-    assert cli.main(["rl", *TINY, "--steps", "2", "--servers", "2", "--out", str(out)]) == 1
+    assert cli.main(["rl", *TINY, *COMPARED, "--servers", "2", "--out", str(out)]) == 1
     err = capsys.readouterr().err
     assert "lockstep rl: rollout: no rollout server is left (" in err and "do not answer /health" in err, err
     assert f"the last checkpoint is kept in {out}" in err
     assert [r["step"] for r in train.read_log(str(out))[0]] == [1]
+    # The run goes on from its checkpoint, here on one server, as if nothing had stopped it.
+    monkeypatch.undo()
+    resumed, events = run(out, "--resume")
+    assert [e["event"] for e in events] == ["start", "resume"]
+    assert [[r[k] for k in KEYS] for r in resumed] == one.rows(KEYS)
+    assert (out / "rollouts.jsonl").read_text() == one.rollouts_text
+    assert weights(out) == weights(one.out)
 
 
 def test_a_server_killed_while_its_requests_run_leaves_them_to_the_other():
