@@ -153,3 +153,50 @@ def test_positions_derive_their_range_from_their_values():
         Positions(torch.tensor([0, 1, 2]), (0, 1))
     with pytest.raises(TypeError, match=r"^positions: expected an int64 tensor \[T\] beside its values$"):
         Positions(torch.tensor([0, 1, 2], dtype=torch.int32), (0, 1, 2))
+
+
+# The Triton backend's decode step (Triton's interpreter here, no GPU): each kernel launch is counted
+# apart from the aten ops. A layer of the tiny Qwen3 launches 9 GEMMs (o_proj and down_proj each in
+# the parts that tensor parallelism may shard, two here: tp_split, ADR 0007), 4 RMSNorms (q and k
+# norms included), 2 ropes, the attention and the activation; around them only the residual adds and
+# the cache writes run as aten ops.
+TRITON_LAUNCHES_PER_LAYER = 17
+
+
+def test_a_triton_decode_step_launches_the_layers_kernels_and_little_else():
+    from lockstep.backends.triton import attention as triton_attention
+
+    def step_work(layers: int) -> HostWork:
+        engine = Engine(_model("qwen3", layers), max_num_seqs=2, block_size=4)
+        for i, params in enumerate(SAMPLING[:2]):
+            engine.add_request([1 + i, 7, 3], params)
+        engine.step()
+        with HostWork() as decode:
+            engine.step()
+        return decode
+
+    with use_backend("triton"):
+        one, two = step_work(1), step_work(2)
+    assert two.total_reads <= READS_PER_STEP and one.reads == two.reads, two.reads
+    assert two.total_launches - one.total_launches == TRITON_LAUNCHES_PER_LAYER, two.launches - one.launches
+    assert (two.launches - one.launches)["attn_fwd_kernel"] == 1
+    # The attention's metadata moves to the device once a step, not once a layer.
+    assert two.total_ops - one.total_ops <= 4, two.ops - one.ops
+    assert triton_attention._last_step is not None
+
+
+def test_triton_paged_attention_derives_a_steps_metadata_again_when_the_step_changes():
+    """The metadata kept for a step's other layers is used only for the same tuples and the same,
+    unchanged block table: a block table edited in place, or another step, is read afresh."""
+    from lockstep.backends.triton.attention import paged_attention
+
+    gen = torch.Generator().manual_seed(0)
+    cache_k, cache_v = torch.randn(4, 4, 1, 8, generator=gen), torch.randn(4, 4, 1, 8, generator=gen)
+    q = torch.randn(2, 2, 8, generator=gen)
+    cu, lens = (0, 1, 2), (3, 5)
+    table = torch.tensor([[0, 1], [2, 3]])
+    run = lambda t, c=cu, n=lens: paged_attention(q, cache_k, cache_v, t, n, c, 0.5, True, None)  # noqa: E731
+    first = run(table)
+    table[0, 0] = 3                                      # in place: the same tensor, a new version
+    assert torch.equal(run(table), run(table.clone())) and not torch.equal(run(table), first)
+    assert torch.equal(run(table, n=(4, 5)), run(table.clone(), n=(4, 5)))

@@ -26,8 +26,8 @@ class StepHost:
     block size and the number of cache blocks the step needs (its highest block id + 1); the block
     table [B, max_blocks] and slot mapping [T] it made (views of the one transfer)."""
 
-    cu_seqlens_q: list[int]
-    seq_lens: list[int]
+    cu_seqlens_q: tuple[int, ...]  # tuples: a backend may keep what it derived from them for the
+    seq_lens: tuple[int, ...]      # step's other layers, which holds only while they cannot change
     positions: Positions
     block_size: int
     blocks_needed: int
@@ -95,7 +95,7 @@ def build_step(spans: list[tuple[list[int], int, int]], block_size: int, device:
     host = torch.tensor(cu + lens + slots + positions + ids + table, dtype=torch.int64)
     moved = host.to(device)
     parts = moved.split([b + 1, b, t, t, len(ids), len(table)])
-    checked = StepHost(cu, lens, Positions(parts[3], tuple(positions)), block_size, max(table) + 1,
+    checked = StepHost(tuple(cu), tuple(lens), Positions(parts[3], tuple(positions)), block_size, max(table) + 1,
                        parts[5].view(b, width), parts[2], parts[4] if tokens is not None else None,
                        vocab_size if tokens is not None else None)
     step = CacheStep(parts[0], parts[1], checked.block_table, parts[2], checked)

@@ -13,12 +13,16 @@ kernel launch. On a CPU neither costs much, so a step's host work is counted rat
 Reads are counted where Python asks for the data (the Tensor methods above, patched for the block
 and restored after it); a read that C++ makes inside an op is not seen, which on a GPU the
 profiler's launch count covers. Ops are counted by a TorchDispatchMode, so they include the ops a
-backend runs inside its own Python, but not a Triton kernel's launch.
+backend runs inside its own Python, but not a Triton kernel's launch. Under Triton's interpreter
+(no GPU) each kernel launch is counted in `launches`, by kernel name, and the interpreter's own
+copies in and out of the kernel are not counted as ops or reads: on a GPU they do not happen.
 """
 
 from __future__ import annotations
 
 import collections
+import os
+import sys
 import threading
 
 import torch
@@ -42,7 +46,7 @@ class _Ops(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__
-        if not func.is_view and name != _SCALAR_READ:
+        if not func.is_view and name != _SCALAR_READ and not self.work._in_launch:
             (self.work.allocations if name in _ALLOCATIONS else self.work.ops)[f"aten.{name}"] += 1
         return func(*args, **(kwargs or {}))
 
@@ -50,8 +54,8 @@ class _Ops(TorchDispatchMode):
 class HostWork:
     """Counts, in the thread that enters it, the reads of tensor data to the host (`reads`, by
     method) and the non-view aten ops (`ops`, and `allocations` for those that only allocate) run
-    inside the block. One block at a time per process: the Tensor methods are patched for its
-    duration."""
+    inside the block, and the Triton kernels launched under the interpreter (`launches`). One block
+    at a time per process: the Tensor methods are patched for its duration."""
 
     _active: "HostWork | None" = None
     _lock = threading.Lock()
@@ -60,6 +64,8 @@ class HostWork:
         self.reads: collections.Counter[str] = collections.Counter()
         self.ops: collections.Counter[str] = collections.Counter()
         self.allocations: collections.Counter[str] = collections.Counter()
+        self.launches: collections.Counter[str] = collections.Counter()
+        self._in_launch = 0
         self._saved: dict[str, object] = {}
         self._mode: _Ops | None = None
         self._thread: int | None = None
@@ -72,12 +78,16 @@ class HostWork:
     def total_ops(self) -> int:
         return sum(self.ops.values())
 
+    @property
+    def total_launches(self) -> int:
+        return sum(self.launches.values())
+
     def _counting(self, method: str, kind: str):
         original = getattr(torch.Tensor, method)
         work = self
 
         def counted(tensor, *args, **kwargs):
-            if threading.get_ident() == work._thread:
+            if threading.get_ident() == work._thread and not work._in_launch:
                 work.reads[kind] += 1
             return original(tensor, *args, **kwargs)
 
@@ -93,14 +103,40 @@ class HostWork:
         for method, kind in READS.items():
             self._saved[method] = torch.Tensor.__dict__.get(method)
             setattr(torch.Tensor, method, self._counting(method, kind))
+        self._grid_call = self._count_interpreted_launches()
         self._mode = _Ops(self)
         self._mode.__enter__()
         return self
+
+    def _count_interpreted_launches(self):
+        """Patches the interpreter's launch (when Triton runs interpreted in this process) to count
+        it and to hide its copies; returns the original, or None."""
+        interpreter = sys.modules.get("triton.runtime.interpreter")
+        if interpreter is None or os.environ.get("TRITON_INTERPRET") != "1":
+            return None
+        original = interpreter.GridExecutor.__call__
+        work = self
+
+        def launch(executor, *args, **kwargs):
+            if threading.get_ident() != work._thread:
+                return original(executor, *args, **kwargs)
+            work.launches[executor.fn.__name__] += 1
+            work._in_launch += 1
+            try:
+                return original(executor, *args, **kwargs)
+            finally:
+                work._in_launch -= 1
+
+        interpreter.GridExecutor.__call__ = launch
+        return original
 
     def __exit__(self, *exc) -> None:
         try:
             self._mode.__exit__(*exc)
         finally:
+            if self._grid_call is not None:
+                sys.modules["triton.runtime.interpreter"].GridExecutor.__call__ = self._grid_call
+                self._grid_call = None
             for method, saved in self._saved.items():
                 if saved is None:
                     delattr(torch.Tensor, method)

@@ -12,6 +12,7 @@ no atomics; probabilities are recomputed.
 
 from __future__ import annotations
 
+import threading
 from typing import NamedTuple
 
 import torch
@@ -295,16 +296,16 @@ def _forward(q, k, v, cu_q, cu_k, lens, table, scale, causal, window, paged, con
     tq, hq, d = q.shape
     hkv = k.shape[-2]
     acc = accumulate_dtype(q.dtype)
-    o = torch.zeros_like(q)
-    m = torch.zeros((tq, hq), dtype=acc, device=q.device)
-    l = torch.zeros_like(m)
-    lq = [cu_q[i + 1] - cu_q[i] for i in range(len(cu_q) - 1)]
-    bseq, bq0 = _blocks(lq, config.block_q, q.device)
+    # The kernel writes every row of cu_q's sequences, every head: only padding rows past them (zeros,
+    # by the contract) need a fill.
+    o = torch.empty_like(q)
+    m = torch.empty((tq, hq), dtype=acc, device=q.device)
+    l = torch.empty_like(m)
+    if cu_q[-1] < tq:
+        for t in (o, m, l):
+            t[cu_q[-1]:].zero_()
+    bseq, bq0, cu_q_t, cu_k_t, lens_t, table_t = _launch_metadata(cu_q, cu_k, lens, table, config.block_q, q.device)
     if bseq.numel():
-        cu_q_t = torch.tensor(cu_q, dtype=torch.int32, device=q.device)
-        cu_k_t = torch.tensor(cu_k if cu_k is not None else [0], dtype=torch.int32, device=q.device)
-        lens_t = torch.tensor(lens if lens is not None else [0], dtype=torch.int32, device=q.device)
-        table_t = table.to(torch.int32).contiguous() if table is not None else cu_k_t
         stride_kt = k.stride(-3) if not paged else k.stride(1)
         attn_fwd_kernel[(bseq.numel(), hq)](
             q, k, v, o, m, l, bseq, bq0, cu_q_t, cu_k_t, lens_t, table_t, hq, hkv, d, scale, window or 0,
@@ -313,6 +314,39 @@ def _forward(q, k, v, cu_q, cu_k, lens, table, scale, causal, window, paged, con
             PRECISION=dot_precision(q.dtype), BLOCK_Q=config.block_q, BLOCK_K=KEY_BLOCK,
             BLOCK_D=triton.next_power_of_2(d), num_warps=config.num_warps, num_stages=config.num_stages)
     return o, m, l
+
+
+# The last paged step's launch metadata, with what it was made from. Every layer of a forward passes
+# the same step (build_step's tuples and block table), so the step's metadata moves to the device
+# once, not once per layer; on a GPU each move is a copy and a wait on the host's memory.
+_last_step: tuple | None = None
+_last_step_lock = threading.Lock()
+
+
+def _launch_metadata(cu_q, cu_k, lens, table, block_q: int, device) -> tuple[torch.Tensor, ...]:
+    """(q blocks' sequence, q blocks' first row, cu_q, cu_k, lens, block table) as the kernels take
+    them: int32 on `device`. Reused for the same step: cu_q and lens the same tuples (immutable), and
+    the same block table tensor, unchanged since (its version counter)."""
+    global _last_step
+    key = None
+    if paged_step := isinstance(cu_q, tuple) and isinstance(lens, tuple) and table is not None:
+        key = (cu_q, lens, table, table._version, block_q, device)
+        with _last_step_lock:
+            hit = _last_step
+        if hit is not None and len(hit[0]) == len(key) and all(a is b for a, b in zip(hit[0][:3], key[:3])) \
+                and hit[0][3:] == key[3:]:
+            return hit[1]
+    lq = [cu_q[i + 1] - cu_q[i] for i in range(len(cu_q) - 1)]
+    bseq, bq0 = _blocks(lq, block_q, device)
+    cu_q_t = torch.tensor(cu_q, dtype=torch.int32, device=device)
+    cu_k_t = torch.tensor(cu_k if cu_k is not None else [0], dtype=torch.int32, device=device)
+    lens_t = torch.tensor(lens if lens is not None else [0], dtype=torch.int32, device=device)
+    table_t = table.to(torch.int32).contiguous() if table is not None else cu_k_t
+    made = (bseq, bq0, cu_q_t, cu_k_t, lens_t, table_t)
+    if paged_step:
+        with _last_step_lock:
+            _last_step = (key, made)
+    return made
 
 
 class _Attention(torch.autograd.Function):
@@ -361,6 +395,7 @@ def attention(q, k, v, cu_q, cu_k, scale, causal, window):
 @register("triton", "paged_attention")
 def paged_attention(q, k_cache, v_cache, block_table, seq_lens, cu_q, scale, causal, window):
     with torch.no_grad():
-        o, _, _ = _forward(q.contiguous(), k_cache, v_cache, cu_q, None, list(seq_lens), block_table, scale, causal,
-                           window, paged=True)
+        lens = seq_lens if isinstance(seq_lens, tuple) else list(seq_lens)
+        o, _, _ = _forward(q.contiguous(), k_cache, v_cache, cu_q, None, lens, block_table, scale, causal, window,
+                           paged=True)
     return o
