@@ -44,7 +44,8 @@ def _run(model, prompts, sp, order=None, **engine_kw):
     (dict(), [5, 4, 3, 2, 1, 0]),
     (dict(), [2, 0, 5, 1, 4, 3]),
     (dict(block_size=4, num_blocks=17, max_num_seqs=6), None),
-], ids=["seqs=1", "seqs=3", "chunk=1", "chunk=7", "chunk=16", "reversed", "shuffled", "tight-cache"])
+    (dict(static_decode=False), None),
+], ids=["seqs=1", "seqs=3", "chunk=1", "chunk=7", "chunk=16", "reversed", "shuffled", "tight-cache", "no-static-decode"])
 def test_tokens_and_logprobs_do_not_depend_on_engine_settings(model, sp, engine_kw, order):
     prompts = _prompts()
     base = _run(model, prompts, sp, max_num_seqs=8, max_num_batched_tokens=256)
@@ -167,6 +168,8 @@ def test_engine_bad_arguments(model):
         Engine(model, max_num_seqs=0)
     with pytest.raises(ValueError, match="sampling: expected one SamplingParams or 2"):
         Engine(model).generate([[1], [2]], [SamplingParams()] * 3)
+    with pytest.raises(ValueError, match=r"^static_decode: expected True or False, got 'yes'$"):
+        Engine(model, static_decode="yes")
 
 
 def test_a_request_whose_logits_turn_nan_finishes_with_an_error_and_alone():

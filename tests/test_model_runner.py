@@ -13,7 +13,7 @@ import torch
 from lockstep import ops
 from lockstep.engine import Engine
 from lockstep.model import ModelConfig, Transformer
-from lockstep.paged_cache import CacheStep, build_step
+from lockstep.paged_cache import CacheStep, build_step, step_size
 from lockstep.registry import use_backend
 from lockstep.sampling import SamplingParams
 from lockstep.tools.host_work import HostWork
@@ -200,3 +200,47 @@ def test_triton_paged_attention_derives_a_steps_metadata_again_when_the_step_cha
     table[0, 0] = 3                                      # in place: the same tensor, a new version
     assert torch.equal(run(table), run(table.clone())) and not torch.equal(run(table), first)
     assert torch.equal(run(table, n=(4, 5)), run(table.clone(), n=(4, 5)))
+
+
+def test_decode_steps_of_a_bucket_run_on_its_buffer_padded_into_scratch_blocks(monkeypatch):
+    """A decode step of 3 sequences runs as the bucket of 4: its step tensors are views of that
+    bucket's one buffer at every step, and the padding row decodes into a scratch block past the
+    engine's blocks. Prefill steps build their own tensors. The bits are those of the engine
+    without static buffers (tests/test_engine.py) and stay finite with NaN in the scratch blocks."""
+    model = _model("llama", 2)
+    engine = Engine(model, max_num_seqs=5, block_size=4, num_blocks=12)
+    decode = engine.runner.decode
+    assert decode.buckets == [1, 2, 4, 5] and decode.scratch_blocks == 2 and decode.first_scratch == 12
+    assert engine.runner.cache.k[0].shape[0] == 14
+    for t in engine.runner.cache.k + engine.runner.cache.v:
+        t[12:].fill_(float("nan"))
+    seen = []
+    forward = model.forward_cached
+
+    def recording(ids, positions, step, cache):
+        seen.append((step.block_table.untyped_storage().data_ptr(), step.host.seq_lens, step.slot_mapping.tolist()))
+        return forward(ids, positions, step, cache)
+
+    monkeypatch.setattr(model, "forward_cached", recording)
+    outs = engine.generate([[1, 2, 3], [4, 5], [6, 7, 8, 9]], SamplingParams(max_new_tokens=4, temperature=0.0))
+    decodes = [s for s in seen if len(s[1]) == 4]
+    assert len(decodes) == 3 and len({ptr for ptr, _, _ in decodes}) == 1
+    assert decode.flat(4, model.device).untyped_storage().data_ptr() == decodes[0][0]
+    assert all(lens[3] == 1 and slots[3] == 12 * 4 for _, lens, slots in decodes)   # padding row 0 of block 12
+    assert all(max(slots[:3]) < 12 * 4 for _, _, slots in decodes)
+    plain = Engine(model, max_num_seqs=5, block_size=4, num_blocks=12, static_decode=False)
+    monkeypatch.undo()
+    want = plain.generate([[1, 2, 3], [4, 5], [6, 7, 8, 9]], SamplingParams(max_new_tokens=4, temperature=0.0))
+    assert [(o.token_ids, o.logprobs) for o in outs] == [(o.token_ids, o.logprobs) for o in want]
+
+
+def test_build_step_into_a_buffer_checks_its_size_and_width():
+    step, _ = build_step([([0, 1], 0, 5)], 4, width=3, into=torch.empty(step_size(1, 5, 3, with_ids=False),
+                                                                        dtype=torch.int64))
+    assert step.block_table.tolist() == [[0, 1, 0]]
+    with pytest.raises(ValueError, match=r"^width: expected an int of at least 2 \(the most blocks of a sequence\), "
+                                         r"got 1$"):
+        build_step([([0, 1], 0, 5)], 4, width=1)
+    with pytest.raises(ValueError, match=r"^into: expected a flat int64 tensor of 16 elements \(this step's layout\), "
+                                         r"got \(17,\)$"):
+        build_step([([0, 1], 0, 5)], 4, width=3, into=torch.empty(17, dtype=torch.int64))

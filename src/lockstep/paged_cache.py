@@ -54,16 +54,25 @@ class CacheStep:
 
 
 def build_step(spans: list[tuple[list[int], int, int]], block_size: int, device: torch.device | str = "cpu",
-               tokens: Sequence[int] | None = None, vocab_size: int | None = None) -> tuple[CacheStep, Tensor]:
+               tokens: Sequence[int] | None = None, vocab_size: int | None = None, *, width: int | None = None,
+               into: Tensor | None = None) -> tuple[CacheStep, Tensor]:
     """The CacheStep of one call that computes, for each sequence, positions [start, stop), given its
     blocks (enough for stop tokens). spans: (blocks, start, stop) per sequence, in call order;
     tokens: the T new tokens' ids (optional), each in [0, vocab_size). Everything is checked here,
     on the host, and moved to `device` in one transfer. Returns (step, positions [T] int64 of the
-    new tokens); with tokens, step.host.input_ids holds them as a [T] int64 tensor."""
+    new tokens); with tokens, step.host.input_ids holds them as a [T] int64 tensor.
+
+    width: the block table's columns (default: the most blocks of a sequence). into: a flat int64
+    tensor of step_size(...) elements that receives the transfer, so that the step's tensors are
+    views of it (static buffers that a captured graph reads); by default the step gets new ones."""
     if not spans:
         raise ValueError("spans: expected at least one sequence")
     cu, lens, slots, positions = [0], [], [], []
-    width = max(1, max(len(blocks) for blocks, _, _ in spans))
+    widest = max(1, max(len(blocks) for blocks, _, _ in spans))
+    if width is None:
+        width = widest
+    elif isinstance(width, bool) or not isinstance(width, int) or width < widest:
+        raise ValueError(f"width: expected an int of at least {widest} (the most blocks of a sequence), got {width!r}")
     table = [0] * (len(spans) * width)
     for i, (blocks, start, stop) in enumerate(spans):
         if not 0 <= start < stop or len(blocks) * block_size < stop:
@@ -93,13 +102,25 @@ def build_step(spans: list[tuple[list[int], int, int]], block_size: int, device:
     b, t = len(spans), len(positions)
     # One host buffer, one transfer; the step's tensors are views of the device's copy.
     host = torch.tensor(cu + lens + slots + positions + ids + table, dtype=torch.int64)
-    moved = host.to(device)
+    if into is None:
+        moved = host.to(device)
+    elif not isinstance(into, Tensor) or into.dtype != torch.int64 or tuple(into.shape) != tuple(host.shape):
+        raise ValueError(f"into: expected a flat int64 tensor of {host.numel()} elements (this step's layout), got "
+                         f"{tuple(into.shape) if isinstance(into, Tensor) else type(into).__name__}")
+    else:
+        moved = into.copy_(host, non_blocking=True)
     parts = moved.split([b + 1, b, t, t, len(ids), len(table)])
     checked = StepHost(tuple(cu), tuple(lens), Positions(parts[3], tuple(positions)), block_size, max(table) + 1,
                        parts[5].view(b, width), parts[2], parts[4] if tokens is not None else None,
                        vocab_size if tokens is not None else None)
     step = CacheStep(parts[0], parts[1], checked.block_table, parts[2], checked)
     return step, parts[3]
+
+
+def step_size(sequences: int, tokens: int, width: int, with_ids: bool = True) -> int:
+    """The elements of build_step's flat layout for `sequences` sequences, `tokens` new tokens and a
+    block table `width` blocks wide (`into`'s size)."""
+    return (sequences + 1) + sequences + tokens * (3 if with_ids else 2) + sequences * width
 
 
 def gather_packed(cache: Tensor, block_table: Tensor, seq_lens: list[int]) -> Tensor:

@@ -37,11 +37,13 @@ class Engine:
     are cut to fit); block_size and num_blocks: the paged KV cache (default: room for max_num_seqs
     sequences of the model's full context, up to 4096 tokens each); prefix_caching: share the full
     blocks of equal prompt prefixes. on_token(output, draw) is called for every token drawn (the
-    server streams from it)."""
+    server streams from it). static_decode: steps that only decode run on static buffers per
+    batch-size bucket, padded with rows in scratch blocks (engine.model_runner.DecodeBuffers); the
+    bits are the same either way."""
 
     def __init__(self, model: Transformer, max_num_seqs: int = 8, max_num_batched_tokens: int = 256,
                  block_size: int = 16, num_blocks: int | None = None, prefix_caching: bool = True,
-                 on_token: Callable[[RequestOutput, Draw], None] | None = None):
+                 on_token: Callable[[RequestOutput, Draw], None] | None = None, static_decode: bool = True):
         for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens),
                             ("block_size", block_size)):
             checks.int_at_least(name, value)
@@ -50,12 +52,15 @@ class Engine:
         if num_blocks is None:
             num_blocks = max_num_seqs * ceil_div(min(self.max_len, 4096), block_size)
         checks.int_at_least("num_blocks", num_blocks)
+        if not isinstance(static_decode, bool):
+            raise ValueError(f"static_decode: expected True or False, got {static_decode!r}")
         self.block_size = block_size
         # What every request is checked against (lockstep.engine.requests), here and in `lockstep serve`.
         self.limits = RequestLimits(model.config.vocab_size, self.max_len, block_size, num_blocks)
         self.scheduler = Scheduler(BlockManager(num_blocks, block_size, prefix_caching), max_num_seqs,
                                    max_num_batched_tokens)
-        self.runner = ModelRunner(model, num_blocks, block_size)
+        self.runner = ModelRunner(model, num_blocks, block_size, max_num_seqs if static_decode else None,
+                                  self.max_len)
         self.on_token = on_token
         # Finished since the last `step()` returned; the engine keeps no output after handing it out.
         self._done: list[RequestOutput] = []

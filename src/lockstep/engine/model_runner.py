@@ -1,20 +1,65 @@
 """One step of the model: the cache inputs of the scheduled sequences, the forward over the paged
-cache, and the draw of a token for every sequence whose pending tokens all went through."""
+cache, and the draw of a token for every sequence whose pending tokens all went through.
+
+A step that only decodes runs on static buffers (DecodeBuffers): its sequences are padded to a
+bucket of the batch size, and the step's metadata is copied into that bucket's buffer, so that
+every step of a bucket hands the forward the same tensors, with the same shapes. That is what a
+CUDA graph captured per bucket replays; padding rows cannot change real rows, since every op is
+row-independent (docs/contract.md), and they write only scratch blocks past the engine's own."""
 
 from __future__ import annotations
 
 import torch
 
 from ..model import Transformer
-from ..paged_cache import build_step
+from ..numerics.fixed_order import ceil_div
+from ..paged_cache import build_step, step_size
 from ..sampling import Draw, sample
 from .sequence import Sequence
 
 
+class DecodeBuffers:
+    """Per-bucket static step buffers for decode steps of up to `max_num_seqs` sequences of up to
+    `max_len` tokens. The buckets are the powers of two below max_num_seqs, and max_num_seqs; padding
+    rows decode into scratch blocks numbered from `num_blocks` (`scratch_blocks` of them, which
+    the cache must hold beyond the engine's blocks)."""
+
+    def __init__(self, max_num_seqs: int, max_len: int, block_size: int, num_blocks: int):
+        self.buckets = [1 << i for i in range(max_num_seqs.bit_length()) if 1 << i < max_num_seqs] + [max_num_seqs]
+        self.block_size, self.first_scratch = block_size, num_blocks
+        self.width = ceil_div(max_len, block_size)
+        self.scratch_blocks = ceil_div(max_num_seqs, block_size)
+        self._flat: dict[int, torch.Tensor] = {}
+
+    def bucket(self, rows: int) -> int:
+        """The smallest bucket that holds `rows` decode rows."""
+        return next(b for b in self.buckets if b >= rows)
+
+    def padded(self, spans: list, tokens: list[int]) -> tuple[list, list[int]]:
+        """spans and tokens with padding rows appended up to the bucket: padding row j decodes
+        position j % block_size of scratch block j // block_size (distinct slots), token 0."""
+        pad = self.bucket(len(spans)) - len(spans)
+        bs = self.block_size
+        extra = [([self.first_scratch + j // bs], j % bs, j % bs + 1) for j in range(pad)]
+        return spans + extra, tokens + [0] * pad
+
+    def flat(self, rows: int, device: torch.device) -> torch.Tensor:
+        """The bucket's buffer (made on first use): build_step's flat layout for `rows` decode rows."""
+        buffer = self._flat.get(rows)
+        if buffer is None or buffer.device != device:
+            buffer = self._flat[rows] = torch.empty(step_size(rows, rows, self.width), dtype=torch.int64,
+                                                    device=device)
+        return buffer
+
+
 class ModelRunner:
-    def __init__(self, model: Transformer, num_blocks: int, block_size: int):
+    def __init__(self, model: Transformer, num_blocks: int, block_size: int, max_num_seqs: int | None = None,
+                 max_len: int | None = None):
+        """With max_num_seqs and max_len, decode steps run on static buffers (DecodeBuffers)."""
         self.model, self.block_size = model, block_size
-        self.cache = model.allocate_kv_cache(num_blocks, block_size)
+        self.decode = DecodeBuffers(max_num_seqs, max_len, block_size, num_blocks) if max_num_seqs else None
+        scratch = self.decode.scratch_blocks if self.decode else 0
+        self.cache = model.allocate_kv_cache(num_blocks + scratch, block_size)
 
     def run(self, plan: list[tuple[Sequence, int]]) -> list[tuple[Sequence, Draw]]:
         """Compute the planned tokens (advancing each sequence's `computed`) and draw the next token of
@@ -22,7 +67,13 @@ class ModelRunner:
         device = self.model.device
         spans = [(seq.blocks, seq.computed, seq.computed + n) for seq, n in plan]
         tokens = [t for seq, n in plan for t in seq.tokens[seq.computed:seq.computed + n]]
-        step, positions = build_step(spans, self.block_size, device, tokens, self.model.config.vocab_size)
+        vocab = self.model.config.vocab_size
+        if self.decode is not None and len(tokens) == len(plan):
+            spans, tokens = self.decode.padded(spans, tokens)
+            step, positions = build_step(spans, self.block_size, device, tokens, vocab, width=self.decode.width,
+                                         into=self.decode.flat(len(spans), device))
+        else:
+            step, positions = build_step(spans, self.block_size, device, tokens, vocab)
         with torch.no_grad():
             hidden = self.model.forward_cached(step.host.input_ids, positions, step, self.cache)
             rows, ready = [], []
@@ -33,7 +84,6 @@ class ModelRunner:
                     ready.append(seq)
             if not ready:
                 return []
-            vocab = self.model.config.vocab_size
             seen = [_seen(s.tokens, vocab, device) if s.params.repetition_penalty != 1.0 else None for s in ready]
             draws = sample(hidden[rows], self.model.lm_head_weight, [s.params for s in ready],
                            [s.computed for s in ready], [s.index for s in ready], seen,
