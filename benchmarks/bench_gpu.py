@@ -108,18 +108,27 @@ def model_rows(dev: str, layers: int = 28, prompt: int = 128, new: int = 64) -> 
     one batched forward, on the Qwen3-0.6B shape with all of its 28 layers."""
     ours = lockstep_model(torch.bfloat16, layers=layers).to(dev)
     hf = hf_model(ours).to(dev)
-    print("\n| requests | lockstep engine tok/s | transformers generate tok/s | engine / transformers |\n|---|---|---|---|")
+    print("\n| requests | lockstep engine tok/s | with CUDA graphs tok/s | transformers generate tok/s | "
+          "engine / transformers | with graphs / transformers |\n|---|---|---|---|---|---|")
     warm = Engine(ours, max_num_seqs=2, max_num_batched_tokens=4096, block_size=16)
     warm.generate([[1] * prompt] * 2, SamplingParams(temperature=0, max_new_tokens=4))     # compiles the kernels
     for n in (1, 8, 64):
         prompts = torch.randint(0, 151936, (n, prompt), generator=torch.Generator().manual_seed(n))
-        engine = Engine(ours, max_num_seqs=n, max_num_batched_tokens=max(4096, n * prompt), block_size=16)
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        outs = engine.generate(prompts.tolist(), SamplingParams(temperature=0, max_new_tokens=new))
-        torch.cuda.synchronize()
-        t_engine = time.perf_counter() - t
-        assert all(len(o.token_ids) == new for o in outs)
+        t_engine = {}
+        for graphs in (False, True):
+            engine = Engine(ours, max_num_seqs=n, max_num_batched_tokens=max(4096, n * prompt), block_size=16,
+                            cuda_graphs=graphs)
+            if graphs:      # each bucket's capture happens once per engine: outside the timed run
+                engine.generate(prompts[:, :8].tolist(), SamplingParams(temperature=0, max_new_tokens=4))
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            outs = engine.generate(prompts.tolist(), SamplingParams(temperature=0, max_new_tokens=new))
+            torch.cuda.synchronize()
+            t_engine[graphs] = time.perf_counter() - t
+            assert all(len(o.token_ids) == new for o in outs)
+            if graphs:
+                assert [o.token_ids for o in outs] == plain, "the replayed decode drew other tokens"
+            plain = [o.token_ids for o in outs]
         ids = prompts.to(dev)
         with torch.no_grad():
             hf.generate(ids[:, :8], attention_mask=torch.ones_like(ids[:, :8]), max_new_tokens=2, do_sample=False)
@@ -129,8 +138,8 @@ def model_rows(dev: str, layers: int = 28, prompt: int = 128, new: int = 64) -> 
                         do_sample=False)
             torch.cuda.synchronize()
         t_hf = time.perf_counter() - t
-        a, b = n * new / t_engine, n * new / t_hf
-        print(f"| {n} | {a:.0f} | {b:.0f} | {a / b:.2f} |", flush=True)
+        a, g, b = n * new / t_engine[False], n * new / t_engine[True], n * new / t_hf
+        print(f"| {n} | {a:.0f} | {g:.0f} | {b:.0f} | {a / b:.2f} | {g / b:.2f} |", flush=True)
     decode_step_work(ours)
     ids = torch.randint(0, 151936, (8, 512), device=dev)
     with torch.no_grad():

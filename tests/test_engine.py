@@ -170,6 +170,9 @@ def test_engine_bad_arguments(model):
         Engine(model).generate([[1], [2]], [SamplingParams()] * 3)
     with pytest.raises(ValueError, match=r"^static_decode: expected True or False, got 'yes'$"):
         Engine(model, static_decode="yes")
+    with pytest.raises(ValueError, match=r"^cuda_graphs: CUDA graphs cannot be used here: the model is on cpu, "
+                                         r"and they need a CUDA device$"):
+        Engine(model, cuda_graphs=True)
 
 
 def test_a_request_whose_logits_turn_nan_finishes_with_an_error_and_alone():

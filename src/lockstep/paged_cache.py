@@ -14,7 +14,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from .rotary import MAX_POSITION, Positions
+from .rotary import MAX_POSITION, Positions, TablePositions
 
 
 @dataclass(frozen=True)
@@ -28,7 +28,7 @@ class StepHost:
 
     cu_seqlens_q: tuple[int, ...]  # tuples: a backend may keep what it derived from them for the
     seq_lens: tuple[int, ...]      # step's other layers, which holds only while they cannot change
-    positions: Positions
+    positions: Positions | TablePositions
     block_size: int
     blocks_needed: int
     block_table: Tensor             # the tensors build_step made and checked: a step holding others
@@ -55,7 +55,7 @@ class CacheStep:
 
 def build_step(spans: list[tuple[list[int], int, int]], block_size: int, device: torch.device | str = "cpu",
                tokens: Sequence[int] | None = None, vocab_size: int | None = None, *, width: int | None = None,
-               into: Tensor | None = None) -> tuple[CacheStep, Tensor]:
+               into: Tensor | None = None, positions_below: int | None = None) -> tuple[CacheStep, Tensor]:
     """The CacheStep of one call that computes, for each sequence, positions [start, stop), given its
     blocks (enough for stop tokens). spans: (blocks, start, stop) per sequence, in call order;
     tokens: the T new tokens' ids (optional), each in [0, vocab_size). Everything is checked here,
@@ -64,9 +64,14 @@ def build_step(spans: list[tuple[list[int], int, int]], block_size: int, device:
 
     width: the block table's columns (default: the most blocks of a sequence). into: a flat int64
     tensor of step_size(...) elements that receives the transfer, so that the step's tensors are
-    views of it (static buffers that a captured graph reads); by default the step gets new ones."""
+    views of it (static buffers that a captured graph reads); by default the step gets new ones.
+    positions_below: a bound of every position (checked here): the step's positions are then a
+    rotary.TablePositions, whose angles rope gathers on the device, instead of a host copy."""
     if not spans:
         raise ValueError("spans: expected at least one sequence")
+    if positions_below is not None and (isinstance(positions_below, bool) or not isinstance(positions_below, int)
+                                        or not 1 <= positions_below <= MAX_POSITION):
+        raise ValueError(f"positions_below: expected an int in [1, 2^24 = {MAX_POSITION}], got {positions_below!r}")
     cu, lens, slots, positions = [0], [], [], []
     widest = max(1, max(len(blocks) for blocks, _, _ in spans))
     if width is None:
@@ -80,6 +85,9 @@ def build_step(spans: list[tuple[list[int], int, int]], block_size: int, device:
                              f"of {block_size}")
         if stop > MAX_POSITION:
             raise ValueError(f"spans: sequence {i} reaches position {stop - 1}, beyond rope's 2^24 = {MAX_POSITION}")
+        if positions_below is not None and stop > positions_below:
+            raise ValueError(f"spans: sequence {i} reaches position {stop - 1}, not below positions_below = "
+                             f"{positions_below}")
         if any(not isinstance(b, int) or b < 0 for b in blocks):
             raise ValueError(f"spans: sequence {i} has a block id that is not an int >= 0: {list(blocks)[:8]}")
         span = range(start, stop)
@@ -108,9 +116,11 @@ def build_step(spans: list[tuple[list[int], int, int]], block_size: int, device:
         raise ValueError(f"into: expected a flat int64 tensor of {host.numel()} elements (this step's layout), got "
                          f"{tuple(into.shape) if isinstance(into, Tensor) else type(into).__name__}")
     else:
-        moved = into.copy_(host, non_blocking=True)
+        moved = into.copy_(host)
     parts = moved.split([b + 1, b, t, t, len(ids), len(table)])
-    checked = StepHost(tuple(cu), tuple(lens), Positions(parts[3], tuple(positions)), block_size, max(table) + 1,
+    where = Positions(parts[3], tuple(positions)) if positions_below is None else TablePositions(parts[3],
+                                                                                               positions_below)
+    checked = StepHost(tuple(cu), tuple(lens), where, block_size, max(table) + 1,
                        parts[5].view(b, width), parts[2], parts[4] if tokens is not None else None,
                        vocab_size if tokens is not None else None)
     step = CacheStep(parts[0], parts[1], checked.block_table, parts[2], checked)

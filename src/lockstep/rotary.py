@@ -126,14 +126,43 @@ class Positions:
         return cls(tensor, tuple(tensor.tolist()))
 
 
-def rope_cos_sin(positions: Tensor | Positions, head_dim: int, theta: float, scaling: RopeScaling | None,
-                 dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+@dataclass(frozen=True, eq=False)
+class TablePositions:
+    """Token positions [T] on their device, each below `limit`, without a host copy: rope gathers
+    their angles on the device from a table of every position below `limit`, built once. Nothing of
+    a step's values then reaches the host, which is what a CUDA graph replaying the step needs.
+    The maker guarantees the bound (paged_cache.build_step checks it on the host)."""
+
+    tensor: Tensor                  # [T] int64, on the tokens' device
+    limit: int                      # every value is in [0, limit)
+    # Gathered angles by (head_dim, theta, scaling, dtype): every layer rotates by the same ones.
+    gathered: dict = field(default_factory=dict, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.tensor, Tensor) or self.tensor.dtype != torch.int64 or self.tensor.dim() != 1:
+            raise TypeError("positions: expected an int64 tensor [T]")
+        if isinstance(self.limit, bool) or not isinstance(self.limit, int) or not 1 <= self.limit <= MAX_POSITION:
+            raise ValueError(f"limit: expected an int in [1, 2^24 = {MAX_POSITION}], got {self.limit!r}")
+
+
+def rope_cos_sin(positions: Tensor | Positions | TablePositions, head_dim: int, theta: float,
+                 scaling: RopeScaling | None, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """cos and sin [T, 1, head_dim // 2] for each token's own position [T] (integers in
     [0, MAX_POSITION)), in `dtype`, on the positions' device; the angles are position x frequency
     in float64. Built on the CPU whatever the device (a GPU gets a copy: the same bits everywhere,
     and one copy instead of about 70 small kernels). Read-only: the last few results are reused,
     found by the positions' values, since every layer of a forward rotates its queries and keys by
-    the same positions. A tensor is read to the host; a Positions brings its host copy."""
+    the same positions. A tensor is read to the host; a Positions brings its host copy; a TablePositions
+    gathers the rows of its device table, the same bits, since a row is a function of its position."""
+    if isinstance(positions, TablePositions):
+        key = (head_dim, theta, scaling, dtype)
+        hit = positions.gathered.get(key)
+        if hit is None:
+            cos, sin = _device_table(positions.limit, head_dim, theta, scaling, dtype, positions.tensor.device)
+            with torch.inference_mode(False):
+                hit = positions.gathered[key] = (cos.index_select(0, positions.tensor),
+                                                 sin.index_select(0, positions.tensor))
+        return hit
     if not isinstance(positions, Positions):
         positions = Positions.read(positions)
     device = positions.tensor.device
@@ -152,9 +181,18 @@ def rope_cos_sin(positions: Tensor | Positions, head_dim: int, theta: float, sca
     return hit
 
 
-def position_tensor(positions: Tensor | Positions) -> Tensor:
+def position_tensor(positions: Tensor | Positions | TablePositions) -> Tensor:
     """The positions' tensor on their device [T] (for backends that compute their own angles)."""
-    return positions.tensor if isinstance(positions, Positions) else positions
+    return positions.tensor if isinstance(positions, (Positions, TablePositions)) else positions
+
+
+@functools.lru_cache(maxsize=16)
+def _device_table(limit: int, head_dim: int, theta: float, scaling: RopeScaling | None, dtype: torch.dtype,
+                  device: torch.device) -> tuple[Tensor, Tensor]:
+    """cos and sin [limit, 1, head_dim // 2] of every position below `limit`, on `device`."""
+    with torch.inference_mode(False):
+        cos, sin = _cos_sin(torch.arange(limit), head_dim, theta, scaling, dtype)
+        return cos.to(device), sin.to(device)
 
 
 # Recently computed (cos, sin) by their arguments, oldest first. The values are a function of the

@@ -39,11 +39,14 @@ class Engine:
     blocks of equal prompt prefixes. on_token(output, draw) is called for every token drawn (the
     server streams from it). static_decode: steps that only decode run on static buffers per
     batch-size bucket, padded with rows in scratch blocks (engine.model_runner.DecodeBuffers); the
-    bits are the same either way."""
+    bits are the same either way. cuda_graphs: on a CUDA device, each bucket's decode forward is
+    captured in a CUDA graph and replayed (needs static_decode; not for sparse MoE models, whose
+    layers read their experts' token counts)."""
 
     def __init__(self, model: Transformer, max_num_seqs: int = 8, max_num_batched_tokens: int = 256,
                  block_size: int = 16, num_blocks: int | None = None, prefix_caching: bool = True,
-                 on_token: Callable[[RequestOutput, Draw], None] | None = None, static_decode: bool = True):
+                 on_token: Callable[[RequestOutput, Draw], None] | None = None, static_decode: bool = True,
+                 cuda_graphs: bool = False):
         for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens),
                             ("block_size", block_size)):
             checks.int_at_least(name, value)
@@ -54,13 +57,20 @@ class Engine:
         checks.int_at_least("num_blocks", num_blocks)
         if not isinstance(static_decode, bool):
             raise ValueError(f"static_decode: expected True or False, got {static_decode!r}")
+        if not isinstance(cuda_graphs, bool):
+            raise ValueError(f"cuda_graphs: expected True or False, got {cuda_graphs!r}")
+        if cuda_graphs and (model.device.type != "cuda" or not static_decode or model.config.num_experts):
+            why = (f"the model is on {model.device.type}, and they need a CUDA device" if model.device.type != "cuda"
+                   else "they replay static decode steps: pass static_decode=True" if not static_decode
+                   else "a sparse MoE layer reads its experts' token counts to the host, which a graph cannot replay")
+            raise ValueError(f"cuda_graphs: CUDA graphs cannot be used here: {why}")
         self.block_size = block_size
         # What every request is checked against (lockstep.engine.requests), here and in `lockstep serve`.
         self.limits = RequestLimits(model.config.vocab_size, self.max_len, block_size, num_blocks)
         self.scheduler = Scheduler(BlockManager(num_blocks, block_size, prefix_caching), max_num_seqs,
                                    max_num_batched_tokens)
         self.runner = ModelRunner(model, num_blocks, block_size, max_num_seqs if static_decode else None,
-                                  self.max_len)
+                                  self.max_len, cuda_graphs)
         self.on_token = on_token
         # Finished since the last `step()` returned; the engine keeps no output after handing it out.
         self._done: list[RequestOutput] = []

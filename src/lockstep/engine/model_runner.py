@@ -9,11 +9,14 @@ row-independent (docs/contract.md), and they write only scratch blocks past the 
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from ..model import Transformer
 from ..numerics.fixed_order import ceil_div
-from ..paged_cache import build_step, step_size
+from ..paged_cache import CacheStep, build_step, step_size
+from ..rotary import MAX_POSITION, TablePositions
 from ..sampling import Draw, sample
 from .sequence import Sequence
 
@@ -28,6 +31,8 @@ class DecodeBuffers:
         self.buckets = [1 << i for i in range(max_num_seqs.bit_length()) if 1 << i < max_num_seqs] + [max_num_seqs]
         self.block_size, self.first_scratch = block_size, num_blocks
         self.width = ceil_div(max_len, block_size)
+        # Rope's angles come from a device table of every position the engine admits (TablePositions).
+        self.positions_below = min(max_len, MAX_POSITION)
         self.scratch_blocks = ceil_div(max_num_seqs, block_size)
         self._flat: dict[int, torch.Tensor] = {}
 
@@ -52,14 +57,51 @@ class DecodeBuffers:
         return buffer
 
 
+def unremembered(step: CacheStep) -> CacheStep:
+    """The same step (the same tensors and host values) without what its first forward remembered
+    of its values (rope's gathered angles): a graph captured from it must record the ops that
+    compute those, so that a replay computes them from the buffer's new values."""
+    host = step.host
+    fresh = dataclasses.replace(host, positions=TablePositions(host.positions.tensor, host.positions.limit))
+    return dataclasses.replace(step, host=fresh)
+
+
 class ModelRunner:
     def __init__(self, model: Transformer, num_blocks: int, block_size: int, max_num_seqs: int | None = None,
-                 max_len: int | None = None):
-        """With max_num_seqs and max_len, decode steps run on static buffers (DecodeBuffers)."""
+                 max_len: int | None = None, cuda_graphs: bool = False):
+        """With max_num_seqs and max_len, decode steps run on static buffers (DecodeBuffers); with
+        cuda_graphs as well, each bucket's decode forward is captured in a CUDA graph on its first
+        step and replayed after."""
         self.model, self.block_size = model, block_size
         self.decode = DecodeBuffers(max_num_seqs, max_len, block_size, num_blocks) if max_num_seqs else None
         scratch = self.decode.scratch_blocks if self.decode else 0
         self.cache = model.allocate_kv_cache(num_blocks + scratch, block_size)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._pool = None
+        self.cuda_graphs = cuda_graphs and self.decode is not None
+
+    def _decode_forward(self, step, positions) -> torch.Tensor:
+        """The forward of a static decode step: eager, or its bucket's graph. A bucket's first step
+        runs eagerly (which compiles the kernels and builds rope's table and the decode blocks, so
+        that nothing is copied from the host while capturing), then is captured; later steps of the
+        bucket copy their metadata into the same buffer (build_step) and replay."""
+        ids = step.host.input_ids
+        if not self.cuda_graphs:
+            return self.model.forward_cached(ids, positions, step, self.cache)
+        rows = ids.shape[0]
+        entry = self.graphs.get(rows)
+        if entry is not None:
+            entry[0].replay()
+            return entry[1]
+        hidden = self.model.forward_cached(ids, positions, step, self.cache)
+        torch.cuda.synchronize(ids.device)
+        graph = torch.cuda.CUDAGraph()
+        # Capturing records the kernels without running them: the cache writes happened above.
+        with torch.cuda.graph(graph, pool=self._pool):
+            out = self.model.forward_cached(ids, positions, unremembered(step), self.cache)
+        self._pool = graph.pool()
+        self.graphs[rows] = (graph, out)
+        return hidden
 
     def run(self, plan: list[tuple[Sequence, int]]) -> list[tuple[Sequence, Draw]]:
         """Compute the planned tokens (advancing each sequence's `computed`) and draw the next token of
@@ -68,14 +110,19 @@ class ModelRunner:
         spans = [(seq.blocks, seq.computed, seq.computed + n) for seq, n in plan]
         tokens = [t for seq, n in plan for t in seq.tokens[seq.computed:seq.computed + n]]
         vocab = self.model.config.vocab_size
-        if self.decode is not None and len(tokens) == len(plan):
+        static = self.decode is not None and len(tokens) == len(plan)
+        if static:
             spans, tokens = self.decode.padded(spans, tokens)
             step, positions = build_step(spans, self.block_size, device, tokens, vocab, width=self.decode.width,
-                                         into=self.decode.flat(len(spans), device))
+                                         into=self.decode.flat(len(spans), device),
+                                         positions_below=self.decode.positions_below)
         else:
             step, positions = build_step(spans, self.block_size, device, tokens, vocab)
         with torch.no_grad():
-            hidden = self.model.forward_cached(step.host.input_ids, positions, step, self.cache)
+            if static:
+                hidden = self._decode_forward(step, positions)
+            else:
+                hidden = self.model.forward_cached(step.host.input_ids, positions, step, self.cache)
             rows, ready = [], []
             for i, (seq, n) in enumerate(plan):
                 seq.computed += n

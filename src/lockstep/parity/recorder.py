@@ -99,13 +99,13 @@ class Recorder:
                                digest, mx, norm, t.detach().clone() if self.keep else None))
 
     def wrap(self, op: str, impl: Callable) -> Callable:
-        def recorded(*args):
+        def recorded(*args, **kwargs):
             module = self._stack[-1] if self._stack else ""
             tapped = list(args)
             for i, a in enumerate(args):
                 if isinstance(a, Tensor) and a.is_floating_point() and a.requires_grad:
                     tapped[i] = _Tap.apply(a, lambda g, i=i: self._record("backward", module, op, f"grad:{i}", g))
-            out = impl(*tapped)
+            out = impl(*tapped, **kwargs)
             self._record("forward", module, op, "out", out)
             return out
         return recorded

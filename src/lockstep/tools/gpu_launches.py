@@ -199,6 +199,16 @@ def _attention_ops(ops, dtype, lengths: list[int], head_dim: int) -> Iterator[st
     with torch.no_grad():
         for window in (None, 8):
             ops.paged_attention(q1, k_cache, v_cache, table, torch.tensor(lengths), cu1, window=window)
+    yield "paged decode, the engine's step"
+    # The engine's decode step (build_step's): the kernel reads the step's int64 metadata in place.
+    from ..paged_cache import build_step
+
+    spans = [(table[b, :nb].tolist(), n - 1, n) for b, (nb, n) in enumerate(zip(blocks, lengths))]
+    step, _ = build_step(spans, block_size)
+    k1, v1 = (torch.randn(len(lengths), hkv, head_dim).to(dtype) for _ in range(2))
+    with torch.no_grad():
+        for window in (None, 8):
+            ops.cached_attention(q1, k1, v1, k_cache, v_cache, step, window=window)
 
 
 def workload() -> Iterator[str]:

@@ -36,7 +36,7 @@ def attention(q, k, v, cu_q, cu_k, scale, causal, window):
 
 
 @register("eager", "paged_attention")
-def paged_attention(q, k_cache, v_cache, block_table, seq_lens, cu_q, scale, causal, window):
+def paged_attention(q, k_cache, v_cache, block_table, seq_lens, cu_q, scale, causal, window, *, on_device=None):
     cu_k = [0]
     for n in seq_lens:
         cu_k.append(cu_k[-1] + n)

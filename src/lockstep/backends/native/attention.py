@@ -143,7 +143,7 @@ def attention(q, k, v, cu_q, cu_k, scale, causal, window):
 
 
 @register("native", "paged_attention")
-def paged_attention(q, k_cache, v_cache, block_table, seq_lens, cu_q, scale, causal, window):
+def paged_attention(q, k_cache, v_cache, block_table, seq_lens, cu_q, scale, causal, window, *, on_device=None):
     if q.dtype == torch.float64:
         return portable.paged_attention(q, k_cache, v_cache, block_table, seq_lens, cu_q, scale, causal, window,
                                         kernels=cpu.KERNELS)

@@ -259,7 +259,7 @@ def attention(q, k, v, cu_q, cu_k, scale, causal, window, *, kernels: CpuKernels
 
 @register("portable", "paged_attention")
 def paged_attention(q, k_cache, v_cache, block_table, seq_lens, cu_q, scale, causal, window, *,
-                    kernels: CpuKernels | None = None):
+                    kernels: CpuKernels | None = None, on_device=None):
     """Each sequence's keys are read through its block table; then the packed kernel runs, which
     groups sequences with the same number of new tokens (all decode tokens, say), on the CPU
     kernels `kernels` (None: PyTorch's)."""

@@ -12,6 +12,7 @@ no atomics; probabilities are recomputed.
 
 from __future__ import annotations
 
+import functools
 import threading
 from typing import NamedTuple
 
@@ -291,7 +292,8 @@ def _blocks(lengths: list[int], step: int, device) -> tuple[torch.Tensor, torch.
     return (torch.tensor(seq, dtype=torch.int32, device=device), torch.tensor(start, dtype=torch.int32, device=device))
 
 
-def _forward(q, k, v, cu_q, cu_k, lens, table, scale, causal, window, paged, config: AttentionConfig | None = None):
+def _forward(q, k, v, cu_q, cu_k, lens, table, scale, causal, window, paged, config: AttentionConfig | None = None,
+             on_device: tuple[torch.Tensor, torch.Tensor] | None = None):
     config = config or fwd_config(q.dtype)
     tq, hq, d = q.shape
     hkv = k.shape[-2]
@@ -304,7 +306,14 @@ def _forward(q, k, v, cu_q, cu_k, lens, table, scale, causal, window, paged, con
     if cu_q[-1] < tq:
         for t in (o, m, l):
             t[cu_q[-1]:].zero_()
-    bseq, bq0, cu_q_t, cu_k_t, lens_t, table_t = _launch_metadata(cu_q, cu_k, lens, table, config.block_q, q.device)
+    # A step's sequences have at least one new token each (build_step), so as many tokens as
+    # sequences means one each: a decode step, whose query blocks depend on its size alone.
+    if on_device is not None and len(cu_q) - 1 == cu_q[-1] == tq:
+        bseq, bq0 = _decode_blocks(tq, q.device)
+        (cu_q_t, lens_t), cu_k_t, table_t = on_device, on_device[0], table
+    else:
+        bseq, bq0, cu_q_t, cu_k_t, lens_t, table_t = _launch_metadata(cu_q, cu_k, lens, table, config.block_q,
+                                                                      q.device)
     if bseq.numel():
         stride_kt = k.stride(-3) if not paged else k.stride(1)
         attn_fwd_kernel[(bseq.numel(), hq)](
@@ -314,6 +323,12 @@ def _forward(q, k, v, cu_q, cu_k, lens, table, scale, causal, window, paged, con
             PRECISION=dot_precision(q.dtype), BLOCK_Q=config.block_q, BLOCK_K=KEY_BLOCK,
             BLOCK_D=triton.next_power_of_2(d), num_warps=config.num_warps, num_stages=config.num_stages)
     return o, m, l
+
+
+@functools.lru_cache(maxsize=64)
+def _decode_blocks(rows: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The query blocks of `rows` sequences of one new token each: block i is row 0 of sequence i."""
+    return (torch.arange(rows, dtype=torch.int32, device=device), torch.zeros(rows, dtype=torch.int32, device=device))
 
 
 # The last paged step's launch metadata, with what it was made from. Every layer of a forward passes
@@ -393,9 +408,12 @@ def attention(q, k, v, cu_q, cu_k, scale, causal, window):
 
 
 @register("triton", "paged_attention")
-def paged_attention(q, k_cache, v_cache, block_table, seq_lens, cu_q, scale, causal, window):
+def paged_attention(q, k_cache, v_cache, block_table, seq_lens, cu_q, scale, causal, window, *, on_device=None):
+    """on_device: the step's (cu_seqlens_q, seq_lens) int64 tensors on q's device, beside their host
+    values: the kernel reads them, and the block table, where they are, with nothing copied from
+    the host (what a captured CUDA graph needs) when every sequence decodes one token."""
     with torch.no_grad():
         lens = seq_lens if isinstance(seq_lens, tuple) else list(seq_lens)
         o, _, _ = _forward(q.contiguous(), k_cache, v_cache, cu_q, None, lens, block_table, scale, causal, window,
-                           paged=True)
+                           paged=True, on_device=on_device)
     return o
