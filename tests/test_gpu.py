@@ -57,13 +57,15 @@ def test_the_mode_makes_a_transformers_model_invariant_on_cuda(family):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_masked_attention_contract_on_cuda(dtype):
-    """ops.masked_attention on CUDA tensors (no Triton kernel: `auto` runs the portable one there):
-    every padding and decode sweep bitwise, accuracy against float64 and eager SDPA."""
+    """ops.masked_attention on CUDA tensors (`auto` runs the Triton kernels there): every padding and
+    decode sweep bitwise, accuracy against float64 and eager SDPA."""
     from _contract_checks import assert_attention_report
     from lockstep.harness.masked_attention_check import check_masked_attention
 
     report = check_masked_attention(dtype, device="cuda")
-    assert report.backend == "triton"           # CUDA's default; masked_attention falls back to portable
+    assert report.backend == "triton"
+    from lockstep.registry import resolve
+    assert resolve("masked_attention", torch.device("cuda")).__module__ == "lockstep.backends.triton.masked_attention"
     assert_attention_report(report, {"left padding", "more padding", "decode (last token alone)"})
 
 
