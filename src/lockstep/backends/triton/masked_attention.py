@@ -101,8 +101,10 @@ def _keys(k_ptr, v_ptr, vis_ptr, b, rows, row_ok, k0, hi, hk, D, Lq, Lk, stride_
     keys = k0 + tl.arange(0, BLOCK_K)
     key_ok = keys < hi
     kmask = key_ok[:, None] & d_ok[None, :]
-    k = tl.load(tile(k_ptr + b * stride_kb, 0, keys, hk, D, stride_kh, d), mask=kmask, other=0.0)
-    v = tl.load(tile(v_ptr + b * stride_kb, 0, keys, hk, D, stride_kh, d), mask=kmask, other=0.0)
+    # 64-bit offsets (b is), shared by k and v.
+    offs = tile(b * stride_kb, 0, keys, hk, D, stride_kh, d)
+    k = tl.load(k_ptr + offs, mask=kmask, other=0.0)
+    v = tl.load(v_ptr + offs, mask=kmask, other=0.0)
     vis = tl.load(vis_ptr + b * Lq * Lk + rows[:, None] * Lk + keys[None, :], mask=row_ok[:, None] & key_ok[None, :],
                   other=0) != 0
     return k, v, vis
@@ -120,7 +122,8 @@ def masked_fwd_kernel(q_ptr, k_ptr, v_ptr, vis_ptr, o_ptr, m_ptr, l_ptr, order_p
     d = tl.arange(0, BLOCK_D)
     d_ok = d < D
     qmask = row_ok[:, None] & d_ok[None, :]
-    q = tl.load(tile(q_ptr + b * stride_qb, 0, rows, h, D, stride_qh, d), mask=qmask, other=0.0)
+    offs = tile(b * stride_qb, 0, rows, h, D, stride_qh, d)
+    q = tl.load(q_ptr + offs, mask=qmask, other=0.0)
     m_i = tl.full((BLOCK_Q,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_Q,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_Q, BLOCK_D), dtype=tl.float32)
@@ -130,7 +133,7 @@ def masked_fwd_kernel(q_ptr, k_ptr, v_ptr, vis_ptr, o_ptr, m_ptr, l_ptr, order_p
         s = tl.where(vis, dot(q, tl.trans(k), PRECISION) * scale, float("-inf"))
         m_i, l_i, acc = online_softmax_step(s, v, m_i, l_i, acc, PRECISION)
     out = acc / tl.where(l_i == 0, 1.0, l_i)[:, None]
-    tl.store(tile(o_ptr + b * stride_qb, 0, rows, h, D, stride_qh, d), cast_out(out, o_ptr), mask=qmask)
+    tl.store(o_ptr + offs, cast_out(out, o_ptr), mask=qmask)
     stat = (b * Hq + h) * Lq + rows
     tl.store(m_ptr + stat, m_i, mask=row_ok)
     tl.store(l_ptr + stat, l_i, mask=row_ok)
@@ -138,15 +141,16 @@ def masked_fwd_kernel(q_ptr, k_ptr, v_ptr, vis_ptr, o_ptr, m_ptr, l_ptr, order_p
 
 @triton.jit
 def _block_grad_inputs(q_ptr, do_ptr, m_ptr, l_ptr, b, rows, row_ok, h, Hq, D, Lq, stride_qb, stride_qh, d, d_ok):
-    """A query block's q and dO tiles of head h, its softmax shift (0 for a row that sees no key) and
-    its sum (1 there)."""
+    """A query block's q and dO tiles of head h and their offsets, its softmax shift (0 for a row
+    that sees no key) and its sum (1 there), and where its statistics lie."""
     qmask = row_ok[:, None] & d_ok[None, :]
-    q = tl.load(tile(q_ptr + b * stride_qb, 0, rows, h, D, stride_qh, d), mask=qmask, other=0.0)
-    do = tl.load(tile(do_ptr + b * stride_qb, 0, rows, h, D, stride_qh, d), mask=qmask, other=0.0)
+    offs = tile(b * stride_qb, 0, rows, h, D, stride_qh, d)
+    q = tl.load(q_ptr + offs, mask=qmask, other=0.0)
+    do = tl.load(do_ptr + offs, mask=qmask, other=0.0)
     stat = (b * Hq + h) * Lq + rows
     m_i = tl.load(m_ptr + stat, mask=row_ok, other=0.0)
     l_i = tl.load(l_ptr + stat, mask=row_ok, other=1.0)
-    return q, do, tl.where(m_i == float("-inf"), 0.0, m_i), tl.where(l_i == 0, 1.0, l_i), stat
+    return q, do, offs, tl.where(m_i == float("-inf"), 0.0, m_i), tl.where(l_i == 0, 1.0, l_i), stat
 
 
 @triton.jit(do_not_specialize=INT_ARGS + ["scale"])
@@ -162,8 +166,8 @@ def masked_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, vis_ptr, do_ptr, m_ptr, l_ptr, dq_
     hk = h // (Hq // Hkv)
     d = tl.arange(0, BLOCK_D)
     d_ok = d < D
-    q, do, shift, l_safe, stat = _block_grad_inputs(q_ptr, do_ptr, m_ptr, l_ptr, b, rows, row_ok, h, Hq, D, Lq,
-                                                    stride_qb, stride_qh, d, d_ok)
+    q, do, offs, shift, l_safe, stat = _block_grad_inputs(q_ptr, do_ptr, m_ptr, l_ptr, b, rows, row_ok, h, Hq, D,
+                                                          Lq, stride_qb, stride_qh, d, d_ok)
     delta = tl.zeros((BLOCK_Q,), dtype=tl.float32)
     for k0 in range(lo, hi, BLOCK_K):
         k, v, vis = _keys(k_ptr, v_ptr, vis_ptr, b, rows, row_ok, k0, hi, hk, D, Lq, Lk, stride_kb, stride_kh, d,
@@ -176,8 +180,7 @@ def masked_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, vis_ptr, do_ptr, m_ptr, l_ptr, dq_
                           d_ok, BLOCK_K)
         p, dp = probs_and_dp(q, do, k, v, vis, shift, l_safe, scale, PRECISION)
         dq += dot_mixed(p * (dp - delta[:, None]), k, PRECISION) * scale
-    tl.store(tile(dq_ptr + b * stride_qb, 0, rows, h, D, stride_qh, d), cast_out(dq, dq_ptr),
-             mask=row_ok[:, None] & d_ok[None, :])
+    tl.store(dq_ptr + offs, cast_out(dq, dq_ptr), mask=row_ok[:, None] & d_ok[None, :])
     tl.store(delta_ptr + stat, delta, mask=row_ok)
 
 
@@ -200,8 +203,9 @@ def masked_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, vis_ptr, do_ptr, m_ptr, l_ptr, d
     keys = k0 + tl.arange(0, BLOCK_K)
     key_ok = keys < tl.load(entry_hi_ptr + b)
     kmask = key_ok[:, None] & d_ok[None, :]
-    k = tl.load(tile(k_ptr + b * stride_kb, 0, keys, hk, D, stride_kh, d), mask=kmask, other=0.0)
-    v = tl.load(tile(v_ptr + b * stride_kb, 0, keys, hk, D, stride_kh, d), mask=kmask, other=0.0)
+    koffs = tile(b * stride_kb, 0, keys, hk, D, stride_kh, d)
+    k = tl.load(k_ptr + koffs, mask=kmask, other=0.0)
+    v = tl.load(v_ptr + koffs, mask=kmask, other=0.0)
     dk = tl.zeros((BLOCK_K, BLOCK_D), dtype=tl.float32)
     dv = tl.zeros((BLOCK_K, BLOCK_D), dtype=tl.float32)
     first = tl.load(first_ptr + b)
@@ -211,16 +215,16 @@ def masked_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, vis_ptr, do_ptr, m_ptr, l_ptr, d
         for i in range(first, last):
             _, rows, row_ok, lo, hi = _block(i, order_ptr, batch_ptr, start_ptr, count_ptr, lo_ptr, hi_ptr, BLOCK_Q)
             if (lo < k0 + BLOCK_K) & (hi > k0):
-                q, do, shift, l_safe, stat = _block_grad_inputs(q_ptr, do_ptr, m_ptr, l_ptr, b, rows, row_ok, h, Hq,
-                                                                D, Lq, stride_qb, stride_qh, d, d_ok)
+                q, do, _, shift, l_safe, stat = _block_grad_inputs(q_ptr, do_ptr, m_ptr, l_ptr, b, rows, row_ok, h,
+                                                                   Hq, D, Lq, stride_qb, stride_qh, d, d_ok)
                 delta = tl.load(delta_ptr + stat, mask=row_ok, other=0.0)
                 vis = tl.load(vis_ptr + b * Lq * Lk + rows[:, None] * Lk + keys[None, :],
                               mask=row_ok[:, None] & key_ok[None, :], other=0) != 0
                 p, dp = probs_and_dp(q, do, k, v, vis, shift, l_safe, scale, PRECISION)
                 dv += dot_mixed(tl.trans(p), do, PRECISION)
                 dk += dot_mixed(tl.trans(p * (dp - delta[:, None])), q, PRECISION) * scale
-    tl.store(tile(dk_ptr + b * stride_kb, 0, keys, hk, D, stride_kh, d), cast_out(dk, dk_ptr), mask=kmask)
-    tl.store(tile(dv_ptr + b * stride_kb, 0, keys, hk, D, stride_kh, d), cast_out(dv, dv_ptr), mask=kmask)
+    tl.store(dk_ptr + koffs, cast_out(dk, dk_ptr), mask=kmask)
+    tl.store(dv_ptr + koffs, cast_out(dv, dv_ptr), mask=kmask)
 
 
 def _tables(blocks: QueryBlocks) -> tuple[Tensor, ...]:
@@ -281,6 +285,9 @@ def _backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, vis: Tensor, m: Tenso
 class _MaskedAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, vis, scale):
+        # Made contiguous here, not before apply: a caller below autograd's dispatch key (the mode's
+        # backward kernels) would not record the copies, and the graph would not reach q, k, v.
+        q, k, v, vis = (t.contiguous() for t in (q, k, v, vis))
         o, m, l = _forward(q, k, v, vis, scale)
         ctx.save_for_backward(q, k, v, vis, m, l)
         ctx.scale = scale
@@ -302,4 +309,4 @@ def masked_attention(q: Tensor, k: Tensor, v: Tensor, visible: Tensor, scale: fl
     float64, which the kernels do not take, runs the portable masked attention."""
     if q.dtype == torch.float64:
         return registered("portable")["masked_attention"](q, k, v, visible, scale)
-    return _MaskedAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), visible.contiguous(), scale)
+    return _MaskedAttention.apply(q, k, v, visible, scale)
