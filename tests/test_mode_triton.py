@@ -57,12 +57,12 @@ def test_every_gemm_form_is_row_invariant_on_the_triton_route(triton_route):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_the_triton_route_gives_the_triton_ops_bits(triton_route, dtype):
     gen = torch.Generator().manual_seed(1)
-    x = torch.randn(33, 96, generator=gen).to(dtype)
-    w = (torch.randn(80, 96, generator=gen) / 10).to(dtype)
-    norm_w = (1 + 0.1 * torch.randn(96, generator=gen)).to(dtype)
-    g = torch.randn(33, 80, generator=gen).to(dtype)
-    q, k = torch.randn(2, 4, 20, 16, generator=gen).to(dtype), torch.randn(2, 2, 20, 16, generator=gen).to(dtype)
-    visible = torch.ones(2, 20, 20, dtype=torch.bool).tril()
+    x = torch.randn(20, 48, generator=gen).to(dtype)
+    w = (torch.randn(40, 48, generator=gen) / 7).to(dtype)
+    norm_w = (1 + 0.1 * torch.randn(48, generator=gen)).to(dtype)
+    g = torch.randn(20, 40, generator=gen).to(dtype)
+    q, k = torch.randn(1, 2, 18, 16, generator=gen).to(dtype), torch.randn(1, 1, 18, 16, generator=gen).to(dtype)
+    visible = torch.ones(1, 18, 18, dtype=torch.bool).tril()
 
     def run(linear, log_softmax, rms_norm, sdpa):
         xs, ws, qs, ks = (t.clone().requires_grad_() for t in (x, w, q, k))
@@ -76,8 +76,8 @@ def test_the_triton_route_gives_the_triton_ops_bits(triton_route, dtype):
     def fused_rms_norm(t, nw):
         # Its backward is called as autograd calls it: this torch build has no CPU kernel of
         # aten::_fused_rms_norm_backward for the mode to go over.
-        y, rstd = torch.ops.aten._fused_rms_norm(t, [96], nw, 1e-6)
-        dx, dw = triton_route.overrides["_fused_rms_norm_backward"](x, t, [96], rstd, nw, [True, True])
+        y, rstd = torch.ops.aten._fused_rms_norm(t, [48], nw, 1e-6)
+        dx, dw = triton_route.overrides["_fused_rms_norm_backward"](x, t, [48], rstd, nw, [True, True])
         return y, dx, dw
 
     def triton_rms_norm(t, nw):
@@ -125,7 +125,7 @@ def test_a_small_model_on_the_triton_route_is_batch_invariant(triton_route):
     each sequence's logits with respect to its input embeddings (GEMMs, SDPA and their backward)."""
     model = _tiny_llama()
     gen = torch.Generator().manual_seed(2)
-    seqs = [torch.randint(0, 96, (n,), generator=gen) for n in (6, 9, 3)]
+    seqs = [torch.randint(0, 96, (n,), generator=gen) for n in (7, 3)]
     width = max(len(s) for s in seqs)
     embed = model.get_input_embeddings()
 

@@ -94,19 +94,17 @@ def _block(i, order_ptr, batch_ptr, start_ptr, count_ptr, lo_ptr, hi_ptr, BLOCK_
 
 
 @triton.jit
-def _keys(k_ptr, v_ptr, vis_ptr, b, rows, row_ok, k0, hi, hk, D, Lq, Lk, stride_kb, stride_kh, d, d_ok,
-          BLOCK_K: tl.constexpr):
-    """The key block at k0 of entry b: k, v [BLOCK_K, BLOCK_D] (zeros from hi on) and which of its
-    keys each row may see."""
+def _keys(k_ptr, v_ptr, vis_ptr, kcol, vrow, row_ok, k0, hi, D, d_ok, BLOCK_K: tl.constexpr):
+    """The key block at k0: k, v [BLOCK_K, BLOCK_D] (zeros from hi on) and which of its keys each row
+    may see. kcol [BLOCK_D] is the entry's and kv head's offset of each feature, vrow [BLOCK_Q] the
+    offset of each row's mask: the parts that do not change from one key block to the next."""
     keys = k0 + tl.arange(0, BLOCK_K)
     key_ok = keys < hi
     kmask = key_ok[:, None] & d_ok[None, :]
-    # 64-bit offsets (b is), shared by k and v.
-    offs = tile(b * stride_kb, 0, keys, hk, D, stride_kh, d)
+    offs = keys[:, None] * D + kcol[None, :]
     k = tl.load(k_ptr + offs, mask=kmask, other=0.0)
     v = tl.load(v_ptr + offs, mask=kmask, other=0.0)
-    vis = tl.load(vis_ptr + b * Lq * Lk + rows[:, None] * Lk + keys[None, :], mask=row_ok[:, None] & key_ok[None, :],
-                  other=0) != 0
+    vis = tl.load(vis_ptr + vrow[:, None] + keys[None, :], mask=row_ok[:, None] & key_ok[None, :], other=0) != 0
     return k, v, vis
 
 
@@ -127,9 +125,10 @@ def masked_fwd_kernel(q_ptr, k_ptr, v_ptr, vis_ptr, o_ptr, m_ptr, l_ptr, order_p
     m_i = tl.full((BLOCK_Q,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_Q,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_Q, BLOCK_D), dtype=tl.float32)
+    kcol = b * stride_kb + hk * stride_kh + d
+    vrow = b * Lq * Lk + rows * Lk
     for k0 in range(lo, hi, BLOCK_K):
-        k, v, vis = _keys(k_ptr, v_ptr, vis_ptr, b, rows, row_ok, k0, hi, hk, D, Lq, Lk, stride_kb, stride_kh, d,
-                          d_ok, BLOCK_K)
+        k, v, vis = _keys(k_ptr, v_ptr, vis_ptr, kcol, vrow, row_ok, k0, hi, D, d_ok, BLOCK_K)
         s = tl.where(vis, dot(q, tl.trans(k), PRECISION) * scale, float("-inf"))
         m_i, l_i, acc = online_softmax_step(s, v, m_i, l_i, acc, PRECISION)
     out = acc / tl.where(l_i == 0, 1.0, l_i)[:, None]
@@ -168,16 +167,16 @@ def masked_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, vis_ptr, do_ptr, m_ptr, l_ptr, dq_
     d_ok = d < D
     q, do, offs, shift, l_safe, stat = _block_grad_inputs(q_ptr, do_ptr, m_ptr, l_ptr, b, rows, row_ok, h, Hq, D,
                                                           Lq, stride_qb, stride_qh, d, d_ok)
+    kcol = b * stride_kb + hk * stride_kh + d
+    vrow = b * Lq * Lk + rows * Lk
     delta = tl.zeros((BLOCK_Q,), dtype=tl.float32)
     for k0 in range(lo, hi, BLOCK_K):
-        k, v, vis = _keys(k_ptr, v_ptr, vis_ptr, b, rows, row_ok, k0, hi, hk, D, Lq, Lk, stride_kb, stride_kh, d,
-                          d_ok, BLOCK_K)
+        k, v, vis = _keys(k_ptr, v_ptr, vis_ptr, kcol, vrow, row_ok, k0, hi, D, d_ok, BLOCK_K)
         p, dp = probs_and_dp(q, do, k, v, vis, shift, l_safe, scale, PRECISION)
         delta += tl.sum(p * dp, axis=1)
     dq = tl.zeros((BLOCK_Q, BLOCK_D), dtype=tl.float32)
     for k0 in range(lo, hi, BLOCK_K):
-        k, v, vis = _keys(k_ptr, v_ptr, vis_ptr, b, rows, row_ok, k0, hi, hk, D, Lq, Lk, stride_kb, stride_kh, d,
-                          d_ok, BLOCK_K)
+        k, v, vis = _keys(k_ptr, v_ptr, vis_ptr, kcol, vrow, row_ok, k0, hi, D, d_ok, BLOCK_K)
         p, dp = probs_and_dp(q, do, k, v, vis, shift, l_safe, scale, PRECISION)
         dq += dot_mixed(p * (dp - delta[:, None]), k, PRECISION) * scale
     tl.store(dq_ptr + offs, cast_out(dq, dq_ptr), mask=row_ok[:, None] & d_ok[None, :])
@@ -206,6 +205,7 @@ def masked_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, vis_ptr, do_ptr, m_ptr, l_ptr, d
     koffs = tile(b * stride_kb, 0, keys, hk, D, stride_kh, d)
     k = tl.load(k_ptr + koffs, mask=kmask, other=0.0)
     v = tl.load(v_ptr + koffs, mask=kmask, other=0.0)
+    vcol = b * Lq * Lk + keys
     dk = tl.zeros((BLOCK_K, BLOCK_D), dtype=tl.float32)
     dv = tl.zeros((BLOCK_K, BLOCK_D), dtype=tl.float32)
     first = tl.load(first_ptr + b)
@@ -218,8 +218,8 @@ def masked_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, vis_ptr, do_ptr, m_ptr, l_ptr, d
                 q, do, _, shift, l_safe, stat = _block_grad_inputs(q_ptr, do_ptr, m_ptr, l_ptr, b, rows, row_ok, h,
                                                                    Hq, D, Lq, stride_qb, stride_qh, d, d_ok)
                 delta = tl.load(delta_ptr + stat, mask=row_ok, other=0.0)
-                vis = tl.load(vis_ptr + b * Lq * Lk + rows[:, None] * Lk + keys[None, :],
-                              mask=row_ok[:, None] & key_ok[None, :], other=0) != 0
+                vis = tl.load(vis_ptr + rows[:, None] * Lk + vcol[None, :], mask=row_ok[:, None] & key_ok[None, :],
+                              other=0) != 0
                 p, dp = probs_and_dp(q, do, k, v, vis, shift, l_safe, scale, PRECISION)
                 dv += dot_mixed(tl.trans(p), do, PRECISION)
                 dk += dot_mixed(tl.trans(p * (dp - delta[:, None])), q, PRECISION) * scale
