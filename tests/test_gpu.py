@@ -101,8 +101,8 @@ def test_the_mode_on_cuda_runs_the_triton_kernels_and_gives_their_ops_bits(dtype
             out.backward(do)
             assert torch.equal(got[0], out)
             assert all(torch.equal(a, b) for a, b in zip(got[1:], (qs.grad, ks.grad, vs.grad)))
-    for kernel in ("gemm_kernel", "log_softmax_fwd_kernel", "rms_norm_fwd_kernel", "masked_fwd_kernel",
-                   "masked_bwd_dq_kernel", "masked_bwd_dkdv_kernel"):
+    for kernel in ("gemm_kernel", "log_softmax_fwd_kernel", "rms_norm_fwd_kernel", "attn_masked_fwd_kernel",
+                   "attn_masked_bwd_dq_kernel", "attn_masked_bwd_dkdv_kernel"):
         assert launches.names.get(kernel, 0) > 0, (kernel, launches.names)
 
 

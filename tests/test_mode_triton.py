@@ -116,7 +116,8 @@ def _tiny_llama():
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(**{**COMMON, "hidden_size": 32, "intermediate_size": 48, "vocab_size": 96, "num_hidden_layers": 1})
+    cfg = LlamaConfig(**{**COMMON, "hidden_size": 32, "intermediate_size": 48, "vocab_size": 96,
+                         "num_hidden_layers": 1})
     return AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").eval()
 
 

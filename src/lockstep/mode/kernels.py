@@ -114,7 +114,8 @@ def gemm_overrides(matmul: Callable[[Tensor, Tensor], Tensor]) -> dict[str, Call
     return {
         **gemms,
         **{f"{name}.out": _out_variant(fn) for name, fn in gemms.items()},
-        **{f"{name}_": _inplace_variant(fn) for name, fn in gemms.items() if name.startswith("add") or name == "baddbmm"},
+        **{f"{name}_": _inplace_variant(fn) for name, fn in gemms.items()
+           if name.startswith("add") or name == "baddbmm"},
         "_grouped_mm": grouped_mm,
     }
 

@@ -65,7 +65,8 @@ def _log_softmax_backward(grad_output, output, dim, input_dtype):
     g, y = _rows(grad_output, dim), _rows(output, dim)
     dx = torch.empty(g.shape, dtype=input_dtype, device=g.device)
     lse = torch.zeros(g.shape[0], dtype=torch.float32, device=g.device)
-    launch(triton_log_softmax.log_softmax_bwd_kernel, g.shape[0], y, lse, g, dx, g.shape[1], BLOCK=lane_block(g.shape[1]))
+    launch(triton_log_softmax.log_softmax_bwd_kernel, g.shape[0], y, lse, g, dx, g.shape[1],
+           BLOCK=lane_block(g.shape[1]))
     return dx.reshape(grad_output.movedim(dim, -1).shape).movedim(-1, dim)
 
 

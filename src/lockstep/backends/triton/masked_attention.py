@@ -52,6 +52,9 @@ def query_blocks(visible: Tensor, block_q: int) -> QueryBlocks:
     in no block."""
     b, lq, lk = visible.shape
     dev = visible.device
+    if lk == 0:                                                 # no key: every row sees nothing
+        visible = torch.zeros((b, lq, 1), dtype=torch.bool, device=dev)
+        lk = 1
     as_int = visible.to(torch.int32)
     seen = visible.any(-1).reshape(-1)
     anchor = as_int.argmax(-1).reshape(-1)                      # argmax gives the first of the ties
@@ -96,8 +99,9 @@ def _block(i, order_ptr, batch_ptr, start_ptr, count_ptr, lo_ptr, hi_ptr, BLOCK_
 @triton.jit
 def _keys(k_ptr, v_ptr, vis_ptr, kcol, vrow, row_ok, k0, hi, D, d_ok, BLOCK_K: tl.constexpr):
     """The key block at k0: k, v [BLOCK_K, BLOCK_D] (zeros from hi on) and which of its keys each row
-    may see. kcol [BLOCK_D] is the entry's and kv head's offset of each feature, vrow [BLOCK_Q] the
-    offset of each row's mask: the parts that do not change from one key block to the next."""
+    may see. k_ptr, v_ptr and vis_ptr point at the batch entry; kcol [BLOCK_D] is the kv head's
+    offset of each feature, vrow [BLOCK_Q] that of each row's mask: the parts that do not change from
+    one key block to the next. Offsets inside an entry are 32-bit (the wrapper checks its size)."""
     keys = k0 + tl.arange(0, BLOCK_K)
     key_ok = keys < hi
     kmask = key_ok[:, None] & d_ok[None, :]
@@ -109,9 +113,10 @@ def _keys(k_ptr, v_ptr, vis_ptr, kcol, vrow, row_ok, k0, hi, D, d_ok, BLOCK_K: t
 
 
 @triton.jit(do_not_specialize=INT_ARGS + ["scale"])
-def masked_fwd_kernel(q_ptr, k_ptr, v_ptr, vis_ptr, o_ptr, m_ptr, l_ptr, order_ptr, batch_ptr, start_ptr, count_ptr,
-                      lo_ptr, hi_ptr, Hq, Hkv, D, Lq, Lk, scale, stride_qb, stride_qh, stride_kb, stride_kh,
-                      PRECISION: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr):
+def attn_masked_fwd_kernel(q_ptr, k_ptr, v_ptr, vis_ptr, o_ptr, m_ptr, l_ptr, order_ptr, batch_ptr, start_ptr,
+                           count_ptr, lo_ptr, hi_ptr, Hq, Hkv, D, Lq, Lk, scale, stride_qb, stride_qh, stride_kb,
+                           stride_kh, PRECISION: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
+                           BLOCK_D: tl.constexpr):
     """Program (i, h): query block i, head h, over its key blocks from its anchor in order."""
     i = tl.program_id(0)
     h = tl.program_id(1)
@@ -120,43 +125,44 @@ def masked_fwd_kernel(q_ptr, k_ptr, v_ptr, vis_ptr, o_ptr, m_ptr, l_ptr, order_p
     d = tl.arange(0, BLOCK_D)
     d_ok = d < D
     qmask = row_ok[:, None] & d_ok[None, :]
-    offs = tile(b * stride_qb, 0, rows, h, D, stride_qh, d)
-    q = tl.load(q_ptr + offs, mask=qmask, other=0.0)
+    offs = tile(0, 0, rows, h, D, stride_qh, d)
+    q = tl.load(q_ptr + b * stride_qb + offs, mask=qmask, other=0.0)
     m_i = tl.full((BLOCK_Q,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_Q,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_Q, BLOCK_D), dtype=tl.float32)
-    kcol = b * stride_kb + hk * stride_kh + d
-    vrow = b * Lq * Lk + rows * Lk
+    kcol = hk * stride_kh + d
+    vrow = rows * Lk
     for k0 in range(lo, hi, BLOCK_K):
-        k, v, vis = _keys(k_ptr, v_ptr, vis_ptr, kcol, vrow, row_ok, k0, hi, D, d_ok, BLOCK_K)
+        k, v, vis = _keys(k_ptr + b * stride_kb, v_ptr + b * stride_kb, vis_ptr + b * Lq * Lk, kcol, vrow, row_ok, k0,
+                          hi, D, d_ok, BLOCK_K)
         s = tl.where(vis, dot(q, tl.trans(k), PRECISION) * scale, float("-inf"))
         m_i, l_i, acc = online_softmax_step(s, v, m_i, l_i, acc, PRECISION)
     out = acc / tl.where(l_i == 0, 1.0, l_i)[:, None]
-    tl.store(o_ptr + offs, cast_out(out, o_ptr), mask=qmask)
-    stat = (b * Hq + h) * Lq + rows
-    tl.store(m_ptr + stat, m_i, mask=row_ok)
-    tl.store(l_ptr + stat, l_i, mask=row_ok)
+    tl.store(o_ptr + b * stride_qb + offs, cast_out(out, o_ptr), mask=qmask)
+    stat = h * Lq + rows
+    tl.store(m_ptr + b * Hq * Lq + stat, m_i, mask=row_ok)
+    tl.store(l_ptr + b * Hq * Lq + stat, l_i, mask=row_ok)
 
 
 @triton.jit
 def _block_grad_inputs(q_ptr, do_ptr, m_ptr, l_ptr, b, rows, row_ok, h, Hq, D, Lq, stride_qb, stride_qh, d, d_ok):
-    """A query block's q and dO tiles of head h and their offsets, its softmax shift (0 for a row
-    that sees no key) and its sum (1 there), and where its statistics lie."""
+    """A query block's q and dO tiles of head h and their offsets in the entry, its softmax shift (0
+    for a row that sees no key) and its sum (1 there), and where its statistics lie in the entry's."""
     qmask = row_ok[:, None] & d_ok[None, :]
-    offs = tile(b * stride_qb, 0, rows, h, D, stride_qh, d)
-    q = tl.load(q_ptr + offs, mask=qmask, other=0.0)
-    do = tl.load(do_ptr + offs, mask=qmask, other=0.0)
-    stat = (b * Hq + h) * Lq + rows
-    m_i = tl.load(m_ptr + stat, mask=row_ok, other=0.0)
-    l_i = tl.load(l_ptr + stat, mask=row_ok, other=1.0)
+    offs = tile(0, 0, rows, h, D, stride_qh, d)
+    q = tl.load(q_ptr + b * stride_qb + offs, mask=qmask, other=0.0)
+    do = tl.load(do_ptr + b * stride_qb + offs, mask=qmask, other=0.0)
+    stat = h * Lq + rows
+    m_i = tl.load(m_ptr + b * Hq * Lq + stat, mask=row_ok, other=0.0)
+    l_i = tl.load(l_ptr + b * Hq * Lq + stat, mask=row_ok, other=1.0)
     return q, do, offs, tl.where(m_i == float("-inf"), 0.0, m_i), tl.where(l_i == 0, 1.0, l_i), stat
 
 
 @triton.jit(do_not_specialize=INT_ARGS + ["scale"])
-def masked_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, vis_ptr, do_ptr, m_ptr, l_ptr, dq_ptr, delta_ptr, order_ptr, batch_ptr,
-                         start_ptr, count_ptr, lo_ptr, hi_ptr, Hq, Hkv, D, Lq, Lk, scale, stride_qb, stride_qh,
-                         stride_kb, stride_kh, PRECISION: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
-                         BLOCK_D: tl.constexpr):
+def attn_masked_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, vis_ptr, do_ptr, m_ptr, l_ptr, dq_ptr, delta_ptr, order_ptr,
+                              batch_ptr, start_ptr, count_ptr, lo_ptr, hi_ptr, Hq, Hkv, D, Lq, Lk, scale, stride_qb,
+                              stride_qh, stride_kb, stride_kh, PRECISION: tl.constexpr, BLOCK_Q: tl.constexpr,
+                              BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr):
     """Program (i, h): delta = sum_j p_j dp_j and dq of query block i, head h, over its key blocks
     in order (twice)."""
     i = tl.program_id(0)
@@ -167,28 +173,30 @@ def masked_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, vis_ptr, do_ptr, m_ptr, l_ptr, dq_
     d_ok = d < D
     q, do, offs, shift, l_safe, stat = _block_grad_inputs(q_ptr, do_ptr, m_ptr, l_ptr, b, rows, row_ok, h, Hq, D,
                                                           Lq, stride_qb, stride_qh, d, d_ok)
-    kcol = b * stride_kb + hk * stride_kh + d
-    vrow = b * Lq * Lk + rows * Lk
+    kcol = hk * stride_kh + d
+    vrow = rows * Lk
     delta = tl.zeros((BLOCK_Q,), dtype=tl.float32)
     for k0 in range(lo, hi, BLOCK_K):
-        k, v, vis = _keys(k_ptr, v_ptr, vis_ptr, kcol, vrow, row_ok, k0, hi, D, d_ok, BLOCK_K)
+        k, v, vis = _keys(k_ptr + b * stride_kb, v_ptr + b * stride_kb, vis_ptr + b * Lq * Lk, kcol, vrow, row_ok, k0,
+                          hi, D, d_ok, BLOCK_K)
         p, dp = probs_and_dp(q, do, k, v, vis, shift, l_safe, scale, PRECISION)
         delta += tl.sum(p * dp, axis=1)
     dq = tl.zeros((BLOCK_Q, BLOCK_D), dtype=tl.float32)
     for k0 in range(lo, hi, BLOCK_K):
-        k, v, vis = _keys(k_ptr, v_ptr, vis_ptr, kcol, vrow, row_ok, k0, hi, D, d_ok, BLOCK_K)
+        k, v, vis = _keys(k_ptr + b * stride_kb, v_ptr + b * stride_kb, vis_ptr + b * Lq * Lk, kcol, vrow, row_ok, k0,
+                          hi, D, d_ok, BLOCK_K)
         p, dp = probs_and_dp(q, do, k, v, vis, shift, l_safe, scale, PRECISION)
         dq += dot_mixed(p * (dp - delta[:, None]), k, PRECISION) * scale
-    tl.store(dq_ptr + offs, cast_out(dq, dq_ptr), mask=row_ok[:, None] & d_ok[None, :])
-    tl.store(delta_ptr + stat, delta, mask=row_ok)
+    tl.store(dq_ptr + b * stride_qb + offs, cast_out(dq, dq_ptr), mask=row_ok[:, None] & d_ok[None, :])
+    tl.store(delta_ptr + b * Hq * Lq + stat, delta, mask=row_ok)
 
 
 @triton.jit(do_not_specialize=INT_ARGS + ["scale"])
-def masked_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, vis_ptr, do_ptr, m_ptr, l_ptr, delta_ptr, dk_ptr, dv_ptr, kblk_b_ptr,
-                           kblk_k0_ptr, order_ptr, batch_ptr, start_ptr, count_ptr, lo_ptr, hi_ptr, first_ptr,
-                           entry_hi_ptr, Hq, Hkv, D, Lq, Lk, scale, stride_qb, stride_qh, stride_kb, stride_kh,
-                           PRECISION: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
-                           BLOCK_D: tl.constexpr):
+def attn_masked_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, vis_ptr, do_ptr, m_ptr, l_ptr, delta_ptr, dk_ptr, dv_ptr,
+                                kblk_b_ptr, kblk_k0_ptr, order_ptr, batch_ptr, start_ptr, count_ptr, lo_ptr, hi_ptr,
+                                first_ptr, entry_hi_ptr, Hq, Hkv, D, Lq, Lk, scale, stride_qb, stride_qh, stride_kb,
+                                stride_kh, PRECISION: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
+                                BLOCK_D: tl.constexpr):
     """Program (j, hk): dk and dv of key block j (64 keys of one entry, from its first anchor) of kv
     head hk. The group's query heads, then the entry's query blocks that reach the key block, are
     added in order."""
@@ -202,10 +210,9 @@ def masked_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, vis_ptr, do_ptr, m_ptr, l_ptr, d
     keys = k0 + tl.arange(0, BLOCK_K)
     key_ok = keys < tl.load(entry_hi_ptr + b)
     kmask = key_ok[:, None] & d_ok[None, :]
-    koffs = tile(b * stride_kb, 0, keys, hk, D, stride_kh, d)
-    k = tl.load(k_ptr + koffs, mask=kmask, other=0.0)
-    v = tl.load(v_ptr + koffs, mask=kmask, other=0.0)
-    vcol = b * Lq * Lk + keys
+    koffs = tile(0, 0, keys, hk, D, stride_kh, d)
+    k = tl.load(k_ptr + b * stride_kb + koffs, mask=kmask, other=0.0)
+    v = tl.load(v_ptr + b * stride_kb + koffs, mask=kmask, other=0.0)
     dk = tl.zeros((BLOCK_K, BLOCK_D), dtype=tl.float32)
     dv = tl.zeros((BLOCK_K, BLOCK_D), dtype=tl.float32)
     first = tl.load(first_ptr + b)
@@ -213,18 +220,20 @@ def masked_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, vis_ptr, do_ptr, m_ptr, l_ptr, d
     for g in range(0, group):
         h = hk * group + g
         for i in range(first, last):
-            _, rows, row_ok, lo, hi = _block(i, order_ptr, batch_ptr, start_ptr, count_ptr, lo_ptr, hi_ptr, BLOCK_Q)
+            # Names bound in the loop are not rebound inside the `if`: Triton would have to merge their types.
+            blk_b, rows, row_ok, lo, hi = _block(i, order_ptr, batch_ptr, start_ptr, count_ptr, lo_ptr, hi_ptr,
+                                                 BLOCK_Q)
             if (lo < k0 + BLOCK_K) & (hi > k0):
-                q, do, _, shift, l_safe, stat = _block_grad_inputs(q_ptr, do_ptr, m_ptr, l_ptr, b, rows, row_ok, h,
-                                                                   Hq, D, Lq, stride_qb, stride_qh, d, d_ok)
-                delta = tl.load(delta_ptr + stat, mask=row_ok, other=0.0)
-                vis = tl.load(vis_ptr + rows[:, None] * Lk + vcol[None, :], mask=row_ok[:, None] & key_ok[None, :],
-                              other=0) != 0
+                q, do, q_offs, shift, l_safe, stat = _block_grad_inputs(q_ptr, do_ptr, m_ptr, l_ptr, b, rows, row_ok,
+                                                                        h, Hq, D, Lq, stride_qb, stride_qh, d, d_ok)
+                delta = tl.load(delta_ptr + b * Hq * Lq + stat, mask=row_ok, other=0.0)
+                vis = tl.load(vis_ptr + b * Lq * Lk + rows[:, None] * Lk + keys[None, :],
+                              mask=row_ok[:, None] & key_ok[None, :], other=0) != 0
                 p, dp = probs_and_dp(q, do, k, v, vis, shift, l_safe, scale, PRECISION)
                 dv += dot_mixed(tl.trans(p), do, PRECISION)
                 dk += dot_mixed(tl.trans(p * (dp - delta[:, None])), q, PRECISION) * scale
-    tl.store(dk_ptr + koffs, cast_out(dk, dk_ptr), mask=kmask)
-    tl.store(dv_ptr + koffs, cast_out(dv, dv_ptr), mask=kmask)
+    tl.store(dk_ptr + b * stride_kb + koffs, cast_out(dk, dk_ptr), mask=kmask)
+    tl.store(dv_ptr + b * stride_kb + koffs, cast_out(dv, dv_ptr), mask=kmask)
 
 
 def _tables(blocks: QueryBlocks) -> tuple[Tensor, ...]:
@@ -243,7 +252,7 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, vis: Tensor, scale: float) -> tupl
     m = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
     l = torch.zeros(q.shape[:3], dtype=torch.float32, device=q.device)
     if blocks.batch.numel():
-        masked_fwd_kernel[(blocks.batch.numel(), q.shape[1])](
+        attn_masked_fwd_kernel[(blocks.batch.numel(), q.shape[1])](
             q, k, v, vis.view(torch.uint8), o, m, l, *_tables(blocks), *_sizes(q, k), scale, q.stride(0), q.stride(1),
             k.stride(0), k.stride(1), PRECISION=dot_precision(q.dtype), BLOCK_Q=config.block_q, BLOCK_K=KEY_BLOCK,
             BLOCK_D=triton.next_power_of_2(q.shape[-1]), num_warps=config.num_warps, num_stages=config.num_stages)
@@ -271,12 +280,11 @@ def _backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, vis: Tensor, m: Tenso
     common = dict(PRECISION=dot_precision(q.dtype), BLOCK_Q=block_q, BLOCK_K=KEY_BLOCK,
                   BLOCK_D=triton.next_power_of_2(q.shape[-1]))
     strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1))
-    masked_bwd_dq_kernel[(blocks.batch.numel(), q.shape[1])](q, k, v, vis8, do, m, l, dq, delta,
-                                                             *_tables(blocks), *_sizes(q, k), scale, *strides,
-                                                             **common)
+    attn_masked_bwd_dq_kernel[(blocks.batch.numel(), q.shape[1])](
+        q, k, v, vis8, do, m, l, dq, delta, *_tables(blocks), *_sizes(q, k), scale, *strides, **common)
     kblk_b, kblk_k0 = _key_blocks(blocks)
     if kblk_b.numel():
-        masked_bwd_dkdv_kernel[(kblk_b.numel(), k.shape[1])](
+        attn_masked_bwd_dkdv_kernel[(kblk_b.numel(), k.shape[1])](
             q, k, v, vis8, do, m, l, delta, dk, dv, kblk_b, kblk_k0, *_tables(blocks), blocks.first, blocks.entry_hi,
             *_sizes(q, k), scale, *strides, **common)
     return dq, dk, dv
@@ -309,4 +317,8 @@ def masked_attention(q: Tensor, k: Tensor, v: Tensor, visible: Tensor, scale: fl
     float64, which the kernels do not take, runs the portable masked attention."""
     if q.dtype == torch.float64:
         return registered("portable")["masked_attention"](q, k, v, visible, scale)
+    for name, t in (("q", q), ("k", k), ("visible", visible)):
+        if t[0].numel() >= 2**31:
+            raise ValueError(f"{name}: expected fewer than 2**31 elements per batch entry (the kernels' offsets "
+                             f"inside an entry are 32-bit), got {t[0].numel()}")
     return _MaskedAttention.apply(q, k, v, visible, scale)
