@@ -21,6 +21,8 @@ _lock = threading.Lock()
 _owner: int | None = None
 _depth = 0
 _libs: list = []
+# The CPU route's table (aten op name -> kernel); `routes` holds every route's.
+OVERRIDES = routes.CPU.overrides
 # Where another Python library already overrides a covered op (another batch-invariant library, a test's
 # BLAS stand-in), the mode's kernel goes over it for the block and the other comes back on exit. torch
 # 2.13 allows that by default; torch 2.11 refuses it unless asked (releases without the flag keep their rule).
