@@ -97,6 +97,14 @@ def test_triton_masked_attention_under_a_mask_with_holes():
             assert torch.equal(one[:, :, 0], ref[0][:, :, t]), t
 
 
+def test_triton_masked_attention_refuses_an_entry_past_32_bit_offsets():
+    q, k = torch.zeros(1, 1, 1 << 16, 8), torch.zeros(1, 1, 1 << 15, 8)
+    visible = torch.ones(1, 1, 1, dtype=torch.bool).expand(1, 1 << 16, 1 << 15)     # 2**31 elements, no memory
+    with lockstep.use_backend("triton"), pytest.raises(ValueError, match=r"^visible: expected fewer than 2\*\*31 "
+                                                                          r"elements per batch entry .* got 2147483648$"):
+        ops.masked_attention(q, k, k, visible)
+
+
 def test_triton_attention_window_and_head_dim_80():
     # Paged decode of the last 28 tokens: they cross the key block at 64, the cache blocks at 64 and
     # 80, and from position 83 the window leaves the first key block behind.

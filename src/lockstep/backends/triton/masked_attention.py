@@ -318,7 +318,8 @@ def masked_attention(q: Tensor, k: Tensor, v: Tensor, visible: Tensor, scale: fl
     if q.dtype == torch.float64:
         return registered("portable")["masked_attention"](q, k, v, visible, scale)
     for name, t in (("q", q), ("k", k), ("visible", visible)):
-        if t[0].numel() >= 2**31:
+        per_entry = t.numel() // max(1, t.shape[0])
+        if per_entry >= 2**31:
             raise ValueError(f"{name}: expected fewer than 2**31 elements per batch entry (the kernels' offsets "
-                             f"inside an entry are 32-bit), got {t[0].numel()}")
+                             f"inside an entry are 32-bit), got {per_entry}")
     return _MaskedAttention.apply(q, k, v, visible, scale)
