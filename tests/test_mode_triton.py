@@ -94,10 +94,15 @@ def test_the_triton_route_gives_the_triton_ops_bits(triton_route, dtype):
         own = run(ops.linear, ops.log_softmax, triton_rms_norm,
                   lambda a, b: ops.masked_attention(a, b, b, visible)[0])
     names = ["log_softmax(linear)", "dx", "dw", "rms_norm", "rms_norm dx", "rms_norm dw", "sdpa", "dq", "dk"]
-    # In bf16 the mode's log_softmax backward sees only its rounded output, the op its fp32 input.
-    differ = {"dx", "dw"} if dtype == torch.bfloat16 else set()
+    # In bf16 the mode's log_softmax backward sees only its rounded output, the op its fp32 input:
+    # the same arithmetic on other inputs, so only close.
+    rounded = {"dx", "dw"} if dtype == torch.bfloat16 else set()
     for name, a, b in zip(names, mode, own):
-        assert a.dtype == b.dtype and torch.equal(a, b) != (name in differ), name
+        assert a.dtype == b.dtype, name
+        if name in rounded:
+            torch.testing.assert_close(a, b, atol=5e-2, rtol=2e-2, msg=name)
+        else:
+            assert torch.equal(a, b), name
     if dtype == torch.float32:
         # The CPU route's GEMM (the native kernels) sums in another order: the bits above are Triton's.
         assert not torch.equal(routes.CPU.overrides["mm"](x, w.t()), _triton_linear(x, w))
