@@ -56,14 +56,67 @@ def test_the_mode_makes_a_transformers_model_invariant_on_cuda(family):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_the_mode_on_cuda_runs_the_triton_kernels_and_gives_their_ops_bits(dtype):
+    """Under the mode, CUDA tensors take the Triton route (docs/adr/0039): a linear layer, log_softmax,
+    RMSNorm and SDPA (whichever of its CUDA forms torch picks, causal with GQA and under a padding
+    mask, forward and backward) launch the Triton backend's kernels, give the bits of its ops, and
+    a row alone gives its bits in the batch."""
+    from test_triton import _LaunchCounter
+    from lockstep import ops
+
+    gen = torch.Generator().manual_seed(0)
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=gen) * scale).to("cuda", dtype)
+
+    x, w, nw = randn(37, 256), randn(192, 256, scale=1 / 16), 1 + randn(256, scale=0.1)
+    q, do, k, v = randn(2, 4, 70, 64), randn(2, 4, 70, 64), randn(2, 2, 70, 64), randn(2, 2, 70, 64)
+    visible = torch.ones(2, 70, 70, dtype=torch.bool, device="cuda").tril()
+    visible[1, :, :9] = False                               # left padding
+    visible[1, :9] = False
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    kk, vv = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)      # as a model repeats its kv heads
+
+    def attend(q, k, v, causal):
+        q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+        out = sdpa(q, k, v, is_causal=True, enable_gqa=True) if causal else sdpa(q, k, v, attn_mask=visible[:, None])
+        out.backward(do)
+        return [out, q.grad, k.grad, v.grad]
+
+    with lockstep.batch_invariant(), _LaunchCounter() as launches:
+        y = torch.nn.functional.linear(x, w)
+        one = torch.nn.functional.linear(x[5:6], w)
+        lsm = torch.log_softmax(y, -1)
+        norm, _ = torch.ops.aten._fused_rms_norm(x, [256], nw, 1e-6)
+        causal, padded = attend(q, k, v, True), attend(q, kk, vv, False)
+    torch.cuda.synchronize()
+    with lockstep.use_backend("triton"):
+        assert torch.equal(y, ops.linear(x, w)) and torch.equal(one[0], y[5])
+        assert torch.equal(lsm, ops.log_softmax(y))
+        assert torch.equal(norm, ops.rms_norm(x, nw, 1e-6))
+        for got, keys, values, vis in ((causal, k, v, torch.ones_like(visible).tril()), (padded, kk, vv, visible)):
+            qs, ks, vs = (t.clone().requires_grad_() for t in (q, keys, values))
+            out, _ = ops.masked_attention(qs, ks, vs, vis)
+            out.backward(do)
+            assert torch.equal(got[0], out)
+            assert all(torch.equal(a, b) for a, b in zip(got[1:], (qs.grad, ks.grad, vs.grad)))
+    for kernel in ("gemm_kernel", "log_softmax_fwd_kernel", "rms_norm_fwd_kernel", "attn_masked_fwd_kernel",
+                   "attn_masked_bwd_dq_kernel", "attn_masked_bwd_dkdv_kernel"):
+        assert launches.names.get(kernel, 0) > 0, (kernel, launches.names)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_masked_attention_contract_on_cuda(dtype):
-    """ops.masked_attention on CUDA tensors (no Triton kernel: `auto` runs the portable one there):
-    every padding and decode sweep bitwise, accuracy against float64 and eager SDPA."""
+    """ops.masked_attention on CUDA tensors (`auto` runs the Triton kernels there): every padding and
+    decode sweep bitwise, accuracy against float64 and eager SDPA."""
     from _contract_checks import assert_attention_report
     from lockstep.harness.masked_attention_check import check_masked_attention
 
     report = check_masked_attention(dtype, device="cuda")
-    assert report.backend == "triton"           # CUDA's default; masked_attention falls back to portable
+    assert report.backend == "triton"
+    from lockstep.registry import resolve
+    assert resolve("masked_attention", torch.device("cuda")).__module__ == "lockstep.backends.triton.masked_attention"
     assert_attention_report(report, {"left padding", "more padding", "decode (last token alone)"})
 
 

@@ -38,7 +38,8 @@ KERNELS = {"gemm_kernel", "partial_colsum_kernel", "rms_norm_fwd_kernel", "rms_n
            "silu_mul_fwd_kernel", "silu_mul_bwd_kernel", "gelu_mul_fwd_kernel", "gelu_mul_bwd_kernel",
            "embedding_fwd_kernel", "embedding_bwd_kernel", "log_softmax_fwd_kernel", "log_softmax_bwd_kernel",
            "cross_entropy_fwd_kernel", "cross_entropy_bwd_kernel", "lse_update_kernel", "dlogits_kernel",
-           "attn_fwd_kernel", "attn_bwd_dq_kernel", "attn_bwd_dkdv_kernel"}
+           "attn_fwd_kernel", "attn_bwd_dq_kernel", "attn_bwd_dkdv_kernel", "attn_masked_fwd_kernel",
+           "attn_masked_bwd_dq_kernel", "attn_masked_bwd_dkdv_kernel"}
 
 
 def _env():
@@ -133,6 +134,7 @@ def test_compile_once_across_sizes(gpu_audit_output):
         rows = {case.split("rows=")[1] for r in gemm for case in r["cases"] if "rows=" in case}
         assert {"1", "7", "16", "4096"} <= rows
         assert sizes_seen("attn_fwd_kernel", arch, "bf16", "seqs=") == {"1", "3", "8"}
+        assert sizes_seen("attn_masked_fwd_kernel", arch, "bf16", "seqs=") == {"1", "3", "8"}
         assert sizes_seen("lse_update_kernel", arch, "fp32", "vocab=") >= {"49152", "151936"}
 
 

@@ -131,7 +131,9 @@ def test_a_decode_step_built_by_hand_gives_the_bits_of_the_built_one(backend):
 
 @pytest.mark.parametrize("spans, tokens, message", [
     ([([0], 0, 2), ([0], 0, 2)], None, "^spans: two new tokens would be written to the same cache slot$"),
-    ([([0, -1], 0, 6)], None, r"^spans: sequence 0 has a block id that is not an int >= 0: \[0, -1\]$"),
+    ([([0, -1], 0, 6)], None, r"^spans: sequence 0 has a block id that is not an int in \[0, 2\^31\): \[0, -1\]$"),
+    ([([0, 2 ** 31], 0, 6)], None, r"^spans: sequence 0 has a block id that is not an int in \[0, 2\^31\): "
+                                   r"\[0, 2147483648\]$"),
     ([([0], 2, 2)], None, r"^spans: sequence 0 asks for positions \[2, 2\) with 1 blocks of 4$"),
     ([([0], 0, 2)], [1], r"^tokens: expected 2 ids \(one per new token\), got 1$"),
     ([([0], 0, 2)], [1, 512], r"^tokens: expected ids in \[0, 512\), got \[512\]$"),
@@ -266,12 +268,15 @@ def test_build_step_into_a_buffer_checks_its_size_and_width():
     step, _ = build_step([([0, 1], 0, 5)], 4, width=3, into=torch.empty(step_size(1, 5, 3, with_ids=False),
                                                                         dtype=torch.int64))
     assert step.block_table.tolist() == [[0, 1, 0]]
+    cu32, lens32, table32 = step.host.indices32            # the kernels' int32 copies, in the same buffer
+    assert [t.dtype for t in step.host.indices32] == [torch.int32] * 3
+    assert (cu32.tolist(), lens32.tolist(), table32.tolist()) == ([0, 5], [5], [[0, 1, 0]])
     with pytest.raises(ValueError, match=r"^width: expected an int of at least 2 \(the most blocks of a sequence\), "
                                          r"got 1$"):
         build_step([([0, 1], 0, 5)], 4, width=1)
-    with pytest.raises(ValueError, match=r"^into: expected a flat int64 tensor of 16 elements \(this step's layout\), "
-                                         r"got \(17,\)$"):
-        build_step([([0, 1], 0, 5)], 4, width=3, into=torch.empty(17, dtype=torch.int64))
+    with pytest.raises(ValueError, match=r"^into: expected a flat int64 tensor of 19 elements \(this step's layout\), "
+                                         r"got \(20,\)$"):
+        build_step([([0, 1], 0, 5)], 4, width=3, into=torch.empty(20, dtype=torch.int64))
 
 
 @pytest.mark.parametrize("backend", ["native", "portable"])

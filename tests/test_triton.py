@@ -14,6 +14,7 @@ import lockstep  # noqa: E402
 from lockstep import ops  # noqa: E402
 from lockstep.harness.attention_check import AttnSizes, check_attention  # noqa: E402
 from lockstep.harness.check import check_op  # noqa: E402
+from lockstep.harness.masked_attention_check import MaskedSizes, check_masked_attention  # noqa: E402
 from lockstep.harness.specs import Sizes  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -50,6 +51,58 @@ def test_triton_attention_contract(dtype):
     assert not failures, failures
     a = report.accuracy
     assert a.forward_excess <= 0 and a.gradient_excess <= 0 and a.relative_ok, a
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_triton_masked_attention_contract(dtype):
+    """Every masked_attention sweep bitwise (padding on either side, alone, reversed, next to NaN/Inf,
+    decode of the last token) and its accuracy; the 66-token sequence crosses the 64-key block."""
+    from _contract_checks import assert_attention_report
+
+    sizes = MaskedSizes(lens=(9, 1, 66), q_heads=2, kv_heads=1, head_dim=16)
+    report = check_masked_attention(dtype, backend="triton", sizes=sizes, device=DEVICE)
+    assert report.backend == "triton"
+    assert_attention_report(report, {"left padding", "more padding", "decode (last token alone)"})
+
+
+def test_triton_masked_attention_under_a_mask_with_holes():
+    """A mask with holes, bidirectional spans and queries that see nothing: each query alone (its
+    mask row, all keys) gives its row's bits, and so do the same tokens after 70 keys and queries
+    that nobody sees, forward and backward (dq, dk, dv on the real tokens)."""
+    gen = torch.Generator().manual_seed(4)
+    q, do = (torch.randn(2, 2, 20, 16, generator=gen).to(DEVICE) for _ in range(2))
+    k, v = (torch.randn(2, 1, 20, 16, generator=gen).to(DEVICE) for _ in range(2))
+    visible = (torch.rand(2, 20, 20, generator=gen) < 0.6).to(DEVICE)
+    visible[0, 3] = False                                   # sees no key: zeros, and no gradient
+    visible[1, :, 12:] = True                               # a bidirectional span
+
+    def run(q, k, v, visible, pad):
+        q, k, v, do_ = (torch.nn.functional.pad(t, (0, 0, pad, 0), value=float("nan") if t is not do else 0.0)
+                        for t in (q, k, v, do))
+        visible = torch.nn.functional.pad(visible, (pad, 0, pad, 0), value=False)
+        q, k, v = (t.requires_grad_() for t in (q, k, v))
+        with lockstep.use_backend("triton"):
+            out, lse = ops.masked_attention(q, k, v, visible)
+            out.backward(do_)
+        return [t[:, :, pad:] for t in (out.detach(), q.grad, k.grad, v.grad)] + [lse[:, :, pad:]]
+
+    ref = run(q, k, v, visible, 0)
+    assert torch.equal(ref[0][0, :, 3], torch.zeros_like(ref[0][0, :, 3])) and torch.isneginf(ref[4][0, :, 3]).all()
+    shifted = run(q, k, v, visible, 70)
+    for name, a, b in zip(["out", "dq", "dk", "dv", "lse"], ref, shifted):
+        assert torch.equal(a, b), name
+    with lockstep.use_backend("triton"):
+        for t in (0, 5, 13, 19):
+            one, _ = ops.masked_attention(q[:, :, t:t + 1], k, v, visible[:, t:t + 1])
+            assert torch.equal(one[:, :, 0], ref[0][:, :, t]), t
+
+
+def test_triton_masked_attention_refuses_an_entry_past_32_bit_offsets():
+    q, k = torch.zeros(1, 1, 1 << 16, 8), torch.zeros(1, 1, 1 << 15, 8)
+    visible = torch.ones(1, 1, 1, dtype=torch.bool).expand(1, 1 << 16, 1 << 15)     # 2**31 elements, no memory
+    with lockstep.use_backend("triton"), pytest.raises(ValueError, match=r"^visible: expected fewer than 2\*\*31 "
+                                                                          r"elements per batch entry .* got 2147483648$"):
+        ops.masked_attention(q, k, k, visible)
 
 
 def test_triton_attention_window_and_head_dim_80():

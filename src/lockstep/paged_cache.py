@@ -35,6 +35,9 @@ class StepHost:
     slot_mapping: Tensor            # (dataclasses.replace, an assignment) is checked by reading them
     input_ids: Tensor | None = None
     vocab_size: int | None = None
+    # cu_seqlens_q [B + 1], seq_lens [B] and the block table [B, max_blocks] again, in int32 on the
+    # step's device (the same transfer): what a GPU kernel reads, in fewer registers than int64.
+    indices32: tuple[Tensor, Tensor, Tensor] | None = None
 
 
 @dataclass
@@ -88,8 +91,8 @@ def build_step(spans: list[tuple[list[int], int, int]], block_size: int, device:
         if positions_below is not None and stop > positions_below:
             raise ValueError(f"spans: sequence {i} reaches position {stop - 1}, not below positions_below = "
                              f"{positions_below}")
-        if any(not isinstance(b, int) or b < 0 for b in blocks):
-            raise ValueError(f"spans: sequence {i} has a block id that is not an int >= 0: {list(blocks)[:8]}")
+        if any(not isinstance(b, int) or not 0 <= b < 2 ** 31 for b in blocks):
+            raise ValueError(f"spans: sequence {i} has a block id that is not an int in [0, 2^31): {list(blocks)[:8]}")
         span = range(start, stop)
         positions.extend(span)
         slots.extend(blocks[p // block_size] * block_size + p % block_size for p in span)
@@ -108,8 +111,11 @@ def build_step(spans: list[tuple[list[int], int, int]], block_size: int, device:
         if bad:
             raise ValueError(f"tokens: expected ids in [0, {vocab_size}), got {bad[:5]}")
     b, t = len(spans), len(positions)
-    # One host buffer, one transfer; the step's tensors are views of the device's copy.
-    host = torch.tensor(cu + lens + slots + positions + ids + table, dtype=torch.int64)
+    # One host buffer, one transfer; the step's tensors are views of the device's copy. The int32
+    # copies ride at its end, two to an int64 element.
+    narrow = cu + lens + table + [0] * ((len(cu) + len(lens) + len(table)) % 2)
+    host = torch.cat([torch.tensor(cu + lens + slots + positions + ids + table, dtype=torch.int64),
+                      torch.tensor(narrow, dtype=torch.int32).view(torch.int64)])
     if into is None:
         moved = host.to(device)
     elif not isinstance(into, Tensor) or into.dtype != torch.int64 or tuple(into.shape) != tuple(host.shape):
@@ -117,12 +123,14 @@ def build_step(spans: list[tuple[list[int], int, int]], block_size: int, device:
                          f"{tuple(into.shape) if isinstance(into, Tensor) else type(into).__name__}")
     else:
         moved = into.copy_(host)
-    parts = moved.split([b + 1, b, t, t, len(ids), len(table)])
+    parts = moved.split([b + 1, b, t, t, len(ids), len(table), len(narrow) // 2])
+    cu32, lens32, table32, _ = parts[6].view(torch.int32).split([b + 1, b, len(table), len(narrow) - len(cu) - b
+                                                                 - len(table)])
     where = Positions(parts[3], tuple(positions)) if positions_below is None else TablePositions(parts[3],
                                                                                                positions_below)
     checked = StepHost(tuple(cu), tuple(lens), where, block_size, max(table) + 1,
                        parts[5].view(b, width), parts[2], parts[4] if tokens is not None else None,
-                       vocab_size if tokens is not None else None)
+                       vocab_size if tokens is not None else None, (cu32, lens32, table32.view(b, width)))
     step = CacheStep(parts[0], parts[1], checked.block_table, parts[2], checked)
     return step, parts[3]
 
@@ -130,7 +138,8 @@ def build_step(spans: list[tuple[list[int], int, int]], block_size: int, device:
 def step_size(sequences: int, tokens: int, width: int, with_ids: bool = True) -> int:
     """The elements of build_step's flat layout for `sequences` sequences, `tokens` new tokens and a
     block table `width` blocks wide (`into`'s size)."""
-    return (sequences + 1) + sequences + tokens * (3 if with_ids else 2) + sequences * width
+    indices = (sequences + 1) + sequences + sequences * width
+    return indices + tokens * (3 if with_ids else 2) + (indices + 1) // 2
 
 
 def gather_packed(cache: Tensor, block_table: Tensor, seq_lens: list[int]) -> Tensor:

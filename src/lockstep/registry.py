@@ -52,8 +52,8 @@ BACKENDS: dict[str, str] = {
 }
 
 _REGISTRY: dict[str, dict[str, Callable]] = {}
-# Ops a backend lacks run on its fallback: Triton has no masked-attention kernel (ADR 0015), so
-# under use_backend("triton") masked_attention runs the portable one, on any device.
+# Ops a backend lacks run on its fallback (Triton implements every op of OPS; a backend registered
+# with register_backend may implement a few).
 _FALLBACK: dict[str, str] = {"triton": "portable"}
 _loaded: set[str] = set()
 _state = threading.local()

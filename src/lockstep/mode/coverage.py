@@ -1,5 +1,7 @@
 """What the mode covers: the aten ops it overrides, how, in which dtypes; and the ops it leaves
-stock because lockstep cannot make their reduction order invariant."""
+stock because lockstep cannot make their reduction order invariant. "how" says what CPU tensors
+run; on CUDA tensors the GEMM family, RMSNorm, log_softmax, softmax and SDPA run the Triton
+backend's kernels (docs/adr/0039)."""
 
 from __future__ import annotations
 
@@ -7,7 +9,8 @@ import torch
 
 # (aten op, what lockstep does, dtypes). "+ out=, _" means the out= overload and the in-place form.
 COVERAGE: list[tuple[str, str, str]] = [
-    ("aten::mm (+ out=)", "fixed 128/8-row GEMM tiles (4-row in bf16 on CPU)", "fp32 bf16 fp16 fp64"),
+    ("aten::mm (+ out=)", "fixed 128/8-row GEMM tiles (4-row in bf16 on CPU); on CUDA the Triton GEMM, every tile "
+     "reducing K in order", "fp32 bf16 fp16 fp64"),
     ("aten::addmm (+ out=, _)", "the product on fixed row tiles, rounded, then beta * self added", "fp32 bf16 fp16 fp64"),
     ("aten::bmm (+ out=)", "fixed row tiles per batch entry", "fp32 bf16 fp16 fp64"),
     ("aten::baddbmm (+ out=, _)", "as bmm, then beta * self added", "fp32 bf16 fp16 fp64"),
@@ -34,6 +37,8 @@ COVERAGE: list[tuple[str, str, str]] = [
     ("aten::scaled_dot_product_attention", "via _scaled_dot_product_flash_attention_for_cpu (+ backward): "
      "fixed 64-key blocks anchored at each sequence's first visible key; causal, bool or 0/-inf "
      "float masks, GQA, decode", "fp32 bf16 fp16 fp64"),
+    ("aten::scaled_dot_product_attention on CUDA", "its flash, memory-efficient and cuDNN forms (+ backward), and "
+     "the math form at the autograd key: the Triton masked attention, as on CPU", "fp32 bf16 fp16 fp64"),
 ]
 
 # Float ops with a reduction whose order lockstep does not control. They run stock; with strict=True
@@ -44,8 +49,6 @@ UNSUPPORTED = [
     "aten::norm.ScalarOpt_dim", "aten::cumsum", "aten::cumprod", "aten::prod", "aten::prod.dim_int",
     "aten::logsumexp", "aten::nll_loss_forward", "aten::nll_loss2d_forward", "aten::embedding_dense_backward",
     "aten::index_add", "aten::scatter_add", "aten::_scaled_dot_product_attention_math", "aten::convolution",
-    "aten::_scaled_dot_product_flash_attention", "aten::_scaled_dot_product_efficient_attention",
-    "aten::_scaled_dot_product_cudnn_attention",
 ]
 
 

@@ -1,6 +1,7 @@
 """The mode's switch: `enable()` registers the kernels with torch.library on the CPU (and CUDA, when
 present) dispatch keys of the covered aten ops, `disable()` removes them, which restores the stock
-kernels. One thread at a time may hold the mode; nesting in that thread is fine."""
+kernels. Each call runs the kernel of the route that `routes.route` picks for its tensors' device.
+One thread at a time may hold the mode; nesting in that thread is fine."""
 
 from __future__ import annotations
 
@@ -13,14 +14,15 @@ import torch
 from torch import Tensor
 
 from .. import registry
-from . import attention, kernels, state
+from . import routes, state
 from .coverage import UNSUPPORTED
 
 _lock = threading.Lock()
 _owner: int | None = None
 _depth = 0
 _libs: list = []
-OVERRIDES = {**kernels.OVERRIDES, **attention.OVERRIDES}
+# The CPU route's table (aten op name -> kernel); `routes` holds every route's.
+OVERRIDES = routes.CPU.overrides
 # Where another Python library already overrides a covered op (another batch-invariant library, a test's
 # BLAS stand-in), the mode's kernel goes over it for the block and the other comes back on exit. torch
 # 2.13 allows that by default; torch 2.11 refuses it unless asked (releases without the flag keep their rule).
@@ -28,9 +30,23 @@ _OVER_OTHERS = ({"allow_override": True}
                 if "allow_override" in inspect.signature(torch.library.Library.impl).parameters else {})
 
 
-def _make(name: str, fn, original):
+def _device(args, kwargs) -> torch.device:
+    """The device of a call: its first tensor argument's."""
+    for a in args:
+        if isinstance(a, Tensor):
+            return a.device
+    for a in kwargs.values():
+        if isinstance(a, Tensor):
+            return a.device
+    return torch.device("cpu")
+
+
+def _make(name: str, original):
     def kernel(keyset, *args, **kwargs):
         if state.inside():
+            return original.call_boxed(keyset, *args, **kwargs)
+        fn = routes.route(_device(args, kwargs)).overrides.get(name)
+        if fn is None:
             return original.call_boxed(keyset, *args, **kwargs)
         # Autocast has already cast this op's inputs; the kernel's own ops must not be cast again.
         with state.kernel(), torch.no_grad(), _no_autocast():
@@ -39,6 +55,22 @@ def _make(name: str, fn, original):
             return original.call_boxed(keyset, *args, **kwargs)
         return out
     kernel.__name__ = f"lockstep_{name.replace('.', '_')}"
+    return kernel
+
+
+def _make_autograd(name: str, original):
+    """A kernel at the autograd key of a composite op: the route's kernel builds its own graph (its
+    inner aten ops run stock), so grad mode and autocast stay as the caller has them."""
+    def kernel(keyset, *args, **kwargs):
+        if state.inside():
+            return original.call_boxed(keyset, *args, **kwargs)
+        fn = routes.route(_device(args, kwargs)).autograd.get(name)
+        out = None
+        if fn is not None:
+            with state.kernel():
+                out = fn(*args, **kwargs)
+        return original.call_boxed(keyset, *args, **kwargs) if out is None else out
+    kernel.__name__ = f"lockstep_autograd_{name.replace('.', '_')}"
     return kernel
 
 
@@ -84,15 +116,27 @@ def _register(strict: bool) -> None:
 
 def _register_into(lib, keys: list[str], strict: bool) -> None:
     for key in keys:
-        for name, fn in OVERRIDES.items():
+        covered = set()
+        for name in sorted(routes.names()):
             try:
                 original = torch.library.get_kernel(f"aten::{name}", key)
             except (RuntimeError, AttributeError):
                 continue              # not in this torch build, or composite (it decomposes into covered ops)
-            lib.impl(name, _make(name, fn, original), key, with_keyset=True, **_OVER_OTHERS)
+            lib.impl(name, _make(name, original), key, with_keyset=True, **_OVER_OTHERS)
+            covered.add(name)
+        if key == "CUDA":
+            for name in sorted(routes.autograd_names()):
+                try:
+                    original = torch.library.get_kernel(f"aten::{name}", "AutogradCUDA")
+                except (RuntimeError, AttributeError):
+                    continue
+                lib.impl(name, _make_autograd(name, original), "AutogradCUDA", with_keyset=True, **_OVER_OTHERS)
+                covered.add(name)
         if strict:
             for full in UNSUPPORTED:
                 name = full.removeprefix("aten::")
+                if name in covered:
+                    continue
                 try:
                     original = torch.library.get_kernel(full, key)
                 except (RuntimeError, AttributeError):
@@ -111,9 +155,12 @@ def enable(strict: bool = False) -> None:
         if _depth == 0:
             _register(strict)
             _owner, state.strict = me, strict
-            # The overrides run on the CPU backend's kernels (kernels.py): its native build, where it
-            # builds, happens here rather than inside the first kernel.
+            # The CPU route runs on the CPU backend's kernels (kernels.py): its native build, where it
+            # builds, happens here rather than inside the first kernel; so does loading the Triton
+            # route where CUDA tensors will take it.
             registry.cpu_backend()
+            if torch.cuda.is_available():
+                routes.route(torch.device("cuda"))
         elif strict and not state.strict:
             raise RuntimeError("lockstep.batch_invariant: cannot enter strict=True inside a non-strict block")
         _depth += 1

@@ -8,6 +8,7 @@ follow MKL's blocking (docs/adr/0010). `OVERRIDES` maps aten op names to them.""
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import torch
 from torch import Tensor
@@ -55,66 +56,71 @@ def _scale_add(prod: Tensor, c: Tensor, beta, alpha) -> Tensor:
     return out.to(prod.dtype)
 
 
-def _mm(self, mat2):
-    return matmul_rows(self, mat2, kernels=_kernels())
+def gemm_overrides(matmul: Callable[[Tensor, Tensor], Tensor]) -> dict[str, Callable]:
+    """The GEMM family's kernels (mm, addmm, bmm, ..., their out= and in-place forms, _grouped_mm) on
+    one row-invariant product `matmul(a, b)`: a [M, K] @ b [K, N], or batched a [B, M, K] @ b [B, K, N],
+    in a's dtype. The CPU route passes `matmul_rows` on the CPU backend's kernels, the Triton route
+    the Triton backend's GEMM."""
+
+    def mm(self, mat2):
+        return matmul(self, mat2)
+
+    def grouped_mm(self, mat2, offs=None, bias=None, out_dtype=None):
+        """The mixture-of-experts form: rows [S, K] in groups ending at offs [G], weights [G, K, N] ->
+        [S, N], each group's rows on the fixed row tiles of its own weight. Other forms run stock."""
+        if offs is None or self.dim() != 2 or mat2.dim() != 3 or bias is not None:
+            if state.strict:
+                raise RuntimeError("lockstep.batch_invariant(strict=True): aten::_grouped_mm is covered for 2-D rows "
+                                   "against 3-D weights with offs (the experts' forward); this form (its backward's "
+                                   "weight gradient, say) has no batch-invariant implementation in lockstep")
+            return None
+        dtype = out_dtype or self.dtype
+        out = self.new_zeros((self.shape[0], mat2.shape[2]), dtype=dtype)
+        start = 0
+        for g, stop in enumerate(offs.tolist()):
+            if stop > start:
+                out[start:stop] = matmul(self[start:stop], mat2[g]).to(dtype)
+            start = stop
+        return out
+
+    def addmm(self, mat1, mat2, beta=1, alpha=1):
+        return _scale_add(matmul(mat1, mat2), self, beta, alpha)
+
+    def baddbmm(self, batch1, batch2, beta=1, alpha=1):
+        return _scale_add(matmul(batch1, batch2), self, beta, alpha)
+
+    def addbmm(self, batch1, batch2, beta=1, alpha=1):
+        products = matmul(batch1, batch2).to(accumulate_dtype(batch1.dtype))
+        total = products[0]
+        for b in range(1, products.shape[0]):         # the batch entries in order
+            total = total + products[b]
+        return _scale_add(total.to(batch1.dtype), self, beta, alpha)
+
+    def mv(self, vec):
+        """A matrix-vector product as a one-column GEMM on fixed row tiles: row i has the bits of row i
+        of the same matrix times any other matrix column (no GEMV path)."""
+        return matmul(self, vec[:, None])[:, 0]
+
+    def addmv(self, mat, vec, beta=1, alpha=1):
+        return _scale_add(mv(mat, vec), self, beta, alpha)
+
+    def dot(self, tensor):
+        if self.is_complex():
+            return None
+        return matmul(self[None], tensor[:, None])[0, 0]
+
+    gemms = {"mm": mm, "addmm": addmm, "bmm": mm, "baddbmm": baddbmm, "addbmm": addbmm, "mv": mv, "addmv": addmv,
+             "dot": dot, "vdot": dot}
+    return {
+        **gemms,
+        **{f"{name}.out": out_variant(fn) for name, fn in gemms.items()},
+        **{f"{name}_": _inplace_variant(fn) for name, fn in gemms.items()
+           if name.startswith("add") or name == "baddbmm"},
+        "_grouped_mm": grouped_mm,
+    }
 
 
-def _grouped_mm(self, mat2, offs=None, bias=None, out_dtype=None):
-    """The mixture-of-experts form: rows [S, K] in groups ending at offs [G], weights [G, K, N] ->
-    [S, N], each group's rows on the fixed row tiles of its own weight. Other forms run stock."""
-    if offs is None or self.dim() != 2 or mat2.dim() != 3 or bias is not None:
-        if state.strict:
-            raise RuntimeError("lockstep.batch_invariant(strict=True): aten::_grouped_mm is covered for 2-D rows "
-                               "against 3-D weights with offs (the experts' forward); this form (its backward's "
-                               "weight gradient, say) has no batch-invariant implementation in lockstep")
-        return None
-    dtype = out_dtype or self.dtype
-    out = self.new_zeros((self.shape[0], mat2.shape[2]), dtype=dtype)
-    start = 0
-    for g, stop in enumerate(offs.tolist()):
-        if stop > start:
-            out[start:stop] = matmul_rows(self[start:stop], mat2[g], kernels=_kernels()).to(dtype)
-        start = stop
-    return out
-
-
-def _addmm(self, mat1, mat2, beta=1, alpha=1):
-    return _scale_add(matmul_rows(mat1, mat2, kernels=_kernels()), self, beta, alpha)
-
-
-def _bmm(self, mat2):
-    return matmul_rows(self, mat2, kernels=_kernels())
-
-
-def _baddbmm(self, batch1, batch2, beta=1, alpha=1):
-    return _scale_add(matmul_rows(batch1, batch2, kernels=_kernels()), self, beta, alpha)
-
-
-def _addbmm(self, batch1, batch2, beta=1, alpha=1):
-    products = matmul_rows(batch1, batch2, kernels=_kernels()).to(accumulate_dtype(batch1.dtype))
-    total = products[0]
-    for b in range(1, products.shape[0]):         # the batch entries in order
-        total = total + products[b]
-    return _scale_add(total.to(batch1.dtype), self, beta, alpha)
-
-
-def _mv(self, vec):
-    """A matrix-vector product as a one-column GEMM on fixed row tiles: row i has the bits of row i of
-    the same matrix times any other matrix column (no GEMV path)."""
-    return matmul_rows(self, vec[:, None], kernels=_kernels())[:, 0]
-
-
-def _addmv(self, mat, vec, beta=1, alpha=1):
-    return _scale_add(_mv(mat, vec), self, beta, alpha)
-
-
-def _dot(self, tensor):
-    if self.is_complex():
-        return None
-    return matmul_rows(self[None], tensor[:, None], kernels=_kernels())[0, 0]
-
-
-def _out_variant(fn):
+def out_variant(fn):
     """fn's result written into `out` (resized as PyTorch's out= variants do)."""
     def out_kernel(*args, out, **kwargs):
         result = fn(*args, **kwargs)
@@ -273,24 +279,23 @@ def _tanh_backward(grad_output, output):
     return (grad_output.to(acc) * (1.0 - y * y)).to(output.dtype)
 
 
-_GEMMS = {"mm": _mm, "addmm": _addmm, "bmm": _bmm, "baddbmm": _baddbmm, "addbmm": _addbmm, "mv": _mv,
-          "addmv": _addmv, "dot": _dot, "vdot": _dot}
+def _matmul(a: Tensor, b: Tensor) -> Tensor:
+    return matmul_rows(a, b, kernels=_kernels())
+
+
 OVERRIDES = {
-    **_GEMMS,
-    **{f"{name}.out": _out_variant(fn) for name, fn in _GEMMS.items()},
-    **{f"{name}_": _inplace_variant(fn) for name, fn in _GEMMS.items() if name.startswith("add") or name == "baddbmm"},
-    "_grouped_mm": _grouped_mm,
+    **gemm_overrides(_matmul),
     "sum.default": _sum_all,
     "sum.dim_IntList": _sum,
-    "sum.IntList_out": _out_variant(_sum),
+    "sum.IntList_out": out_variant(_sum),
     "mean.default": _mean_all,
     "mean.dim": _mean,
-    "mean.out": _out_variant(_mean),
+    "mean.out": out_variant(_mean),
     "_log_softmax": _log_softmax,
-    "_log_softmax.out": _out_variant(_log_softmax),
+    "_log_softmax.out": out_variant(_log_softmax),
     "_log_softmax_backward_data": _log_softmax_backward,
     "_softmax": _softmax,
-    "_softmax.out": _out_variant(_softmax),
+    "_softmax.out": out_variant(_softmax),
     "_softmax_backward_data": _softmax_backward,
     "silu": _silu,
     "silu_backward": _silu_backward,

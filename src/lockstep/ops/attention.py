@@ -216,4 +216,4 @@ def cached_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: 
     with autocast.off(q.device.type):
         return resolve("paged_attention", q.device)(q, k_cache, v_cache, step.block_table, host.seq_lens,
                                                     host.cu_seqlens_q, scale, True, window,
-                                                    on_device=(step.cu_seqlens_q, step.seq_lens))
+                                                    on_device=host.indices32)

@@ -209,6 +209,13 @@ def _attention_ops(ops, dtype, lengths: list[int], head_dim: int) -> Iterator[st
     with torch.no_grad():
         for window in (None, 8):
             ops.cached_attention(q1, k1, v1, k_cache, v_cache, step, window=window)
+    yield "masked attention"
+    width = max(lengths)
+    visible = torch.zeros(len(lengths), width, width, dtype=torch.bool)
+    for b, n in enumerate(lengths):                             # left-padded causal sequences
+        visible[b, width - n:, width - n:] = torch.ones(n, n, dtype=torch.bool).tril()
+    qm, km, vm = (_rand(len(lengths), h, width, head_dim, dtype=dtype) for h in (hq, hkv, hkv))
+    _backward(ops.masked_attention(qm, km, vm, visible)[0], qm, km, vm)
 
 
 def workload() -> Iterator[str]:

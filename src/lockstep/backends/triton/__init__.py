@@ -1,6 +1,6 @@
 """The Triton backend: the ops of lockstep.ops as Triton kernels, one module per op (GPU; on a
 machine without CUDA, under Triton's interpreter, which must be chosen before triton is imported).
-The registry imports the op modules after this package; it has none for masked_attention (ADR 0015)."""
+The registry imports the op modules after this package (masked_attention's: ADR 0039)."""
 
 import os
 

@@ -77,7 +77,7 @@ def _key_addr(k_base, b, keys, key_ok, ks, table_ptr, table_stride, block_size, 
 
 
 @triton.jit
-def _tile(base, first, idx, head, stride_t, stride_h, d):
+def tile(base, first, idx, head, stride_t, stride_h, d):
     """Pointers [N, BLOCK_D] to a tile of q, k, v (or their gradients): tokens first + idx [N] of head
     `head`, features d [BLOCK_D]. Each term is added to the pointer in turn: summing the 32-bit
     offsets first could overflow where the pointer sums do not."""
@@ -139,13 +139,34 @@ def _visible(keys, key_ok, pos, row_ok, window, CAUSAL: tl.constexpr, HAS_WINDOW
 
 
 @triton.jit
-def _probs_and_dp(q, do, k, v, keys, key_ok, pos, row_ok, shift, l_safe, scale, window, CAUSAL: tl.constexpr,
-                  HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr):
-    """Recomputed probabilities p = exp(s - max) / sum of one key block, and dp = dO V^T."""
+def probs_and_dp(q, do, k, v, vis, shift, l_safe, scale, PRECISION: tl.constexpr):
+    """Recomputed probabilities p = exp(s - max) / sum of one key block, 0 where `vis` [BLOCK_Q,
+    BLOCK_K] is false, and dp = dO V^T (attention's and masked attention's backward)."""
     s = dot(q, tl.trans(k), PRECISION) * scale
-    vis = _visible(keys, key_ok, pos, row_ok, window, CAUSAL, HAS_WINDOW)
     p = tl.where(vis, tl.exp(s - shift[:, None]) / l_safe[:, None], 0.0)
     return p, dot(do, tl.trans(v), PRECISION)
+
+
+@triton.jit
+def _probs_and_dp(q, do, k, v, keys, key_ok, pos, row_ok, shift, l_safe, scale, window, CAUSAL: tl.constexpr,
+                  HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr):
+    vis = _visible(keys, key_ok, pos, row_ok, window, CAUSAL, HAS_WINDOW)
+    return probs_and_dp(q, do, k, v, vis, shift, l_safe, scale, PRECISION)
+
+
+@triton.jit
+def online_softmax_step(s, v, m_i, l_i, acc, PRECISION: tl.constexpr):
+    """One key block of the forward: each row's running max m_i, sum l_i and output acc updated by
+    the block's scores s [BLOCK_Q, BLOCK_K] (-inf where the row cannot see the key) and values v.
+    A block that a row cannot see leaves its three unchanged (attention's and masked attention's
+    forward)."""
+    new = tl.maximum(m_i, tl.max(s, axis=1))
+    shift = tl.where(new == float("-inf"), 0.0, new)
+    alpha = tl.exp(m_i - shift)
+    p = tl.exp(s - shift[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + dot_mixed(p, v, PRECISION)
+    return new, l_i, acc
 
 
 @triton.jit
@@ -156,8 +177,8 @@ def _key_block_probs(q, do, k_ptr, v_ptr, k0, ks, len_k, hk, stride_kt, stride_k
     keys = k0 + tl.arange(0, BLOCK_K)
     key_ok = keys < len_k
     kmask = key_ok[:, None] & d_ok[None, :]
-    k = tl.load(_tile(k_ptr, ks, keys, hk, stride_kt, stride_kh, d), mask=kmask, other=0.0)
-    v = tl.load(_tile(v_ptr, ks, keys, hk, stride_kt, stride_kh, d), mask=kmask, other=0.0)
+    k = tl.load(tile(k_ptr, ks, keys, hk, stride_kt, stride_kh, d), mask=kmask, other=0.0)
+    v = tl.load(tile(v_ptr, ks, keys, hk, stride_kt, stride_kh, d), mask=kmask, other=0.0)
     p, dp = _probs_and_dp(q, do, k, v, keys, key_ok, pos, row_ok, shift, l_safe, scale, window, CAUSAL, HAS_WINDOW,
                           PRECISION)
     return k, p, dp
@@ -174,7 +195,7 @@ def attn_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, m_ptr, l_ptr, blk_seq_ptr, blk_q
     b, h, hk, qs, ks, len_k, rows, row_ok, pos, d, d_ok, lo, hi = _query_block(
         blk_seq_ptr, blk_q0_ptr, cu_q_ptr, cu_k_ptr, lens_ptr, Hq, Hkv, D, window, CAUSAL, HAS_WINDOW, PAGED, BLOCK_Q,
         BLOCK_K, BLOCK_D)
-    q = tl.load(_tile(q_ptr, qs, rows, h, stride_qt, stride_qh, d), mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    q = tl.load(tile(q_ptr, qs, rows, h, stride_qt, stride_qh, d), mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     m_i = tl.full((BLOCK_Q,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_Q,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_Q, BLOCK_D), dtype=tl.float32)
@@ -185,17 +206,11 @@ def attn_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, m_ptr, l_ptr, blk_seq_ptr, blk_q
         k = tl.load(addr[:, None] + hk * stride_kh + d[None, :], mask=key_ok[:, None] & d_ok[None, :], other=0.0)
         s = dot(q, tl.trans(k), PRECISION) * scale
         s = tl.where(_visible(keys, key_ok, pos, row_ok, window, CAUSAL, HAS_WINDOW), s, float("-inf"))
-        new = tl.maximum(m_i, tl.max(s, axis=1))
-        shift = tl.where(new == float("-inf"), 0.0, new)
-        alpha = tl.exp(m_i - shift)
-        p = tl.exp(s - shift[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
         vaddr = _key_addr(v_ptr, b, keys, key_ok, ks, table_ptr, table_stride, block_size, stride_kt, PAGED)
         v = tl.load(vaddr[:, None] + hk * stride_kh + d[None, :], mask=key_ok[:, None] & d_ok[None, :], other=0.0)
-        acc = acc * alpha[:, None] + dot_mixed(p, v, PRECISION)
-        m_i = new
+        m_i, l_i, acc = online_softmax_step(s, v, m_i, l_i, acc, PRECISION)
     out = acc / tl.where(l_i == 0, 1.0, l_i)[:, None]
-    tl.store(_tile(o_ptr, qs, rows, h, stride_qt, stride_qh, d), cast_out(out, o_ptr),
+    tl.store(tile(o_ptr, qs, rows, h, stride_qt, stride_qh, d), cast_out(out, o_ptr),
              mask=row_ok[:, None] & d_ok[None, :])
     tl.store(m_ptr + (qs + rows) * Hq + h, m_i, mask=row_ok)
     tl.store(l_ptr + (qs + rows) * Hq + h, l_i, mask=row_ok)
@@ -211,8 +226,8 @@ def attn_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, m_ptr, l_ptr, dq_ptr, delta_
         blk_seq_ptr, blk_q0_ptr, cu_q_ptr, cu_k_ptr, cu_k_ptr, Hq, Hkv, D, window, CAUSAL, HAS_WINDOW, False, BLOCK_Q,
         BLOCK_K, BLOCK_D)
     qmask = row_ok[:, None] & d_ok[None, :]
-    q = tl.load(_tile(q_ptr, qs, rows, h, stride_qt, stride_qh, d), mask=qmask, other=0.0)
-    do = tl.load(_tile(do_ptr, qs, rows, h, stride_qt, stride_qh, d), mask=qmask, other=0.0)
+    q = tl.load(tile(q_ptr, qs, rows, h, stride_qt, stride_qh, d), mask=qmask, other=0.0)
+    do = tl.load(tile(do_ptr, qs, rows, h, stride_qt, stride_qh, d), mask=qmask, other=0.0)
     m_i = tl.load(m_ptr + (qs + rows) * Hq + h, mask=row_ok, other=0.0)
     l_i = tl.load(l_ptr + (qs + rows) * Hq + h, mask=row_ok, other=1.0)
     shift = tl.where(m_i == float("-inf"), 0.0, m_i)
@@ -228,7 +243,7 @@ def attn_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, m_ptr, l_ptr, dq_ptr, delta_
                                     row_ok, shift, l_safe, scale, window, CAUSAL, HAS_WINDOW, PRECISION, BLOCK_K)
         ds = p * (dp - delta[:, None])
         dq += dot_mixed(ds, k, PRECISION) * scale
-    tl.store(_tile(dq_ptr, qs, rows, h, stride_qt, stride_qh, d), cast_out(dq, dq_ptr), mask=qmask)
+    tl.store(tile(dq_ptr, qs, rows, h, stride_qt, stride_qh, d), cast_out(dq, dq_ptr), mask=qmask)
     tl.store(delta_ptr + (qs + rows) * Hq + h, delta, mask=row_ok)
 
 
@@ -251,8 +266,8 @@ def attn_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, m_ptr, l_ptr, delta_ptr, d
     d = tl.arange(0, BLOCK_D)
     d_ok = d < D
     kmask = key_ok[:, None] & d_ok[None, :]
-    k = tl.load(_tile(k_ptr, ks, keys, hk, stride_kt, stride_kh, d), mask=kmask, other=0.0)
-    v = tl.load(_tile(v_ptr, ks, keys, hk, stride_kt, stride_kh, d), mask=kmask, other=0.0)
+    k = tl.load(tile(k_ptr, ks, keys, hk, stride_kt, stride_kh, d), mask=kmask, other=0.0)
+    v = tl.load(tile(v_ptr, ks, keys, hk, stride_kt, stride_kh, d), mask=kmask, other=0.0)
     dk = tl.zeros((BLOCK_K, BLOCK_D), dtype=tl.float32)
     dv = tl.zeros((BLOCK_K, BLOCK_D), dtype=tl.float32)
     first_q = 0
@@ -268,8 +283,8 @@ def attn_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, m_ptr, l_ptr, delta_ptr, d
             row_ok = rows < len_q
             pos = len_k - len_q + rows
             qmask = row_ok[:, None] & d_ok[None, :]
-            q = tl.load(_tile(q_ptr, qs, rows, h, stride_qt, stride_qh, d), mask=qmask, other=0.0)
-            do = tl.load(_tile(do_ptr, qs, rows, h, stride_qt, stride_qh, d), mask=qmask, other=0.0)
+            q = tl.load(tile(q_ptr, qs, rows, h, stride_qt, stride_qh, d), mask=qmask, other=0.0)
+            do = tl.load(tile(do_ptr, qs, rows, h, stride_qt, stride_qh, d), mask=qmask, other=0.0)
             m_i = tl.load(m_ptr + (qs + rows) * Hq + h, mask=row_ok, other=0.0)
             l_i = tl.load(l_ptr + (qs + rows) * Hq + h, mask=row_ok, other=1.0)
             delta = tl.load(delta_ptr + (qs + rows) * Hq + h, mask=row_ok, other=0.0)
@@ -279,8 +294,8 @@ def attn_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, m_ptr, l_ptr, delta_ptr, d
             dv += dot_mixed(tl.trans(p), do, PRECISION)
             ds = p * (dp - delta[:, None])
             dk += dot_mixed(tl.trans(ds), q, PRECISION) * scale
-    tl.store(_tile(dk_ptr, ks, keys, hk, stride_kt, stride_kh, d), cast_out(dk, dk_ptr), mask=kmask)
-    tl.store(_tile(dv_ptr, ks, keys, hk, stride_kt, stride_kh, d), cast_out(dv, dv_ptr), mask=kmask)
+    tl.store(tile(dk_ptr, ks, keys, hk, stride_kt, stride_kh, d), cast_out(dk, dk_ptr), mask=kmask)
+    tl.store(tile(dv_ptr, ks, keys, hk, stride_kt, stride_kh, d), cast_out(dv, dv_ptr), mask=kmask)
 
 
 def _blocks(lengths: list[int], step: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -310,7 +325,8 @@ def _forward(q, k, v, cu_q, cu_k, lens, table, scale, causal, window, paged, con
     # sequences means one each: a decode step, whose query blocks depend on its size alone.
     if on_device is not None and len(cu_q) - 1 == cu_q[-1] == tq:
         bseq, bq0 = _decode_blocks(tq, q.device)
-        (cu_q_t, lens_t), cu_k_t, table_t = on_device, on_device[0], table
+        cu_q_t, lens_t, table_t = on_device
+        cu_k_t = cu_q_t
     else:
         bseq, bq0, cu_q_t, cu_k_t, lens_t, table_t = _launch_metadata(cu_q, cu_k, lens, table, config.block_q,
                                                                       q.device)
@@ -409,9 +425,10 @@ def attention(q, k, v, cu_q, cu_k, scale, causal, window):
 
 @register("triton", "paged_attention")
 def paged_attention(q, k_cache, v_cache, block_table, seq_lens, cu_q, scale, causal, window, *, on_device=None):
-    """on_device: the step's (cu_seqlens_q, seq_lens) int64 tensors on q's device, beside their host
-    values: the kernel reads them, and the block table, where they are, with nothing copied from
-    the host (what a captured CUDA graph needs) when every sequence decodes one token."""
+    """on_device: the step's (cu_seqlens_q, seq_lens, block_table) as int32 tensors on q's device
+    (paged_cache.StepHost.indices32), beside the host values: when every sequence decodes one
+    token the kernel reads them where they are, with nothing copied from the host (what a captured
+    CUDA graph needs)."""
     with torch.no_grad():
         lens = seq_lens if isinstance(seq_lens, tuple) else list(seq_lens)
         o, _, _ = _forward(q.contiguous(), k_cache, v_cache, cu_q, None, lens, block_table, scale, causal, window,
