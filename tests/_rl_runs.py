@@ -14,8 +14,8 @@ from lockstep.model.files import params_digest, read_tensors, safetensors_files
 
 TINY = ["--model", "tiny", "--dtype", "bf16", "--prompts-per-step", "2", "--group", "2", "--max-new-tokens", "4",
         "--lr", "1e-3"]
-# The compared run's length: 3 prompts of 2 completions a step, so that two servers or two ranks
-# each take an uneven share.
+# The compared run's length: 3 prompts of 2 completions a step, so that two servers, sent a request
+# per prompt, take uneven shares.
 COMPARED = ["--prompts-per-step", "3", "--steps", "2"]
 
 

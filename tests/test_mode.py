@@ -414,3 +414,15 @@ def test_grouped_mm_forms_the_mode_does_not_cover_raise_under_strict():
         assert torch.equal(out[2:], matmul_rows(rows[2:], weights[1], kernels=kernels))
         with pytest.raises(RuntimeError, match="aten::_grouped_mm is covered for 2-D rows against 3-D weights"):
             torch.nn.functional.grouped_mm(rows.t().contiguous(), torch.randn(6, 4), offs=offs)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_rms_norm_without_eps_takes_the_eps_pytorch_takes(dtype):
+    """F.rms_norm(eps=None) adds the eps of the dtype it computes in, float32 for 16-bit inputs:
+    under the mode the same as passing that eps."""
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(0)).to(dtype) * 1e-2
+    w = torch.ones(64, dtype=dtype)
+    with lockstep.batch_invariant():
+        default = torch.nn.functional.rms_norm(x, (64,), w)
+        explicit = torch.nn.functional.rms_norm(x, (64,), w, eps=torch.finfo(torch.float32).eps)
+    assert torch.equal(default, explicit)

@@ -81,7 +81,8 @@ def build_step(spans: list[tuple[list[int], int, int]], block_size: int, device:
         width = widest
     elif isinstance(width, bool) or not isinstance(width, int) or width < widest:
         raise ValueError(f"width: expected an int of at least {widest} (the most blocks of a sequence), got {width!r}")
-    table = [0] * (len(spans) * width)
+    used: list[int] = []                       # the block ids, row by row, and where they go
+    where_used: list[int] = []
     for i, (blocks, start, stop) in enumerate(spans):
         if not 0 <= start < stop or len(blocks) * block_size < stop:
             raise ValueError(f"spans: sequence {i} asks for positions [{start}, {stop}) with {len(blocks)} blocks "
@@ -98,7 +99,8 @@ def build_step(spans: list[tuple[list[int], int, int]], block_size: int, device:
         slots.extend(blocks[p // block_size] * block_size + p % block_size for p in span)
         cu.append(cu[-1] + stop - start)
         lens.append(stop)
-        table[i * width:i * width + len(blocks)] = blocks
+        used.extend(blocks)
+        where_used.extend(range(i * width, i * width + len(blocks)))
     if len(set(slots)) != len(slots):
         raise ValueError("spans: two new tokens would be written to the same cache slot")
     ids = [] if tokens is None else list(tokens)
@@ -111,24 +113,32 @@ def build_step(spans: list[tuple[list[int], int, int]], block_size: int, device:
         if bad:
             raise ValueError(f"tokens: expected ids in [0, {vocab_size}), got {bad[:5]}")
     b, t = len(spans), len(positions)
+    # The table is filled by tensor ops: a static step's is as wide as the longest sequence the
+    # cache can hold, mostly zeros, and Python would spend a loop on each of them.
+    table = torch.zeros(b * width, dtype=torch.int64)
+    if used:
+        table[torch.tensor(where_used)] = torch.tensor(used, dtype=torch.int64)
     # One host buffer, one transfer; the step's tensors are views of the device's copy. The int32
     # copies ride at its end, two to an int64 element.
-    narrow = cu + lens + table + [0] * ((len(cu) + len(lens) + len(table)) % 2)
-    host = torch.cat([torch.tensor(cu + lens + slots + positions + ids + table, dtype=torch.int64),
-                      torch.tensor(narrow, dtype=torch.int32).view(torch.int64)])
+    indices = 2 * b + 1 + table.numel()
+    narrow = torch.cat([torch.tensor(cu + lens, dtype=torch.int32), table.to(torch.int32),
+                        torch.zeros(indices % 2, dtype=torch.int32)])
+    host = torch.cat([torch.tensor(cu + lens + slots + positions + ids, dtype=torch.int64), table,
+                      narrow.view(torch.int64)])
     if into is None:
         moved = host.to(device)
     elif not isinstance(into, Tensor) or into.dtype != torch.int64 or tuple(into.shape) != tuple(host.shape):
         raise ValueError(f"into: expected a flat int64 tensor of {host.numel()} elements (this step's layout), got "
                          f"{tuple(into.shape) if isinstance(into, Tensor) else type(into).__name__}")
+    elif into.device.type != torch.device(device).type or torch.device(device).index not in (None, into.device.index):
+        raise ValueError(f"into: expected a tensor on {torch.device(device)} (device), got one on {into.device}")
     else:
         moved = into.copy_(host)
-    parts = moved.split([b + 1, b, t, t, len(ids), len(table), len(narrow) // 2])
-    cu32, lens32, table32, _ = parts[6].view(torch.int32).split([b + 1, b, len(table), len(narrow) - len(cu) - b
-                                                                 - len(table)])
+    parts = moved.split([b + 1, b, t, t, len(ids), table.numel(), narrow.numel() // 2])
+    cu32, lens32, table32, _ = parts[6].view(torch.int32).split([b + 1, b, table.numel(), indices % 2])
     where = Positions(parts[3], tuple(positions)) if positions_below is None else TablePositions(parts[3],
                                                                                                positions_below)
-    checked = StepHost(tuple(cu), tuple(lens), where, block_size, max(table) + 1,
+    checked = StepHost(tuple(cu), tuple(lens), where, block_size, max(used, default=0) + 1,
                        parts[5].view(b, width), parts[2], parts[4] if tokens is not None else None,
                        vocab_size if tokens is not None else None, (cu32, lens32, table32.view(b, width)))
     step = CacheStep(parts[0], parts[1], checked.block_table, parts[2], checked)

@@ -186,7 +186,9 @@ def position_tensor(positions: Tensor | Positions | TablePositions) -> Tensor:
     return positions.tensor if isinstance(positions, (Positions, TablePositions)) else positions
 
 
-@functools.lru_cache(maxsize=16)
+# Unbounded, as a captured CUDA graph reads the table's memory: an entry evicted and freed would be
+# read after its reuse. A process holds one per model and dtype.
+@functools.cache
 def _device_table(limit: int, head_dim: int, theta: float, scaling: RopeScaling | None, dtype: torch.dtype,
                   device: torch.device) -> tuple[Tensor, Tensor]:
     """cos and sin [limit, 1, head_dim // 2] of every position below `limit`, on `device`."""

@@ -13,6 +13,7 @@ import dataclasses
 
 import torch
 
+from .. import registry
 from ..model import Transformer
 from ..numerics.fixed_order import ceil_div
 from ..paged_cache import CacheStep, build_step, step_size
@@ -30,9 +31,11 @@ class DecodeBuffers:
     def __init__(self, max_num_seqs: int, max_len: int, block_size: int, num_blocks: int):
         self.buckets = [1 << i for i in range(max_num_seqs.bit_length()) if 1 << i < max_num_seqs] + [max_num_seqs]
         self.block_size, self.first_scratch = block_size, num_blocks
-        self.width = ceil_div(max_len, block_size)
-        # Rope's angles come from a device table of every position the engine admits (TablePositions).
-        self.positions_below = min(max_len, MAX_POSITION)
+        # No sequence outgrows the model's context or the cache: the block table's width, and rope's
+        # device table of every position a step may hold (TablePositions; padding rows' below block_size).
+        longest = min(max_len, num_blocks * block_size)
+        self.width = ceil_div(longest, block_size)
+        self.positions_below = min(max(longest, block_size), MAX_POSITION)
         self.scratch_blocks = ceil_div(max_num_seqs, block_size)
         self._flat: dict[int, torch.Tensor] = {}
 
@@ -93,11 +96,18 @@ class ModelRunner:
         if entry is not None:
             entry[0].replay()
             return entry[1]
+        kernel = registry.resolve("paged_attention", ids.device)
+        if not kernel.__module__.startswith("lockstep.backends.triton"):
+            raise RuntimeError(f"cuda_graphs: the decode step's attention runs on {kernel.__module__}, which reads "
+                               "its step on the host; CUDA graphs need the Triton backend's (use_backend('triton') "
+                               "or 'auto')")
         hidden = self.model.forward_cached(ids, positions, step, self.cache)
         torch.cuda.synchronize(ids.device)
         graph = torch.cuda.CUDAGraph()
-        # Capturing records the kernels without running them: the cache writes happened above.
-        with torch.cuda.graph(graph, pool=self._pool):
+        # Capturing records the kernels without running them: the cache writes happened above. The
+        # buckets share one memory pool, which holds because each output is read before the next
+        # replay; other threads may use the device meanwhile (thread_local).
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             out = self.model.forward_cached(ids, positions, unremembered(step), self.cache)
         self._pool = graph.pool()
         self.graphs[rows] = (graph, out)

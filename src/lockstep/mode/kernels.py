@@ -206,11 +206,17 @@ def _softmax_backward(grad_output, output, dim, input_dtype):
     return (yf * (gf - row_sum(gf * yf, kernels=_kernels())[..., None])).to(input_dtype).movedim(-1, dim)
 
 
+def default_rms_eps(dtype: torch.dtype) -> float:
+    """The eps PyTorch's rms_norm takes when given None: that of the dtype it computes in (float32
+    for 16-bit inputs), not the input's."""
+    return torch.finfo(torch.float64 if dtype == torch.float64 else torch.float32).eps
+
+
 def _rms_norm(input, normalized_shape, weight=None, eps=None):
     n = math.prod(normalized_shape)
     x = input.reshape(-1, n)
     acc = accumulate_dtype(x.dtype)
-    eps = torch.finfo(x.dtype).eps if eps is None else eps
+    eps = default_rms_eps(x.dtype) if eps is None else eps
     xf = x.to(acc)
     rstd = inverse_rms(xf, eps, kernels=_kernels())
     y = xf * rstd[:, None]

@@ -19,7 +19,7 @@ from ..backends.triton import log_softmax as triton_log_softmax
 from ..backends.triton import rms_norm as triton_rms_norm
 from ..backends.triton.common import lane_block, launch
 from ..backends.triton.reduce import column_sum
-from .kernels import out_variant, gemm_overrides
+from .kernels import default_rms_eps, gemm_overrides, out_variant
 
 # The dtypes the Triton backend takes (contract.toml [backends.triton]).
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -88,7 +88,7 @@ def _norm_weight(weight: Tensor | None, n: int, x: Tensor) -> tuple[Tensor, floa
 def _rms_norm(input, normalized_shape, weight=None, eps=None):
     n = math.prod(normalized_shape)
     x = input.reshape(-1, n).contiguous()
-    eps = torch.finfo(x.dtype).eps if eps is None else eps
+    eps = default_rms_eps(x.dtype) if eps is None else eps
     w, offset = _norm_weight(weight, n, x)
     y = torch.empty_like(x)
     rstd = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)

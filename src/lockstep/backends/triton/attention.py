@@ -341,7 +341,8 @@ def _forward(q, k, v, cu_q, cu_k, lens, table, scale, causal, window, paged, con
     return o, m, l
 
 
-@functools.lru_cache(maxsize=64)
+# Unbounded, as a captured CUDA graph reads these tensors' memory (one pair per bucket size).
+@functools.cache
 def _decode_blocks(rows: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """The query blocks of `rows` sequences of one new token each: block i is row 0 of sequence i."""
     return (torch.arange(rows, dtype=torch.int32, device=device), torch.zeros(rows, dtype=torch.int32, device=device))
