@@ -4,6 +4,7 @@ errors for files lockstep cannot read."""
 
 from __future__ import annotations
 
+import copy
 import os
 
 import gguf as gguf_ref                       # llama.cpp's Python package: the reference ([test] extra)
@@ -112,15 +113,15 @@ def test_fp32_logits_match_transformers(path, hf_reference):
     """lockstep's fp32 logits on the real weights: top-1 agreement with transformers at every
     position, and an error against transformers' own float64 forward within the contract's
     relative-to-PyTorch criterion (section 3) of transformers' fp32 error."""
-    from transformers import AutoModelForCausalLM
-
     tok, hf32 = hf_reference
     model = load_model(path, dtype=torch.float32)
     ids = tok.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=True)
     ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
     x = torch.tensor([ids])
-    hf64 = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
-                                                dtype=torch.float64).eval()
+    # transformers' float64 model of the file is its float32 one widened: the GGUF's weights dequantize
+    # to float32 values, which float64 holds exactly (the same parameters and logits as its float64
+    # load, which would read and dequantize the file again).
+    hf64 = copy.deepcopy(hf32).double()
     with torch.no_grad():
         ours = model.logits(*pack([ids]))
         theirs = hf32(x).logits[0]
