@@ -343,3 +343,20 @@ def test_a_decode_step_replays_from_its_buffer_as_a_captured_graph_would():
         built(*b, into=flat)                                 # B's values in A's buffer
         got = model.forward_cached(captured.host.input_ids, captured.host.positions.tensor, captured, cache)
     assert torch.equal(got[:3], want[:3]) and torch.equal(torch.stack(cache.k + cache.v)[:, :8], want_cache[:, :8])
+
+
+def test_capturing_a_decode_step_on_a_backend_that_reads_its_step_on_the_host_is_refused():
+    """A CUDA graph replays only device work: attention that reads the step's metadata on the host
+    (the native and portable backends) would replay the captured step's. The check comes before any
+    capture, so a runner asked for graphs refuses it by name, here on CPU."""
+    from lockstep.engine.model_runner import ModelRunner
+
+    model = _model("qwen3", 2)
+    runner = ModelRunner(model, num_blocks=8, block_size=4, max_num_seqs=2, max_len=16, cuda_graphs=True)
+    step, _ = build_step([([0], 0, 1)], 4, tokens=[3], vocab_size=model.config.vocab_size,
+                         width=runner.decode.width, positions_below=runner.decode.positions_below)
+    with use_backend("native"), torch.no_grad(), pytest.raises(
+            RuntimeError, match=r"^cuda_graphs: the decode step's attention runs on lockstep\.backends\.native\.\w+, "
+                                r"which reads its step on the host; CUDA graphs need the Triton backend's"):
+        runner._decode_forward(step, step.host.positions.tensor)
+    assert runner.graphs == {}
