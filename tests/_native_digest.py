@@ -15,7 +15,7 @@ re-blocks with the thread count, those differ.
 
     python tests/_native_digest.py --small ...   the same of SMALL, a smaller workload of the same
                                                  sections, for an emulated CPU and this one alike,
-                                                 without the stock `F.linear`
+                                                 without the stock `F.linear` unless --stock-linear
 
     python tests/_native_digest.py --record   writes this machine's bits, the whole backend's and
                                               the kernels' (lockstep.backends.native.bits), into
@@ -148,17 +148,19 @@ def main() -> int:
                   "the new bits hold")
         return 0
     counts, work = (1, 2, 3), SMALL if "--small" in args else None
-    args = [a for a in args if a != "--small"]
+    with_stock = not work or "--stock-linear" in args
+    args = [a for a in args if a not in ("--small", "--stock-linear")]
     if len(args) == 2 and args[0] == "--threads" and all(n.isdigit() and int(n) > 0 for n in args[1].split(",")):
         counts, args = tuple(int(n) for n in args[1].split(",")), []
     if args:
-        raise SystemExit(f"usage: python {sys.argv[0]} [--record [--replace] | [--small] [--threads N[,N...]]]; "
+        raise SystemExit(f"usage: python {sys.argv[0]} [--record [--replace] | [--small [--stock-linear]] "
+                         f"[--threads N[,N...]]]; "
                          f"got {args}")
     out, stock = {}, {}
     for threads in counts:
         torch.set_num_threads(threads)
         out[str(threads)] = digests(work) if work else digests()
-        if not work:
+        if with_stock:
             stock[str(threads)] = stock_linear()
     print(json.dumps({"isa": isa_name(), "pool": pool_name(), "aten": torch.backends.cpu.get_cpu_capability(),
                       "compiler": compiler_version(compiler()).split("\n")[0], "digests": out,

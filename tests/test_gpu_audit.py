@@ -120,6 +120,10 @@ def test_compile_once_across_sizes(gpu_audit_output):
         specialized = r["divisible_by_16"] + [k for k in r["config"] if not k.isupper()]
         assert all(r["signature"].get(k, "").startswith("*") or k.startswith("stride") for k in specialized), \
             (r["kernel"], specialized)
+        # Every pointer 16-byte aligned, the engine's step metadata at every batch size included:
+        # an alignment that followed the batch would compile a second binary mid-run.
+        assert {k for k, t in r["signature"].items() if t.startswith("*")} <= set(r["divisible_by_16"]), \
+            (r["kernel"], r["cases"][:2], r["divisible_by_16"])
         binaries[(r["kernel"], r["arch"], json.dumps(r["signature"], sort_keys=True),
                   json.dumps(r["config"], sort_keys=True), tuple(r["divisible_by_16"]))].append(r["sass_sha256"])
     assert all(len(v) == 1 for v in binaries.values()), [k for k, v in binaries.items() if len(v) > 1]

@@ -274,11 +274,28 @@ def test_build_step_into_a_buffer_checks_its_size_and_width():
     with pytest.raises(ValueError, match=r"^width: expected an int of at least 2 \(the most blocks of a sequence\), "
                                          r"got 1$"):
         build_step([([0, 1], 0, 5)], 4, width=1)
-    with pytest.raises(ValueError, match=r"^into: expected a flat int64 tensor of 19 elements \(this step's layout\), "
+    with pytest.raises(ValueError, match=r"^into: expected a flat int64 tensor of 26 elements \(this step's layout\), "
                                          r"got \(20,\)$"):
         build_step([([0, 1], 0, 5)], 4, width=3, into=torch.empty(20, dtype=torch.int64))
     with pytest.raises(ValueError, match=r"^into: expected a tensor on meta \(device\), got one on cpu$"):
-        build_step([([0, 1], 0, 5)], 4, "meta", width=3, into=torch.empty(19, dtype=torch.int64))
+        build_step([([0, 1], 0, 5)], 4, "meta", width=3, into=torch.empty(26, dtype=torch.int64))
+
+
+def test_build_step_aligns_every_view_to_16_bytes_at_any_batch_size():
+    """Triton specializes a kernel on whether its pointers are 16-byte aligned, so views whose
+    alignment followed the batch would compile a second attention binary for some batch sizes."""
+    for b in range(1, 6):
+        for new in (1, 3):
+            spans = [([2 * i, 2 * i + 1], 4, 4 + new) for i in range(b)]
+            buffer = torch.empty(step_size(b, b * new, 3), dtype=torch.int64)
+            step, positions = build_step(spans, 4, width=3, tokens=[1] * (b * new), vocab_size=2, into=buffer)
+            views = [step.cu_seqlens_q, step.seq_lens, step.block_table, step.slot_mapping, positions,
+                     step.host.input_ids, *step.host.indices32]
+            assert all(v.data_ptr() % 16 == 0 for v in views), (b, new, [v.data_ptr() % 16 for v in views])
+            assert step.seq_lens.tolist() == [4 + new] * b
+            assert step.host.indices32[1].tolist() == [4 + new] * b
+            assert step.host.indices32[2].tolist() == [[2 * i, 2 * i + 1, 0] for i in range(b)]
+            assert step.host.input_ids.tolist() == [1] * (b * new)
 
 
 @pytest.mark.parametrize("backend", ["native", "portable"])

@@ -25,7 +25,7 @@ from lockstep import registry
 from lockstep.tools import backend_bits
 from lockstep.backends.native import bits, build, gemm
 
-from _native_helpers import FALLBACK_LINE, ISA_FLAGS, _fallback_lines
+from _native_helpers import FALLBACK_LINE, ISA_FLAGS
 from test_cpu_kernels import ATEN_CAPABILITIES, MKL_ISAS, ONEDNN_ISAS, cpu_flags, cpu_vendor, require
 
 
@@ -49,7 +49,8 @@ def widest() -> dict:
 def widest_small() -> dict:
     """This machine's digests of the smaller workload (tests/_native_digest.py --small) that an
     emulated CPU runs, on the threads it runs them on; `widest` ties this machine's to the recording."""
-    return digest({}, INTEL_CPUS["SandyBridge"][2], "--small")
+    return digest({}, ",".join(sorted({n for *_, threads in INTEL_CPUS.values() for n in threads.split(",")})),
+                  "--small")
 
 
 def test_every_thread_count_gives_one_digest(widest):
@@ -295,12 +296,12 @@ def _qemu_x86() -> str:
 
 # QEMU's models of Intel CPUs (GenuineIntel in CPUID, so MKL takes its Intel code paths) that TCG can
 # run: Haswell (AVX2 and FMA, no AVX-512) and Sandy Bridge (AVX alone, below what the AVX2 path needs),
-# with the thread counts each runs and whether it runs the smaller workload. Haswell's MKL re-blocks
-# with the thread count (the Xeon's fault), so it runs three, on the recorded workload; Sandy Bridge
-# adds the scalar path and ATen's default kernels, on 2 threads and the smaller workload (every
-# section and path, fewer multiply-adds: _native_digest.SMALL), since TCG runs scalar arithmetic one
-# helper call an element.
-INTEL_CPUS = {"Haswell-v4": ("avx2", "AVX2", "1,2,3", False), "SandyBridge": ("scalar", "DEFAULT", "2", True)}
+# with the thread counts each runs. Haswell's MKL re-blocks with the thread count (the Xeon's fault),
+# so it runs three; Sandy Bridge adds the scalar path and ATen's default kernels, on 2 threads. Both
+# run the smaller workload (every section and path, fewer multiply-adds: _native_digest.SMALL), since
+# TCG runs vector and scalar arithmetic alike one helper call at a time; the recorded workload runs
+# natively on every instruction set (test_every_instruction_set_gives_the_same_bits_for_every_op).
+INTEL_CPUS = {"Haswell-v4": ("avx2", "AVX2", "1,2,3"), "SandyBridge": ("scalar", "DEFAULT", "2")}
 # On a GenuineIntel host MKL takes its Intel paths without an emulator, and Haswell's are reached by
 # capping each library at AVX2, without TCG's cost (ADR 0029's later section). Sandy Bridge stays
 # emulated everywhere: only a CPU without AVX2 and FMA shows that the scalar path executes none of
@@ -326,19 +327,19 @@ def test_an_emulated_intel_cpu_gives_the_bits_of_this_one(model, request):
     Intel CPU they run here: stock fp32 `F.linear` on Haswell gives other bits on 1 and 2 threads
     (checked first, so the emulation is known to reach them). The native backend, whose instruction
     set is the one it finds in that CPUID (AVX2; scalar on Sandy Bridge, with ATen's default
-    kernels), gives this machine's digest: every op, forward and backward, fp32, bf16 and fp16, two
-    trainer steps (AdamW's root included) and a random model's weights, on 1, 2 and 3 threads
-    (Sandy Bridge on 2, on a smaller workload of the same sections, computed here too: INTEL_CPUS).
+    kernels), gives this machine's digest of the smaller workload, computed here too: every op,
+    forward and backward, fp32, bf16 and fp16, two trainer steps (AdamW's root included) and a random
+    model's weights, on 1, 2 and 3 threads (Sandy Bridge on 2: INTEL_CPUS).
     TCG has no AVX-512, so the AVX-512 paths on Intel run only on hardware. On a GenuineIntel host
     with AVX2, Haswell's paths run natively instead, each library capped at AVX2 (NATIVE_CAPS): the
     instruction set is then forced, not found, and an AVX-512 instruction on the AVX2 path would not
     trap there (an AMD host's QEMU run shows both)."""
-    isa, aten, threads, small = INTEL_CPUS[model]
-    widest = request.getfixturevalue("widest")
-    here = request.getfixturevalue("widest_small") if small else widest
+    isa, aten, threads = INTEL_CPUS[model]
+    widest, here = request.getfixturevalue("widest"), request.getfixturevalue("widest_small")
     assert here["digests"]["2"].keys() == widest["digests"]["2"].keys()
     emulator, env = _as_intel_cpu(model)
-    proc = subprocess.run([*emulator, sys.executable, "-W", "ignore", str(DIGEST), *(["--small"] if small else []),
+    stock = ["--stock-linear"] if model == "Haswell-v4" else []
+    proc = subprocess.run([*emulator, sys.executable, "-W", "ignore", str(DIGEST), "--small", *stock,
                            "--threads", threads], env=env, capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -352,19 +353,22 @@ def test_an_emulated_intel_cpu_gives_the_bits_of_this_one(model, request):
 def test_on_an_emulated_intel_cpu_the_fallback_line_says_what_the_portable_backend_loses(tmp_path):
     """On QEMU's Haswell, MKL's fp32 GEMM changes a row's bits with the tile's row count and a
     column's with the call's width, the two premises of the portable backend's invariance: without
-    a compiler, the line that says why the native backend is not in use also says that, and so does
-    `lockstep check --backend portable`, whose batch sweep fails there. On a GenuineIntel host with
-    AVX2, MKL's AVX2 path runs natively instead (NATIVE_CAPS), with the same verdicts; uncapped, MKL's
-    AVX-512 path breaks the row tiles alone, so the column widths here also show that the cap took."""
+    a compiler (CC=/bin/false, nothing on PATH), the line that says why the native backend is not in
+    use also says that, and so does `lockstep check --backend portable`, whose batch sweep fails
+    there (one process: TCG makes each start costly). On a GenuineIntel host with AVX2, MKL's AVX2
+    path runs natively instead (NATIVE_CAPS), with the same verdicts; uncapped, MKL's AVX-512 path
+    breaks the row tiles alone, so the column widths here also show that the cap took."""
     emulator, env = _as_intel_cpu("Haswell-v4")  # QEMU by its full path: PATH is emptied for the child
     caveat = ("PyTorch's fp32 GEMMs here break the row tiles and column widths that the portable backend rests on, "
               "so it has no batch invariance or tensor-parallel invariance on this machine at 2 threads "
               "(docs/contract.md, section 7)")
-    assert _fallback_lines(tmp_path, emulator, env) == [f"{FALLBACK_LINE}; {caveat}"]
+    env = {**env, "CC": "/bin/false", "PATH": str(tmp_path), "LOCKSTEP_CACHE_DIR": str(tmp_path / "cache"),
+           "OMP_NUM_THREADS": "2"}
     check = subprocess.run([*emulator, sys.executable, "-m", "lockstep", "check", "--backend", "portable", "linear",
-                            "--dtype", "fp32", "--no-grad"], env={**env, "OMP_NUM_THREADS": "2"},
-                           capture_output=True, text=True, timeout=600)
+                            "--dtype", "fp32", "--no-grad"], env=env, capture_output=True, text=True, timeout=600)
     assert check.returncode == 1, check.stderr[-3000:]
+    assert [line for line in check.stderr.splitlines() if "native CPU backend" in line] == \
+        [f"{FALLBACK_LINE}; {caveat}"], check.stderr[-3000:]
     first, *_, row, _, summary = check.stdout.splitlines()
     assert first.startswith("lockstep check: backend=portable threads=2 ") and first.endswith(f"; {caveat}"), first
     assert row.split()[:2] == ["linear", "float32"] and "FAIL batch=1" in row, row

@@ -118,13 +118,13 @@ def build_step(spans: list[tuple[list[int], int, int]], block_size: int, device:
     table = torch.zeros(b * width, dtype=torch.int64)
     if used:
         table[torch.tensor(where_used)] = torch.tensor(used, dtype=torch.int64)
-    # One host buffer, one transfer; the step's tensors are views of the device's copy. The int32
-    # copies ride at its end, two to an int64 element.
-    indices = 2 * b + 1 + table.numel()
-    narrow = torch.cat([torch.tensor(cu + lens, dtype=torch.int32), table.to(torch.int32),
-                        torch.zeros(indices % 2, dtype=torch.int32)])
-    host = torch.cat([torch.tensor(cu + lens + slots + positions + ids, dtype=torch.int64), table,
-                      narrow.view(torch.int64)])
+    # One host buffer, one transfer; the step's tensors are views of the device's copy, the int32
+    # copies after the int64 ones. Each view starts on a 16-byte boundary whatever the step's size:
+    # Triton specializes a kernel on its pointers' alignment, and a batch-dependent alignment would
+    # compile a second attention binary for some batch sizes.
+    wide = [torch.tensor(x, dtype=torch.int64) for x in (cu, lens, slots, positions, ids)] + [table]
+    narrow = [torch.tensor(cu, dtype=torch.int32), torch.tensor(lens, dtype=torch.int32), table.to(torch.int32)]
+    host = torch.cat([_padded(x) for x in wide] + [_padded(x).view(torch.int64) for x in narrow])
     if into is None:
         moved = host.to(device)
     elif not isinstance(into, Tensor) or into.dtype != torch.int64 or tuple(into.shape) != tuple(host.shape):
@@ -134,8 +134,9 @@ def build_step(spans: list[tuple[list[int], int, int]], block_size: int, device:
         raise ValueError(f"into: expected a tensor on {torch.device(device)} (device), got one on {into.device}")
     else:
         moved = into.copy_(host)
-    parts = moved.split([b + 1, b, t, t, len(ids), table.numel(), narrow.numel() // 2])
-    cu32, lens32, table32, _ = parts[6].view(torch.int32).split([b + 1, b, table.numel(), indices % 2])
+    split = sum(_padded_length(len(x), 8) for x in wide)
+    parts = _segments(moved[:split], wide) + _segments(moved[split:].view(torch.int32), narrow)
+    cu32, lens32, table32 = parts[6:]
     where = Positions(parts[3], tuple(positions)) if positions_below is None else TablePositions(parts[3],
                                                                                                positions_below)
     checked = StepHost(tuple(cu), tuple(lens), where, block_size, max(used, default=0) + 1,
@@ -145,11 +146,37 @@ def build_step(spans: list[tuple[list[int], int, int]], block_size: int, device:
     return step, parts[3]
 
 
+# Every view of build_step's flat buffer starts at a multiple of this many bytes (Triton's
+# divisibility specialization), given a buffer that does: PyTorch's allocators align far more.
+_ALIGN = 16
+
+
+def _padded_length(count: int, itemsize: int) -> int:
+    """`count` items of `itemsize` bytes, rounded up to a multiple of _ALIGN bytes."""
+    per = _ALIGN // itemsize
+    return -(-count // per) * per
+
+
+def _padded(x: Tensor) -> Tensor:
+    """x with zeros after it, to a multiple of _ALIGN bytes."""
+    return torch.cat([x, x.new_zeros(_padded_length(len(x), x.element_size()) - len(x))])
+
+
+def _segments(flat: Tensor, like: list[Tensor]) -> list[Tensor]:
+    """Views of `flat` as long as each of `like`, each one's start padded as `_padded` pads it."""
+    views, at = [], 0
+    for x in like:
+        views.append(flat[at:at + len(x)])
+        at += _padded_length(len(x), x.element_size())
+    return views
+
+
 def step_size(sequences: int, tokens: int, width: int, with_ids: bool = True) -> int:
-    """The elements of build_step's flat layout for `sequences` sequences, `tokens` new tokens and a
-    block table `width` blocks wide (`into`'s size)."""
-    indices = (sequences + 1) + sequences + sequences * width
-    return indices + tokens * (3 if with_ids else 2) + (indices + 1) // 2
+    """The elements of build_step's flat int64 layout for `sequences` sequences, `tokens` new tokens
+    and a block table `width` blocks wide (`into`'s size)."""
+    int64s = [sequences + 1, sequences, tokens, tokens, tokens if with_ids else 0, sequences * width]
+    int32s = [sequences + 1, sequences, sequences * width]
+    return sum(_padded_length(n, 8) for n in int64s) + sum(_padded_length(n, 4) // 2 for n in int32s)
 
 
 def gather_packed(cache: Tensor, block_table: Tensor, seq_lens: list[int]) -> Tensor:
