@@ -30,7 +30,8 @@ def enabled(device_type: str) -> bool:
 def cast(op: str, *tensors) -> tuple:
     """`tensors` as autocast would hand them to `op`: floating-point tensors cast by the policy of
     the device of the first tensor; anything else passes unchanged."""
-    first = next((t for t in tensors if isinstance(t, Tensor)), None)
+    first = tensors[0] if tensors and isinstance(tensors[0], Tensor) else \
+        next((t for t in tensors if isinstance(t, Tensor)), None)      # an op's first input, nearly always
     if first is None or not enabled(first.device.type):
         return tensors
     device_type = first.device.type

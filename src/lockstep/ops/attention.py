@@ -199,9 +199,11 @@ def cached_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: 
         write_kv(k, v, k_cache, v_cache, step.slot_mapping)
         return paged_attention(q, k_cache, v_cache, step.block_table, step.seq_lens, step.cu_seqlens_q,
                                scale=scale, window=window)
-    k, v = _check_kv(k, v, k_cache, v_cache)
-    for name, t in (("step.slot_mapping", step.slot_mapping), ("step.block_table", step.block_table)):
-        c.same_device(name, t, "k_cache", k_cache)
+    well_formed = _cached_well_formed(q, k, v, k_cache, v_cache, step, scale, window)
+    if not well_formed:
+        k, v = _check_kv(k, v, k_cache, v_cache)
+        for name, t in (("step.slot_mapping", step.slot_mapping), ("step.block_table", step.block_table)):
+            c.same_device(name, t, "k_cache", k_cache)
     if host.block_size != k_cache.shape[1] or host.blocks_needed > k_cache.shape[0]:
         raise ValueError(f"step: built for blocks of {host.block_size} up to block {host.blocks_needed - 1}, "
                          f"the cache has {k_cache.shape[0]} blocks of {k_cache.shape[1]}")
@@ -209,11 +211,34 @@ def cached_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: 
         raise ValueError(f"q: expected the step's {host.cu_seqlens_q[-1]} new tokens in q, k and v, got "
                          f"{q.shape[0]}, {k.shape[0]}")
     _write(k, v, k_cache, v_cache, step.slot_mapping)
-    # Then read as paged_attention reads: under autocast, q and the cache in autocast's dtype.
-    q, k_cache, v_cache = autocast.cast("paged_attention", q, k_cache, v_cache)
-    _check_qkv_heads(q, k_cache, v_cache, "k_cache", "v_cache")
-    scale = _check_options(scale, window, True, q.shape[-1])
+    if well_formed:
+        scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    else:
+        # Then read as paged_attention reads: under autocast, q and the cache in autocast's dtype.
+        q, k_cache, v_cache = autocast.cast("paged_attention", q, k_cache, v_cache)
+        _check_qkv_heads(q, k_cache, v_cache, "k_cache", "v_cache")
+        scale = _check_options(scale, window, True, q.shape[-1])
     with autocast.off(q.device.type):
         return resolve("paged_attention", q.device)(q, k_cache, v_cache, step.block_table, host.seq_lens,
                                                     host.cu_seqlens_q, scale, True, window,
                                                     on_device=host.indices32)
+
+
+def _cached_well_formed(q: object, k: object, v: object, k_cache: object, v_cache: object, step: CacheStep,
+                        scale: object, window: object) -> bool:
+    """Whether cached_attention's checks of its tensors and options would all pass, and autocast is
+    off, in one expression: a model's every layer pays for no more; any other call is checked piece
+    by piece, naming what is wrong."""
+    if not all(isinstance(t, Tensor) for t in (q, k, v, k_cache, v_cache)):
+        return False
+    dtype, device = q.dtype, q.device
+    return (dtype in c.FLOAT_DTYPES and not autocast.enabled(device.type)
+            and k.dtype == dtype and v.dtype == dtype and k_cache.dtype == dtype and v_cache.dtype == dtype
+            and k.device == device and v.device == device and k_cache.device == device and v_cache.device == device
+            and step.slot_mapping.device == device and step.block_table.device == device
+            and q.dim() == 3 and k.dim() == 3 and k_cache.dim() == 4 and v.shape == k.shape
+            and v_cache.shape == k_cache.shape and k.shape[1:] == k_cache.shape[2:]
+            and 1 <= q.shape[2] <= MAX_HEAD_DIM and k.shape[2] == q.shape[2] and k.shape[1] >= 1
+            and q.shape[1] % k.shape[1] == 0
+            and (window is None or (type(window) is int and window >= 1))
+            and (scale is None or (type(scale) is float and 0.0 < scale < math.inf)))

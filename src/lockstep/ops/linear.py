@@ -21,6 +21,28 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, split_k: in
     (docs/adr/0007). Each must divide its dimension.
     """
     x, weight, bias = autocast.cast("linear", x, weight, bias)
+    if not _well_formed(x, weight, bias, split_k, split_n):
+        _check(x, weight, bias, split_k, split_n)
+    rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+    with autocast.off(x.device.type):
+        impl = resolve("linear", x.device)
+        y = impl(rows, weight, bias) if split_k == split_n == 1 else impl(rows, weight, bias, split_k, split_n)
+    return y if x.dim() == 2 else y.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def _well_formed(x: object, weight: object, bias: object, split_k: object, split_n: object) -> bool:
+    """Whether `_check` would pass, in one expression: the common call, a model's own layers', pays
+    for no more than this; any other goes through `_check`, which names what is wrong."""
+    return (isinstance(x, Tensor) and isinstance(weight, Tensor) and x.dtype in c.FLOAT_DTYPES
+            and weight.dtype == x.dtype and x.dim() >= 1 and weight.dim() == 2 and weight.shape[1] == x.shape[-1]
+            and weight.device == x.device
+            and (bias is None or (isinstance(bias, Tensor) and bias.dtype == x.dtype and bias.device == x.device
+                                  and bias.shape == weight.shape[:1]))
+            and type(split_k) is int and split_k >= 1 and weight.shape[1] % split_k == 0
+            and type(split_n) is int and split_n >= 1 and weight.shape[0] % split_n == 0)
+
+
+def _check(x: object, weight: object, bias: object, split_k: object, split_n: object) -> None:
     c.float_tensor("x", x)
     c.at_least_1d("x", x)
     c.float_tensor("weight", weight)
@@ -38,8 +60,3 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, split_k: in
     for name, split, size in (("split_k", split_k, weight.shape[1]), ("split_n", split_n, weight.shape[0])):
         if not isinstance(split, int) or isinstance(split, bool) or split < 1 or size % split:
             raise ValueError(f"{name}: expected a positive int that divides {size}, got {split!r}")
-    rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
-    with autocast.off(x.device.type):
-        impl = resolve("linear", x.device)
-        y = impl(rows, weight, bias) if split_k == split_n == 1 else impl(rows, weight, bias, split_k, split_n)
-    return y if x.dim() == 2 else y.reshape(*x.shape[:-1], weight.shape[0])

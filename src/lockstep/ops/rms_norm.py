@@ -17,6 +17,22 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float = 1e-6, offset: float = 0.0) 
     x: [..., H] float; weight: [H] of x's dtype. Returns [..., H] in x's dtype; fp32 inside.
     """
     x, weight = autocast.cast("rms_norm", x, weight)
+    if not _well_formed(x, weight, eps, offset):
+        _check(x, weight, eps, offset)
+    rows = x.reshape(-1, x.shape[-1])
+    with autocast.off(x.device.type):
+        y = resolve("rms_norm", x.device)(rows, weight, float(eps), float(offset))
+    return y.reshape(x.shape)
+
+
+def _well_formed(x: object, weight: object, eps: object, offset: object) -> bool:
+    """Whether `_check` would pass, in one expression (the common call pays for no more)."""
+    return (isinstance(x, Tensor) and isinstance(weight, Tensor) and x.dtype in c.FLOAT_DTYPES and x.dim() >= 1
+            and weight.dtype == x.dtype and weight.device == x.device and weight.shape == x.shape[-1:]
+            and type(eps) is float and 0.0 < eps < math.inf and type(offset) is float and -math.inf < offset < math.inf)
+
+
+def _check(x: object, weight: object, eps: object, offset: object) -> None:
     c.float_tensor("x", x)
     c.at_least_1d("x", x)
     c.float_tensor("weight", weight)
@@ -28,7 +44,3 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float = 1e-6, offset: float = 0.0) 
         raise ValueError(f"eps: expected a positive finite number, got {eps!r}")
     if not isinstance(offset, (int, float)) or not math.isfinite(offset):
         raise ValueError(f"offset: expected a finite number, got {offset!r}")
-    rows = x.reshape(-1, x.shape[-1])
-    with autocast.off(x.device.type):
-        y = resolve("rms_norm", x.device)(rows, weight, float(eps), float(offset))
-    return y.reshape(x.shape)

@@ -11,6 +11,9 @@ count gives the same bits too. float64 takes the portable op.
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Sequence
+
 import torch
 from torch import Tensor
 
@@ -26,13 +29,15 @@ def _int64(values) -> Tensor:
     return torch.as_tensor(values, dtype=torch.int64).contiguous()
 
 
-def attention_forward(q: Tensor, k: Tensor, v: Tensor, cu_q: list[int], len_k: list[int],
+def attention_forward(q: Tensor, k: Tensor, v: Tensor, cu_q: Sequence[int], len_k: Sequence[int],
                       k_start: list[int] | None, table: Tensor | None, scale: float, causal: bool,
-                      window: int | None, mask: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+                      window: int | None, mask: Tensor | None = None,
+                      indices: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """q [Tq, Hq, D]; k, v [Tk, Hkv, D] packed (sequence b's keys from row k_start[b]), a paged cache
     [num_blocks, block_size, Hkv, D] read through table [B, max_blocks], or, with `mask`,
     [B, Hkv, Lk, D] (sequence b's keys in k[b], read in place through its strides); fp32, bf16 or
     fp16. mask: [Tq, Lk] bool, the keys each query row may see (its blocks start at the first).
+    indices: cu_q and len_k as the kernel reads them (int64 tensors), when the caller has them.
     Returns fp32 (out [Tq, Hq, D], row max [Tq, Hq], row sum of exponentials [Tq, Hq]); rows past
     cu_q[-1] are zero."""
     q, k, v = _computed(q, k, v)
@@ -55,7 +60,7 @@ def attention_forward(q: Tensor, k: Tensor, v: Tensor, cu_q: list[int], len_k: l
     else:                                                 # [..., Hkv, D] rows
         kv_token, kv_head = hkv * d, d
         offsets = None if k_start is None else [s * kv_token for s in k_start]
-    cu, lens = _int64(cu_q), _int64(len_k)
+    cu, lens = indices if indices is not None else (_int64(cu_q), _int64(len_k))
     starts = None if offsets is None else _int64(offsets)
     tbl = None if table is None else table.to(torch.int64).contiguous()
     status = library().ls_attention_fwd(
@@ -148,6 +153,26 @@ def paged_attention(q, k_cache, v_cache, block_table, seq_lens, cu_q, scale, cau
         return portable.paged_attention(q, k_cache, v_cache, block_table, seq_lens, cu_q, scale, causal, window,
                                         kernels=cpu.KERNELS)
     with torch.no_grad():
-        out, _, _ = attention_forward(q, k_cache, v_cache, list(cu_q), [int(n) for n in seq_lens], None,
-                                      block_table, scale, causal, window)
+        out, _, _ = attention_forward(q, k_cache, v_cache, cu_q, seq_lens, None, block_table, scale, causal, window,
+                                      indices=_step_indices(cu_q, seq_lens))
     return out.to(q.dtype)
+
+
+# The last paged call's int64 cu_q and seq_lens. A step's layers pass the same tuples (build_step's
+# host copy, immutable), so they are made once per step rather than once per layer.
+_last_indices: tuple = ((), (), None)
+_last_indices_lock = threading.Lock()
+
+
+def _step_indices(cu_q: Sequence[int], seq_lens: Sequence[int]) -> tuple[Tensor, Tensor]:
+    """cu_q and seq_lens as int64 tensors, reused for the same tuples."""
+    global _last_indices
+    with _last_indices_lock:
+        last_cu, last_lens, made = _last_indices
+    if made is not None and cu_q is last_cu and seq_lens is last_lens:
+        return made
+    made = (_int64(list(cu_q)), _int64([int(n) for n in seq_lens]))
+    if isinstance(cu_q, tuple) and isinstance(seq_lens, tuple):
+        with _last_indices_lock:
+            _last_indices = (cu_q, seq_lens, made)
+    return made

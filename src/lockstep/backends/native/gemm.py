@@ -126,6 +126,18 @@ def gemm_nt(a: Tensor, b: Tensor, bias: Tensor | None = None, out: Tensor | None
         copies.close()
 
 
+def holds_a_copy() -> bool:
+    """Whether a buffer of an earlier call's copy is held (gemm_nt lets it go on a call without one)."""
+    return bool(_kept)
+
+
+def gemm_nt_in_layout(a: Tensor, b: Tensor, bias: Tensor | None, out_dtype: torch.dtype, parts: int = 1) -> Tensor:
+    """gemm_nt(a, b, bias, out_dtype=out_dtype, parts=parts) for operands gemm_nt would pass on as
+    they are: rows contiguous, one dtype of fp32 and bf16, no buffer held (`holds_a_copy`), parts
+    that `split_parts_supported` takes. The same kernel call, without gemm_nt's sorting of cases."""
+    return _gemm_nt(a, b, bias, None, out_dtype, parts)
+
+
 def _gemm_nt(a: Tensor, b: Tensor, bias: Tensor | None, out: Tensor | None, out_dtype: torch.dtype,
              parts: int) -> Tensor:
     """gemm_nt on operands whose rows are contiguous."""
@@ -196,13 +208,13 @@ def split_parts_supported(a: Tensor, b: Tensor, parts: int) -> bool:
 # Up to this many rows a split product runs as one call, which saves the composition's per-call
 # costs (decode's case); more rows run faster as the composition, whose slices are a part of the
 # row each and so stay in cache (docs/benchmarks.md).
-_SPLIT_IN_ONE_CALL_ROWS = 32
+SPLIT_IN_ONE_CALL_ROWS = 32
 
 
 def split_matmul_rows(a: Tensor, b: Tensor, parts: int) -> Tensor:
     """fixed_order.split_sum of matmul_rows over `parts` slices of K (a [M, K], b [K, N], a's dtype
     out): for a few rows in one kernel call with the composition's bits, else the composition."""
-    if a.shape[0] > _SPLIT_IN_ONE_CALL_ROWS or not split_parts_supported(a, b, parts):
+    if a.shape[0] > SPLIT_IN_ONE_CALL_ROWS or not split_parts_supported(a, b, parts):
         return fixed_order.split_sum(lambda s, e: matmul_rows(a[:, s:e], b[s:e]), a.shape[-1], parts)
     return gemm_nt(a, b.transpose(-1, -2), out_dtype=a.dtype, parts=parts)
 

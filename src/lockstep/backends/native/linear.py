@@ -3,13 +3,28 @@ kernels (cpu.KERNELS, passed as the portable op's `kernels`)."""
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
 from ...registry import register
 from ..portable import linear as portable
-from . import cpu
+from . import cpu, gemm
 
 
 @register("native", "linear")
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None, split_k: int = 1, split_n: int = 1) -> Tensor:
+    if not torch.is_grad_enabled():         # no graph to record (the engine's steps): the forward alone
+        return forward(x, weight, bias, split_k)
     return portable.linear(x, weight, bias, split_k, split_n, kernels=cpu.KERNELS)
+
+
+def forward(x: Tensor, weight: Tensor, bias: Tensor | None, split_k: int = 1) -> Tensor:
+    """The portable linear's forward on these kernels (x [M, K], weight [N, K] -> [M, N] in x's
+    dtype), with its one kernel call made directly where the operands are already in the kernel's
+    layout, as a model's are: the composition's calls cost a decode step more than the kernel."""
+    one_call = split_k == 1 or (bias is None and x.shape[0] <= gemm.SPLIT_IN_ONE_CALL_ROWS
+                                and gemm.split_parts_supported(x, weight, split_k))
+    if one_call and x.dtype == weight.dtype and x.dtype in gemm.OUT_CODES and x.stride(-1) == 1 \
+            and weight.stride(-1) == 1 and x.device.type == "cpu" and not gemm.holds_a_copy():
+        return gemm.gemm_nt_in_layout(x, weight, bias, x.dtype, split_k)
+    return portable.linear_forward(x.contiguous(), weight, bias, split_k, kernels=cpu.KERNELS)
