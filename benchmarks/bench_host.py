@@ -9,7 +9,11 @@ the slope of `generate`'s time over the tokens it draws (greedy, 4 left-padded r
 Also counted, per decode step of the 12-layer model: reads of tensor data back to the host and
 non-view aten ops (lockstep.tools.host_work).
 
-Usage: python benchmarks/bench_host.py [--families llama,qwen3]
+Each figure is the median of several rounds, lockstep's and transformers' measurements alternating
+within each, with the rounds' lowest and highest ratio: on a shared VM one run's slope can be off
+by 2x.
+
+Usage: python benchmarks/bench_host.py [--families llama,qwen3] [--rounds 5]
 """
 
 import argparse
@@ -24,7 +28,7 @@ from lockstep.tools.batch_experiment import left_padded, transformers_model
 from lockstep.tools.bench import machine
 from lockstep.tools.host_work import HostWork
 
-ROWS, STEPS, DEPTHS = 4, 24, (4, 12)
+ROWS, STEPS, DEPTHS, ROUNDS = 4, 24, (4, 12), 5
 PROMPTS = [[1 + i, 7, 3, 9, 4, 2, 8, 5] for i in range(ROWS)]
 
 
@@ -51,9 +55,9 @@ def engine_step(model: Transformer) -> tuple[float, HostWork]:
     return statistics.median(times), work
 
 
-def transformers_step(model: Transformer) -> float:
-    """generate's seconds per drawn token over 4 rows: the slope between 1 and STEPS + 1 new tokens."""
-    hf = transformers_model(model, torch.float32)
+def transformers_step(hf) -> float:
+    """generate's seconds per drawn token over 4 rows: the slope between 1 and STEPS + 1 new tokens
+    (hf: the transformers model of a lockstep one, `transformers_model`)."""
     ids, mask = left_padded(PROMPTS, 0)
 
     def run(new: int) -> float:
@@ -72,21 +76,31 @@ def transformers_step(model: Transformer) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--families", default="llama,qwen3")
+    parser.add_argument("--rounds", type=int, default=ROUNDS, help="alternating rounds of both (default %(default)s)")
     args = parser.parse_args()
-    print(f"machine: {machine()}; {ROWS} rows decoding")
-    print("| family | lockstep us / layer-step | transformers us / layer-step | ratio | reads / step | ops / layer-step |")
+    print(f"machine: {machine()}; {ROWS} rows decoding; the median of {args.rounds} alternating rounds")
+    print("| family | lockstep us / layer-step | transformers us / layer-step | ratio (min-max) | reads / step "
+          "| ops / layer-step |")
     print("|---|---|---|---|---|---|")
+    span = DEPTHS[1] - DEPTHS[0]
     for family in args.families.split(","):
-        ours, stock, works = {}, {}, {}
-        for layers in DEPTHS:
-            model = _model(family, layers)
-            ours[layers], works[layers] = engine_step(model)
-            stock[layers] = transformers_step(model)
-        span = DEPTHS[1] - DEPTHS[0]
-        lock, hf = ((d[DEPTHS[1]] - d[DEPTHS[0]]) / span * 1e6 for d in (ours, stock))
+        models = {layers: _model(family, layers) for layers in DEPTHS}
+        hf = {layers: transformers_model(model, torch.float32) for layers, model in models.items()}
+        rounds, works = [], {}
+        # lockstep and transformers alternate, round after round, so that a slower spell of a shared
+        # machine falls on both; each round's ratio is of two slopes measured minutes apart at most.
+        for _ in range(args.rounds):
+            ours, stock = {}, {}
+            for layers in DEPTHS:
+                ours[layers], works[layers] = engine_step(models[layers])
+                stock[layers] = transformers_step(hf[layers])
+            lock, base = ((d[DEPTHS[1]] - d[DEPTHS[0]]) / span * 1e6 for d in (ours, stock))
+            rounds.append((lock, base, lock / base))
+        lock, base, ratio = (statistics.median(r[i] for r in rounds) for i in range(3))
+        low, high = min(r[2] for r in rounds), max(r[2] for r in rounds)
         ops = (works[DEPTHS[1]].total_ops - works[DEPTHS[0]].total_ops) / span
-        print(f"| {family} | {lock:.0f} | {hf:.0f} | {lock / hf:.2f} | {works[DEPTHS[1]].total_reads} | {ops:.1f} |",
-              flush=True)
+        print(f"| {family} | {lock:.0f} | {base:.0f} | {ratio:.2f} ({low:.2f}-{high:.2f}) | "
+              f"{works[DEPTHS[1]].total_reads} | {ops:.1f} |", flush=True)
 
 
 if __name__ == "__main__":
