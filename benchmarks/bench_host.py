@@ -78,8 +78,11 @@ def main() -> None:
     parser.add_argument("--families", default="llama,qwen3")
     parser.add_argument("--rounds", type=int, default=ROUNDS, help="alternating rounds of both (default %(default)s)")
     args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error(f"--rounds: expected at least 1, got {args.rounds}")
     print(f"machine: {machine()}; {ROWS} rows decoding; the median of {args.rounds} alternating rounds")
-    print("| family | lockstep us / layer-step | transformers us / layer-step | ratio (min-max) | reads / step "
+    print("| family | lockstep us / layer-step | transformers us / layer-step | the rounds' ratio: median (min-max) "
+          "| reads / step "
           "| ops / layer-step |")
     print("|---|---|---|---|---|---|")
     span = DEPTHS[1] - DEPTHS[0]
