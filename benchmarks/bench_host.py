@@ -82,8 +82,7 @@ def main() -> None:
         parser.error(f"--rounds: expected at least 1, got {args.rounds}")
     print(f"machine: {machine()}; {ROWS} rows decoding; the median of {args.rounds} alternating rounds")
     print("| family | lockstep us / layer-step | transformers us / layer-step | the rounds' ratio: median (min-max) "
-          "| reads / step "
-          "| ops / layer-step |")
+          "| reads / step | ops / layer-step |")
     print("|---|---|---|---|---|---|")
     span = DEPTHS[1] - DEPTHS[0]
     for family in args.families.split(","):

@@ -54,18 +54,22 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int32) if t.dtype == torch.float32 else t.view(torch.int16)
 
 
-def _fallback_lines(tmp_path: Path, emulator: tuple[str, ...] = (), environ: dict[str, str] | None = None
-                    ) -> list[str]:
-    """The lines a process without a working compiler (CC=/bin/false, nothing on PATH) prints about
-    the native backend, on 2 threads, run by `emulator` (a QEMU command line) or directly, in
-    `environ` (default: this process's environment)."""
+def without_compiler(tmp_path: Path, environ: dict[str, str] | None = None) -> dict[str, str]:
+    """`environ` (default: this process's environment) for a process without a working compiler:
+    CC=/bin/false, nothing on PATH, and a kernel cache of its own under tmp_path."""
+    return {**(os.environ if environ is None else environ), "CC": "/bin/false", "PATH": str(tmp_path),
+            "LOCKSTEP_CACHE_DIR": str(tmp_path / "cache")}
+
+
+def _fallback_lines(tmp_path: Path) -> list[str]:
+    """The lines a process without a working compiler (`without_compiler`) prints about the native
+    backend, on 2 threads."""
     code = ("import torch, lockstep\nfrom lockstep import ops, registry\ntorch.set_num_threads(2)\n"
             "x, w = torch.randn(3, 8), torch.randn(4, 8)\ny = ops.linear(x, w)\n"
             "with registry.use_backend('portable'):\n    assert torch.equal(y, ops.linear(x, w))\n"
             "print(registry.cpu_backend())\n")
-    env = {**(os.environ if environ is None else environ), "CC": "/bin/false", "PATH": str(tmp_path),
-           "LOCKSTEP_CACHE_DIR": str(tmp_path / "cache")}
-    proc = subprocess.run([*emulator, sys.executable, "-c", code], env=env, capture_output=True, text=True,
+    env = without_compiler(tmp_path)
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "portable"

@@ -13,8 +13,21 @@ from lockstep import ops
 from lockstep.paged_cache import build_step
 
 # The op modules (lockstep.ops.linear is the function that the package exports under that name).
-attention_op, linear_op, rms_norm_op = (importlib.import_module(f"lockstep.ops.{name}")
-                                        for name in ("attention", "linear", "rms_norm"))
+attention_op, gated_op, linear_op, rms_norm_op = (importlib.import_module(f"lockstep.ops.{name}")
+                                                  for name in ("attention", "gated", "linear", "rms_norm"))
+
+def _agrees(op, args: tuple, message: str | None, fast_when_accepted: bool = True) -> None:
+    """op's `_check` passes `args` (and, where asked, its `_well_formed` takes them) when message is
+    None; else `_well_formed` refuses them and `_check` raises an error that starts with message."""
+    if message is None:
+        assert op._well_formed(*args) or not fast_when_accepted
+        op._check(*args)
+        return
+    assert not op._well_formed(*args)
+    with pytest.raises((TypeError, ValueError)) as e:
+        op._check(*args)
+    assert str(e.value).startswith(message), str(e.value)
+
 
 x, w, b = torch.randn(2, 8), torch.randn(4, 8), torch.randn(4)
 LINEAR = [
@@ -39,14 +52,7 @@ LINEAR = [
 
 @pytest.mark.parametrize("args, message", LINEAR, ids=[m or "accepted" for _, m in LINEAR])
 def test_linear_accepts_in_one_expression_only_what_its_checks_pass(args, message):
-    if message is None:
-        assert linear_op._well_formed(*args)
-        linear_op._check(*args)
-        return
-    assert not linear_op._well_formed(*args)
-    with pytest.raises((TypeError, ValueError), match=rf"^{message}".replace("[", r"\[").replace("(", r"\(")
-                       .replace(")", r"\)")):
-        linear_op._check(*args)
+    _agrees(linear_op, args, message)
 
 
 h, g = torch.randn(3, 8), torch.ones(8)
@@ -67,13 +73,23 @@ RMS_NORM = [
 
 @pytest.mark.parametrize("args, message", RMS_NORM, ids=[m or "accepted" for _, m in RMS_NORM])
 def test_rms_norm_accepts_in_one_expression_only_what_its_checks_pass(args, message):
-    if message is None:
-        rms_norm_op._check(*args)
-        return
-    assert not rms_norm_op._well_formed(*args)
-    with pytest.raises((TypeError, ValueError)) as e:
-        rms_norm_op._check(*args)
-    assert str(e.value).startswith(message)
+    _agrees(rms_norm_op, args, message, fast_when_accepted=False)      # an int eps takes the checks' way
+
+
+GATED = [
+    ((h, h.clone()), None),
+    ((h, h[:, :7]), "up: expected shape (3, 8) (the shape of gate), got (3, 7)"),
+    ((h, h.double()), "up: expected dtype torch.float32"),
+    ((h, h.to("meta")), "up: expected a tensor on cpu"),
+    ((h.long(), h), "gate: expected dtype float32"),
+    ((torch.tensor(1.0), torch.tensor(1.0)), "gate: expected at least 1 dimension"),
+    ((h, [1.0]), "up: expected a torch.Tensor"),
+]
+
+
+@pytest.mark.parametrize("args, message", GATED, ids=[m or "accepted" for _, m in GATED])
+def test_gated_activations_accept_in_one_expression_only_what_their_checks_pass(args, message):
+    _agrees(gated_op, args, message)
 
 
 def _decode(dtype=torch.float32, hq=4, hkv=2, d=16):

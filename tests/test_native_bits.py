@@ -25,7 +25,7 @@ from lockstep import registry
 from lockstep.tools import backend_bits
 from lockstep.backends.native import bits, build, gemm
 
-from _native_helpers import FALLBACK_LINE, ISA_FLAGS
+from _native_helpers import FALLBACK_LINE, ISA_FLAGS, without_compiler
 from test_cpu_kernels import ATEN_CAPABILITIES, MKL_ISAS, ONEDNN_ISAS, cpu_flags, cpu_vendor, require
 
 
@@ -362,8 +362,7 @@ def test_on_an_emulated_intel_cpu_the_fallback_line_says_what_the_portable_backe
     caveat = ("PyTorch's fp32 GEMMs here break the row tiles and column widths that the portable backend rests on, "
               "so it has no batch invariance or tensor-parallel invariance on this machine at 2 threads "
               "(docs/contract.md, section 7)")
-    env = {**env, "CC": "/bin/false", "PATH": str(tmp_path), "LOCKSTEP_CACHE_DIR": str(tmp_path / "cache"),
-           "OMP_NUM_THREADS": "2"}
+    env = {**without_compiler(tmp_path, env), "OMP_NUM_THREADS": "2"}
     check = subprocess.run([*emulator, sys.executable, "-m", "lockstep", "check", "--backend", "portable", "linear",
                             "--dtype", "fp32", "--no-grad"], env=env, capture_output=True, text=True, timeout=600)
     assert check.returncode == 1, check.stderr[-3000:]

@@ -68,9 +68,9 @@ def build_step(spans: list[tuple[list[int], int, int]], block_size: int, device:
     width: the block table's columns (default: the most blocks of a sequence). into: a flat int64
     tensor of step_size(...) elements that receives the transfer, so that the step's tensors are
     views of it (static buffers that a captured graph reads); by default the step gets new ones.
-    Each view starts 16 bytes after the last one's start, rounded up, so they are 16-byte aligned
-    when `into` is (a tensor of its own, as torch.empty makes, always is): Triton compiles a kernel
-    again for pointers that are not.
+    Each view starts a multiple of 16 bytes into the buffer, so every view is 16-byte aligned when
+    `into` is (a tensor of its own, as torch.empty makes, always is): Triton compiles a kernel again
+    for pointers that are not.
     positions_below: a bound of every position (checked here): the step's positions are then a
     rotary.TablePositions, whose angles rope gathers on the device, instead of a host copy."""
     if not spans:
