@@ -24,9 +24,11 @@ check: $(STAMP)
 	$(BIN)/lockstep check
 
 # With 4 cores or more, one pytest-xdist worker per core (at most 4: each holds a real model at times),
-# in the order of tests/_scheduling.py. Below that the suite runs serially: on 2 cores its tests'
-# own threads and subprocesses already fill both, and two workers took longer (ADR 0029).
-WORKERS := $(shell [ "$$(nproc 2>/dev/null || echo 1)" -ge 4 ] && echo "-n auto --maxprocesses 4")
+# in the order of tests/_scheduling.py. On 2 or 3 cores two lanes: the tests' own threads and
+# subprocesses fill both cores part of the time, and a side lane at a lower priority takes the
+# single-threaded modules into what they leave (ADR 0029). On 1 core the suite runs serially.
+CORES := $(shell nproc 2>/dev/null || echo 1)
+WORKERS := $(shell [ $(CORES) -ge 4 ] && echo "-n auto --maxprocesses 4" || { [ $(CORES) -ge 2 ] && echo "-n 2 --lanes"; })
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q $(WORKERS)

@@ -10,6 +10,12 @@ more, and `pytest -n N` anywhere; ADR 0029).
   a unit weighs what its tests took in a serial run on the 2-core machine CI uses (durations.json;
   a test not listed weighs DEFAULT_SECONDS). The tests that read the GPU audit go last.
 - `LOCKSTEP_RECORD_DURATIONS=tests/durations.json` writes a run's durations there at its end.
+
+On 2 or 3 cores `make test` runs two lanes instead (`-n 2 --lanes`, `Lanes`): a main lane, and a side
+lane at a lower priority (SIDE_NICE) that takes SIDE_LANE's modules, whose work is single-threaded and
+bounded by no clock. The main lane's tests fill the machine only part of the time (their own
+threads and subprocesses, one core at times); the side lane and the GPU audit, at the lowest priority,
+take what they leave, instead of running one after the other at the end.
 """
 
 from __future__ import annotations
@@ -29,6 +35,15 @@ DEFAULT_SECONDS = 0.3
 SHARED_FIXTURES = ("reduced_build", "cross_compiles", "openblas_probes", "wheel_install", "hf_reference", "smol",
                    "references")
 UNITS_FILE = "units.json"
+# The side lane: modules that compute on one thread in the test's own process (the Triton
+# interpreter's sweeps, the real model against transformers' in one process), with no subprocess or
+# timeout that a starved lane could trip, and no expensive fixture shared with another module.
+SIDE_LANE = frozenset({"tests/test_triton.py", "tests/test_gguf.py", "tests/test_model_runner.py",
+                       "tests/test_mode_triton.py", "tests/test_engine.py", "tests/test_native_attention.py",
+                       "tests/test_vocab_logprobs.py"})
+# Below the main lane's tests (nice 0) and above the GPU audit (nice 19): the audit's compiles spread
+# over every core once the tests are done, the side lane's tests run on one.
+SIDE_NICE = 10
 
 
 def order(items: list[pytest.Item], last: Callable[[pytest.Item], bool]) -> dict[str, str]:
@@ -72,6 +87,31 @@ class LongestFirst(LoadScopeScheduling):
             except OSError:
                 self.units = {}
         return self.units.get(nodeid, nodeid)
+
+
+def lane(nodeid: str) -> str:
+    """"side" for a test of SIDE_LANE's modules, else "main"."""
+    return "side" if nodeid.split("::")[0] in SIDE_LANE else "main"
+
+
+class Lanes(LoadScopeScheduling):
+    """Two workers, one lane each: xdist's scope scheduling with the lanes as scopes, each run in
+    collection order. The worker that draws the side lane lowers its own priority on its first test
+    (`enter_side_lane`)."""
+
+    def __init__(self, config: pytest.Config, log):
+        super().__init__(config, log)
+        config.option.loadscopereorder = False
+
+    def _split_scope(self, nodeid: str) -> str:
+        return lane(nodeid)
+
+
+def enter_side_lane() -> None:
+    """Lowers this process's priority to SIDE_NICE (once; the processes it starts inherit it)."""
+    current = os.nice(0)
+    if current < SIDE_NICE:
+        os.nice(SIDE_NICE - current)
 
 
 class DurationRecorder:

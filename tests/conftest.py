@@ -14,6 +14,11 @@ import _scheduling
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Ray starts its workers at nice 15. The suite's Ray clusters hold the work of a test that waits for
+# it, beside the GPU audit (nice 19) and the side lane (tests/_scheduling.py), so they run at the
+# test's own priority.
+os.environ.setdefault("RAY_worker_niceness", "0")
+
 # MKL's thread-dependent blocking on an Intel Xeon, on any machine (tests/_reblocking_blas.py).
 if os.environ.get("LOCKSTEP_TEST_REBLOCKING_BLAS"):
     import _reblocking_blas
@@ -32,22 +37,48 @@ def _xdist_controller(config) -> bool:
     return getattr(config.option, "dist", "no") != "no" and not hasattr(config, "workerinput")
 
 
+def pytest_addoption(parser):
+    parser.addoption("--lanes", action="store_true",
+                     help="with -n 2: a main lane, and a side lane at a lower priority for the single-threaded "
+                          "modules (tests/_scheduling.py)")
+
+
+def _whole_suite(config) -> bool:
+    """Whether this run is the whole suite (`make test`): no paths, -k, -m or --lf narrow it."""
+    option = config.option
+    return (config.args_source == pytest.Config.ArgsSource.TESTPATHS and not option.keyword and not option.markexpr
+            and not getattr(option, "lf", False) and not option.collectonly and not option.setupplan)
+
+
 def pytest_configure(config):
     """Under xdist the controller makes a folder that its workers share: the units of its schedule
-    (_scheduling) and the GPU audit (_audit_process). LOCKSTEP_RECORD_DURATIONS asks for the run's
-    durations (_scheduling)."""
+    (_scheduling) and the GPU audit (_audit_process). The whole suite starts the audit now, before
+    its tests are collected (the first collection builds the native kernels on one core).
+    LOCKSTEP_RECORD_DURATIONS asks for the run's durations (_scheduling)."""
     global _durations
-    _durations = None if os.environ.get("PYTEST_XDIST_WORKER") else _scheduling.recorder()
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    _durations = None if worker else _scheduling.recorder()
     if _xdist_controller(config):
         config._lockstep_shared = os.environ["LOCKSTEP_XDIST_SHARED"] = tempfile.mkdtemp(prefix="lockstep-xdist-")
+    if not worker and _whole_suite(config):
+        _start_gpu_audit(config, getattr(config, "_lockstep_shared", None))
 
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
-    """`-n N` alone (xdist's "load") runs the units of _scheduling, longest first."""
+    """`-n N` alone (xdist's "load") runs the units of _scheduling, longest first; with --lanes, one
+    lane per worker."""
+    if config.option.dist == "load" and config.getoption("lanes"):
+        return _scheduling.Lanes(config, log)
     if config.option.dist == "load":
         return _scheduling.LongestFirst(config, log, config._lockstep_shared)
     return None
+
+
+def pytest_runtest_setup(item):
+    if item.config.getoption("lanes") and os.environ.get("PYTEST_XDIST_WORKER") \
+            and _scheduling.lane(item.nodeid) == "side":
+        _scheduling.enter_side_lane()
 
 
 def _shared_audit() -> str | None:
@@ -76,20 +107,34 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.hookimpl(trylast=True)          # after -k, -m, --deselect and --lf have had their say
 def pytest_collection_finish(session):
-    """A run whose tests read the GPU audit starts it now, at the lowest priority (_audit_process): a
-    serial run itself, under xdist the first worker to claim the audit's folder."""
-    option = session.config.option
+    """A run whose tests read the GPU audit starts it now if the whole suite's run has not already,
+    at the lowest priority (_audit_process): a serial run itself, under xdist the first worker to
+    claim the audit's folder."""
+    option, config = session.config.option, session.config
+    started = getattr(config, "_lockstep_gpu_audit", None)
     if not any(_reads_gpu_audit(item) for item in session.items) or option.collectonly or option.setupplan:
+        if started is not None:         # started with the whole suite, which this run turned out not to be
+            started.stop(keep=False)
+            config._lockstep_gpu_audit = None
         return
-    shared = _shared_audit()
+    if started is None:
+        worker = os.environ.get("PYTEST_XDIST_WORKER")
+        _start_gpu_audit(config, os.environ.get("LOCKSTEP_XDIST_SHARED") if worker else None,
+                         watched=os.getppid() if worker else None)
+
+
+def _start_gpu_audit(config, shared: str | None, watched: int | None = None) -> None:
+    """Starts the GPU audit at the lowest priority: in a folder of its own, or in the folder `shared`
+    with xdist's workers, there by the first process to claim it."""
     if shared is None:
-        session.config._lockstep_gpu_audit = _audit_process.GpuAudit(nice=19)
+        config._lockstep_gpu_audit = _audit_process.GpuAudit(nice=19)
         return
+    folder = os.path.join(shared, "audit")
     try:
-        os.mkdir(shared)
+        os.mkdir(folder)
     except FileExistsError:
         return
-    session.config._lockstep_gpu_audit = _audit_process.GpuAudit(nice=19, out=shared, watched=os.getppid())
+    config._lockstep_gpu_audit = _audit_process.GpuAudit(nice=19, out=folder, watched=watched)
 
 
 @pytest.fixture(scope="session")

@@ -70,3 +70,34 @@ def test_the_heaviest_unit_goes_first_and_the_audits_readers_last():
                                          "tests/test_a.py::test_light", "tests/test_gpu_audit.py::test_reads"]
     assert units == {"tests/test_b.py::test_one": "tests/test_b.py::reduced_build",
                      "tests/test_b.py::test_two": "tests/test_b.py::reduced_build"}
+
+
+def test_two_lanes_put_the_side_modules_on_one_worker_below_the_others(tmp_path):
+    """`make test` on 2 cores (`-n 2 --lanes`, tests/_scheduling.py): the modules of SIDE_LANE run on
+    one worker, which lowers its priority to SIDE_NICE; every other test runs on the other worker, at
+    the priority the run started with."""
+    import _scheduling
+
+    side = sorted(_scheduling.SIDE_LANE)[0]
+    body = ("import os\n\n"
+            + "".join(f"def test_{i}():\n    with open({str(tmp_path / 'ran.txt')!r}, 'a') as f:\n"
+                      f"        f.write(f\"{{__name__}} {{os.environ['PYTEST_XDIST_WORKER']}} {{os.nice(0)}}\\n\")\n\n"
+                      for i in range(4)))
+    (tmp_path / "tests").mkdir()
+    (tmp_path / side).write_text(body)
+    (tmp_path / "tests" / "test_main_lane.py").write_text(body)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
+    env.pop("PYTEST_XDIST_WORKER", None)
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "conftest", "--rootdir",
+                          str(tmp_path), "-n", "2", "--lanes", "tests"],
+                         env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    ran = [line.split() for line in (tmp_path / "ran.txt").read_text().splitlines()]
+    lanes = {module: {(worker, nice) for m, worker, nice in ran if m == module} for module, _, _ in ran}
+    start = os.nice(0)
+    side_module = Path(side).stem
+    assert len(ran) == 8 and len(lanes[side_module]) == 1 and len(lanes["test_main_lane"]) == 1, ran
+    (side_worker, side_nice), = lanes[side_module]
+    (main_worker, main_nice), = lanes["test_main_lane"]
+    assert side_worker != main_worker and int(main_nice) == start
+    assert int(side_nice) == max(start, _scheduling.SIDE_NICE), ran
