@@ -92,6 +92,40 @@ def test_a_server_that_computes_differently_is_refused_naming_the_field(tmp_path
         assert cli.main(["rl", *TINY, "--steps", "1", "--accept-mismatch", "--out", str(tmp_path / "accepted")]) == 0
     assert f"torch: the trainer has '{other}', the server '{torch.__version__}'" in caplog.text
     assert "(--accept-mismatch)" in caplog.text
+    # The run's log keeps both sides of what was accepted.
+    _, events = train.read_log(str(tmp_path / "accepted"))
+    said = events[0]["fingerprints"]
+    assert [f["torch"] for f in said["ranks"]] == [other] and [f["torch"] for f in said["servers"]] == [torch.__version__]
+    assert said["ranks"][0]["backend"] == said["servers"][0]["backend"] is not None
+
+
+def _ranks_worker(rank, world, out, accept):
+    from lockstep import machine
+
+    ours = {**machine.fingerprint(), "isa": "avx2" if rank == 1 else "avx512"}
+    try:
+        found = machine.check_ranks(ours, accept_mismatch=accept)
+        said = f"ok {[f['isa'] for f in found]}"
+    except machine.FingerprintMismatch as e:
+        said = f"refused {e}"
+    with open(f"{out}.{rank}", "w") as f:
+        f.write(said)
+
+
+@pytest.mark.parametrize("accept", [False, True])
+def test_a_trainer_rank_that_computes_differently_is_refused_on_every_rank(tmp_path, accept):
+    """Under torchrun or Ray every rank's fingerprint is compared with rank 0's: a rank that differs
+    stops every rank at once (none waits in a collective), unless --accept-mismatch."""
+    from lockstep import dist as ldist
+
+    ldist.spawn(_ranks_worker, 2, str(tmp_path / "said"), accept)
+    said = [(tmp_path / f"said.{rank}").read_text() for rank in (0, 1)]
+    if accept:
+        assert said == ["ok ['avx512', 'avx2']"] * 2
+    else:
+        assert said[0] == said[1] == ("refused trainer rank 1 computes differently from rank 0 (isa: rank 0 has "
+                                      "'avx512', rank 1 'avx2'); the ranks' gradients would not add up to one "
+                                      "process's bits. Pass --accept-mismatch to train anyway")
 
 
 def test_a_push_goes_in_the_request_to_a_server_on_another_host():

@@ -5,8 +5,10 @@ trainer and its rollout servers) compare these before they start."""
 from __future__ import annotations
 
 import importlib.metadata
+import logging
 
 import torch
+import torch.distributed as dist
 
 # The order in which fields are compared, and a mismatch reported: the first one that differs.
 FIELDS = ("backend", "device", "isa", "gpu", "torch", "triton")
@@ -47,3 +49,36 @@ def fingerprint(backend: str = "auto", device: torch.device | str = "cpu") -> di
 def differences(ours: dict, theirs: dict) -> list[tuple[str, object, object]]:
     """(field, our value, their value) for every field of FIELDS where the two fingerprints differ."""
     return [(k, ours.get(k), theirs.get(k)) for k in FIELDS if ours.get(k) != theirs.get(k)]
+
+
+class FingerprintMismatch(ValueError):
+    """Two processes that must give the same bits (a trainer's ranks, a trainer and its rollout
+    servers) compute with another backend, machine or library version."""
+
+
+def said(diff: list[tuple[str, object, object]], ours: str, theirs: str) -> str:
+    """`differences` in words: "isa: the trainer has 'avx512', the server 'avx2'; ..."."""
+    return "; ".join(f"{field}: {ours} has {a!r}, {theirs} {b!r}" for field, a, b in diff)
+
+
+def check_ranks(ours: dict, accept_mismatch: bool = False) -> list[dict]:
+    """Every rank's fingerprint, gathered (one per rank of the default process group; [ours] without
+    one), each compared with rank 0's. A rank that differs raises FingerprintMismatch on every rank
+    at once, naming the rank and the field, so that no rank is left waiting in a collective; with
+    accept_mismatch it is logged instead."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [ours]
+    found: list = [None] * dist.get_world_size()
+    dist.all_gather_object(found, ours)
+    for rank, theirs in enumerate(found[1:], 1):
+        diff = differences(found[0], theirs)
+        if not diff:
+            continue
+        words = said(diff, "rank 0", f"rank {rank}")
+        if not accept_mismatch:
+            raise FingerprintMismatch(f"trainer rank {rank} computes differently from rank 0 ({words}); the ranks' "
+                                      "gradients would not add up to one process's bits. Pass --accept-mismatch "
+                                      "to train anyway")
+        logging.getLogger("lockstep.rl").warning("lockstep rl: trainer rank %d differs from rank 0 (%s); training "
+                                                 "anyway (--accept-mismatch)", rank, words)
+    return found

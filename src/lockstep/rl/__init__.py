@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from .. import checks
-from ..machine import fingerprint
+from ..machine import check_ranks, fingerprint
 from ..mismatch import mismatch
 from ..model import Transformer, logprobs, model_from_source, with_byte_tokenizer
 from ..registry import use_backend
@@ -207,11 +207,12 @@ def _run(cfg: RLConfig, out: str, task: ArithmeticTask, urls: list[str], resume:
                              "--shard-optimizer may change)")
     log_path = os.path.join(out, "log.jsonl")
     client: RolloutClient | ServerPool | None = None
+    ranks = check_ranks(fingerprint(cfg.backend, model.device), accept_mismatch)
 
     def start_server() -> str:
         nonlocal client
         weights = push_folder(out, trainer)
-        client = connect(urls, servers, fingerprint(cfg.backend, model.device), accept_mismatch, model=weights,
+        client = connect(urls, servers, ranks[0], accept_mismatch, model=weights,
                          dtype=cfg.dtype, backend=cfg.backend, push=push_weights,
                          max_num_seqs=cfg.max_num_seqs or cfg.prompts_per_step * cfg.group)
         return client.update_weights(weights, f"step-{trainer.step_idx}")
@@ -231,6 +232,7 @@ def _run(cfg: RLConfig, out: str, task: ArithmeticTask, urls: list[str], resume:
                                   "config": asdict(cfg), "server": client.url,
                                   "servers": client.server_urls, "ranks": trainer.sync.world,
                                   "layout": trainer.layout,
+                                  "fingerprints": {"ranks": ranks, "servers": client.fingerprints},
                                   "dropped_log_records": dropped}) + "\n")
         served_before: dict[str, int] = {}
         with use_backend(cfg.backend):

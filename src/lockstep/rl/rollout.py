@@ -57,6 +57,7 @@ class RolloutClient:
             raise ValueError(f"push: expected one of {PUSHES}, got {push!r}")
         self.push = push
         self.process = None
+        self.fingerprints: list[dict] = []      # the server's, once `connect` has checked it
         if url is None:
             if model is None:
                 raise ValueError("model: expected the model to serve when no server url is given")

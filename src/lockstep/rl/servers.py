@@ -31,7 +31,7 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from ..machine import differences
+from ..machine import FingerprintMismatch, differences, said
 from .rollout import Rollout, RolloutClient, free_port
 
 log = logging.getLogger("lockstep.rl")
@@ -41,10 +41,6 @@ ROUTER_POLICY = "round_robin"      # consecutive requests to each server in turn
 
 class NoServerLeft(RuntimeError):
     """Every rollout server of the pool has stopped answering: the run cannot sample."""
-
-
-class FingerprintMismatch(ValueError):
-    """A rollout server computes with another backend, machine or library version than the trainer."""
 
 
 def check_fingerprints(servers: list[RolloutClient], ours: dict, accept_mismatch: bool = False) -> list[dict]:
@@ -64,13 +60,13 @@ def check_fingerprints(servers: list[RolloutClient], ours: dict, accept_mismatch
         diff = differences(ours, theirs)
         if not diff:
             continue
-        said = "; ".join(f"{field}: the trainer has {a!r}, the server {b!r}" for field, a, b in diff)
+        words = said(diff, "the trainer", "the server")
         if not accept_mismatch:
-            raise FingerprintMismatch(f"rollout server {server.url} computes differently from the trainer ({said}); "
+            raise FingerprintMismatch(f"rollout server {server.url} computes differently from the trainer ({words}); "
                                       "its logprobs would not be the trainer's bits. Pass --accept-mismatch to "
                                       "sample from it anyway")
         log.warning("lockstep rl: rollout server %s differs from the trainer (%s); sampling from it anyway "
-                    "(--accept-mismatch)", server.url, said)
+                    "(--accept-mismatch)", server.url, words)
     return found
 
 
@@ -265,7 +261,7 @@ def connect(urls: list[str] | None, count: int, ours: dict, accept_mismatch: boo
     if n_servers == 1:
         client = RolloutClient(urls[0] if urls else None, **server_kwargs)
         try:
-            check_fingerprints([client], ours, accept_mismatch)
+            client.fingerprints = check_fingerprints([client], ours, accept_mismatch)
         except BaseException:
             client.close()
             raise
