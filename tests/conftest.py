@@ -14,9 +14,9 @@ import _scheduling
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-# Ray starts its workers at nice 15. The suite's Ray clusters hold the work of a test that waits for
-# it, beside the GPU audit (nice 19) and the side lane (tests/_scheduling.py), so they run at the
-# test's own priority.
+# Ray starts its workers at nice 15. A Ray cluster of the suite does the work of a test that waits
+# for it, so its actors run at that test's priority rather than below the side lane's (nice 10,
+# tests/_scheduling.py).
 os.environ.setdefault("RAY_worker_niceness", "0")
 
 # MKL's thread-dependent blocking on an Intel Xeon, on any machine (tests/_reblocking_blas.py).

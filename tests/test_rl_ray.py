@@ -60,9 +60,12 @@ def test_at_the_address_of_a_running_cluster(tmp_path, rl_on_one_server):
     before = recorded.read_text() if recorded.exists() else None
     port = dist.free_port()
     ray_cli = os.path.join(os.path.dirname(sys.executable), "ray")
+    # SIGINT at its default in the head, which stops on it: a process started in the background by a
+    # non-interactive shell (nohup, a CI runner's job) ignores SIGINT, and its children inherit that.
     head = subprocess.Popen([ray_cli, "start", "--head", "--block", "--port", str(port), "--num-cpus", "2",
                              "--include-dashboard", "false", "--disable-usage-stats"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, start_new_session=True)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.time() + 60
         while True:
