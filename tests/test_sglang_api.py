@@ -208,7 +208,13 @@ def test_model_info_health_flush_cache_and_bad_weight_updates(live, tmp_path):
         r = httpx.post(f"{url}/update_weights_from_disk", json=body, timeout=30)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
     assert r.json()["error"]["message"] == "token_step: unknown field"
-    r = httpx.post(f"{url}/update_weights_from_disk", json={"model_path": str(tmp_path / "nowhere")}, timeout=30)
+    # SGLang's other fields: at the values that change nothing here, or refused by name.
+    r = httpx.post(f"{url}/update_weights_from_disk", json={"model_path": str(tmp_path), "load_format": "pt"}, timeout=30)
+    assert r.status_code == 400 and r.json()["success"] is False, r.text
+    assert r.json()["error"] == {**r.json()["error"], "param": "load_format",
+                                 "message": 'load_format: only null or "auto" is supported, got "pt"'}
+    r = httpx.post(f"{url}/update_weights_from_disk", json={"model_path": str(tmp_path / "nowhere"),
+                                                            "load_format": "auto", "flush_cache": False}, timeout=30)
     refused = r.json()
     assert refused["success"] is False and refused["num_paused_requests"] == 0 and "is not a folder" in refused["message"]
     assert httpx.get(f"{url}/get_model_info").json()["weight_version"] == "0"

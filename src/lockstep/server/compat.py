@@ -55,6 +55,13 @@ CHAT: dict[str, tuple] = {
 }
 
 
+# SGLang's /update_weights_from_disk beside model_path: lockstep reads the path as the server read its
+# model at start (a checkpoint folder, a GGUF file or a folder holding one), and forgets the prefix
+# cache with every update whatever flush_cache says (cached keys and values of the old weights would
+# break the guarantee).
+UPDATE_FROM_DISK: dict[str, tuple] = {"load_format": (None, "auto"), "flush_cache": (True, False)}
+
+
 def with_fields(name: str, model: type[BaseModel], accepted: Mapping[str, tuple]) -> type[BaseModel]:
     """`model` named `name`, with every field of `accepted` added, of any type, its first accepted
     value the default: `unsupported` checks them rather than pydantic, so that the refusal

@@ -13,6 +13,7 @@ from typing import AsyncIterator
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import StreamingResponse
 
+from . import compat
 from .protocol import error_body
 from .sglang_protocol import GenerateRequest, Item, UpdateWeightsFromDiskRequest, finish_reason, items, output
 from .state import Server, fail, get_server, update_refused
@@ -108,6 +109,9 @@ async def update_weights_from_disk(body: UpdateWeightsFromDiskRequest, server: S
     answers carry `weight_version` (meta_info.weight_version) and the int `weights_version`."""
     if server.load_weights is None:
         return update_refused("model_path: this server cannot load weights from disk", "model_path")
+    found = compat.unsupported(body, compat.UPDATE_FROM_DISK)
+    if found is not None:
+        return update_refused(found[1], found[0])
     path = body.model_path
     answer = await server.update_weights(lambda: server.load_weights(path), path, "model_path", body.weight_version,
                                          body.abort_all_requests)

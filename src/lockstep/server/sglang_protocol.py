@@ -91,16 +91,16 @@ class _Generate(_Strict):
 GenerateRequest = compat.with_fields("GenerateRequest", _Generate, compat.GENERATE)
 
 
-class UpdateWeightsFromDiskRequest(_Strict):
-    """POST /update_weights_from_disk. flush_cache is accepted for SGLang's clients; lockstep forgets
-    the prefix cache with every update whatever it says (cached keys and values of old weights
-    would break the guarantee). load_format is accepted and unused (a safetensors folder)."""
+class _UpdateWeightsFromDisk(_Strict):
+    """POST /update_weights_from_disk; SGLang's other fields at the values of compat.UPDATE_FROM_DISK."""
 
     model_path: str
-    load_format: str | None = None
-    flush_cache: bool = True
     abort_all_requests: bool = False
     weight_version: str | None = None
+
+
+UpdateWeightsFromDiskRequest = compat.with_fields("UpdateWeightsFromDiskRequest", _UpdateWeightsFromDisk,
+                                                  compat.UPDATE_FROM_DISK)
 
 
 @dataclass
