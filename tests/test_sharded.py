@@ -121,15 +121,16 @@ def _cfg(steps: int, mb: int, shard: bool) -> TrainConfig:
                        weight_decay=0.1, master_weights=True, save_every=2, shard_optimizer=shard)
 
 
-def _run_worker(rank, world, data, out, steps, mb, shard, resume):
-    train.run("tiny", data, out, _cfg(steps, mb, shard), dtype=torch.bfloat16, resume=resume, progress=False)
+def _run_worker(rank, world, data, out, steps, mb, shard, resume, tp):
+    train.run("tiny", data, out, _cfg(steps, mb, shard), dtype=torch.bfloat16, resume=resume, progress=False,
+              tensor_parallel=tp)
 
 
-def _run(world, data, out, steps, mb, shard, resume=False):
+def _run(world, data, out, steps, mb, shard, resume=False, tp=1):
     if world == 1:
         train.run("tiny", data, out, _cfg(steps, mb, shard), dtype=torch.bfloat16, resume=resume, progress=False)
     else:
-        ldist.spawn(_run_worker, world, data, out, steps, mb, shard, resume)
+        ldist.spawn(_run_worker, world, data, out, steps, mb, shard, resume, tp)
 
 
 def _files(out, step) -> list[bytes]:
@@ -140,7 +141,7 @@ def _steps(out) -> list:
     return [(r["step"], r["loss"], r["grad_norm"]) for r in train.read_log(str(out))[0]]
 
 
-def test_resume_crosses_sharded_and_unsharded_runs_and_data_parallel_sizes(tmp_path):
+def test_resume_crosses_sharded_and_unsharded_runs_and_data_and_tensor_parallel_sizes(tmp_path):
     data = tmp_path / "d.txt"
     data.write_text("the cat sat on the mat, and the dog sat on the log. " * 80)
     whole, a, b = tmp_path / "whole", tmp_path / "a", tmp_path / "b"
@@ -148,7 +149,7 @@ def test_resume_crosses_sharded_and_unsharded_runs_and_data_parallel_sizes(tmp_p
     _run(2, str(data), str(a), 2, 64, True)                         # sharded at DP 2 ...
     assert _files(a, 2) == _files(whole, 2)                         # ... writes the unsharded checkpoint
     _run(1, str(data), str(a), 4, 128, False, resume=True)          # ... resumes unsharded at DP 1
-    _run(1, str(data), str(b), 2, 128, False)                       # unsharded at DP 1 ...
+    _run(2, str(data), str(b), 2, 128, False, tp=2)                 # unsharded at TP 2 ...
     _run(2, str(data), str(b), 4, 64, True, resume=True)            # ... resumes sharded at DP 2
     for out in (a, b):
         assert _steps(out) == _steps(whole)
@@ -156,7 +157,9 @@ def test_resume_crosses_sharded_and_unsharded_runs_and_data_parallel_sizes(tmp_p
     events = train.read_log(str(a))[1]
     assert events[0]["layout"]["shard_optimizer"] is True and "shard_optimizer" not in events[1]["layout"]
     assert events[1]["changes"]["shard_optimizer"] == [True, False]
-    assert train.read_log(str(b))[1][1]["changes"]["shard_optimizer"] == [False, True]
+    changes = train.read_log(str(b))[1][1]["changes"]
+    assert changes["shard_optimizer"] == [False, True]
+    assert [layout["tensor_parallel"] for layout in changes["layout"]] == [2, 1], changes["layout"]
 
 
 # ------------------------------------------------------------------------------------------------
