@@ -57,10 +57,12 @@ class GpuAudit:
     TRITON_INTERPRET=0, which this process cannot undo), its output in a temporary folder.
 
     On a fresh machine the audit compiles 592 binaries, about 8 minutes of one core, so a run
-    starts it once its tests are collected, at the lowest priority, and runs its tests last: the
-    compiles take what the other tests leave idle (ADR 0029). Under xdist one worker starts it in
-    the folder the controller named, for the controller's lifetime; every worker reads the result
-    from that folder (`wait`), and the controller stops it at the end."""
+    starts it early, at the lowest priority, and runs its tests last: the compiles take what the
+    other tests leave idle (ADR 0029). The whole suite starts it before collecting its tests,
+    under xdist from the controller; a narrower run once its tests are collected, under xdist from
+    the first worker to claim the controller's folder. Either way it lives as long as the
+    controller, every worker reads the result from that folder (`wait_for_audit`), and the
+    controller stops it at the end."""
 
     def __init__(self, nice: int = 0, out: str | None = None, watched: int | None = None):
         self.out = out or tempfile.mkdtemp(prefix="lockstep-gpu-audit-")

@@ -1,5 +1,5 @@
-"""How the suite's tests are spread over pytest-xdist's workers (`make test` runs them on 4 cores or
-more, and `pytest -n N` anywhere; ADR 0029).
+"""How the suite's tests are spread over pytest-xdist's workers (`make test` on 2 cores or more, and
+`pytest -n N` anywhere; ADR 0029).
 
 - Tests that share an expensive module fixture (SHARED_FIXTURES) form one unit and run on one
   worker, so that the fixture is made once. Each worker writes the units it collected to the
@@ -9,7 +9,8 @@ more, and `pytest -n N` anywhere; ADR 0029).
 - The longest units start first, so that no long test starts last while the other workers idle:
   a unit weighs what its tests took in a serial run on the 2-core machine CI uses (durations.json;
   a test not listed weighs DEFAULT_SECONDS). The tests that read the GPU audit go last.
-- `LOCKSTEP_RECORD_DURATIONS=tests/durations.json` writes a run's durations there at its end.
+- `LOCKSTEP_RECORD_DURATIONS=tests/durations.json` writes a run's durations there at its end (a
+  serial run's, `pytest -p no:xdist`, as the weights are).
 
 On 2 or 3 cores `make test` runs two lanes instead (`-n 2 --lanes`, `Lanes`): a main lane, and a side
 lane at a lower priority (SIDE_NICE) that takes SIDE_LANE's modules, whose work is single-threaded and
@@ -108,10 +109,16 @@ class Lanes(LoadScopeScheduling):
 
 
 def enter_side_lane() -> None:
-    """Lowers this process's priority to SIDE_NICE (once; the processes it starts inherit it)."""
-    current = os.nice(0)
-    if current < SIDE_NICE:
-        os.nice(SIDE_NICE - current)
+    """Lowers this process's priority to SIDE_NICE: every thread's, since Linux keeps a nice value per
+    thread (torch's pool may already run); the threads and processes started later inherit it."""
+    tasks = "/proc/self/task"
+    threads = [int(t) for t in os.listdir(tasks)] if os.path.isdir(tasks) else [0]
+    for tid in threads:
+        try:
+            if os.getpriority(os.PRIO_PROCESS, tid) < SIDE_NICE:
+                os.setpriority(os.PRIO_PROCESS, tid, SIDE_NICE)
+        except ProcessLookupError:          # a thread that ended since the listing
+            pass
 
 
 class DurationRecorder:

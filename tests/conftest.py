@@ -44,10 +44,13 @@ def pytest_addoption(parser):
 
 
 def _whole_suite(config) -> bool:
-    """Whether this run is the whole suite (`make test`): no paths, -k, -m or --lf narrow it."""
+    """Whether this run is the whole suite's (`make test`): no paths, -k, -m, --lf, --deselect or
+    --ignore narrow it, and it runs tests rather than printing help, markers or fixtures."""
     option = config.option
-    return (config.args_source == pytest.Config.ArgsSource.TESTPATHS and not option.keyword and not option.markexpr
-            and not getattr(option, "lf", False) and not option.collectonly and not option.setupplan)
+    narrowed = ("keyword", "markexpr", "lf", "deselect", "ignore", "ignore_glob", "collectonly", "setupplan",
+                "help", "markers", "showfixtures", "show_fixtures_per_test", "version")
+    return config.args_source == pytest.Config.ArgsSource.TESTPATHS and not any(
+        getattr(option, name, None) for name in narrowed)
 
 
 def pytest_configure(config):
@@ -57,6 +60,8 @@ def pytest_configure(config):
     LOCKSTEP_RECORD_DURATIONS asks for the run's durations (_scheduling)."""
     global _durations
     worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if config.getoption("lanes") and not worker and getattr(config.option, "dist", "no") != "load":
+        raise pytest.UsageError("--lanes: expected -n 2 (two pytest-xdist workers, one lane each)")
     _durations = None if worker else _scheduling.recorder()
     if _xdist_controller(config):
         config._lockstep_shared = os.environ["LOCKSTEP_XDIST_SHARED"] = tempfile.mkdtemp(prefix="lockstep-xdist-")
@@ -76,8 +81,9 @@ def pytest_xdist_make_scheduler(config, log):
 
 
 def pytest_runtest_setup(item):
-    if item.config.getoption("lanes") and os.environ.get("PYTEST_XDIST_WORKER") \
-            and _scheduling.lane(item.nodeid) == "side":
+    """With --lanes, the worker that runs the side lane lowers its priority on its first test."""
+    side = item.config.getoption("lanes") and _scheduling.lane(item.nodeid) == "side"
+    if side and os.environ.get("PYTEST_XDIST_WORKER"):
         _scheduling.enter_side_lane()
 
 
@@ -159,7 +165,7 @@ def rl_on_one_server(tmp_path_factory):
 
 def pytest_sessionfinish(session, exitstatus):
     """The audit's output stays when a test failed, as pytest keeps a failed test's tmp_path. Under
-    xdist the controller stops the audit that one of its workers started."""
+    xdist the controller stops the audit, whether it or one of its workers started it."""
     failed, kept = exitstatus != 0, None
     audit = getattr(session.config, "_lockstep_gpu_audit", None)
     if audit is not None and not os.environ.get("PYTEST_XDIST_WORKER"):
@@ -168,7 +174,7 @@ def pytest_sessionfinish(session, exitstatus):
     shared = getattr(session.config, "_lockstep_shared", None)
     if shared is not None:
         audit_folder = os.path.join(shared, "audit")
-        if os.path.isdir(audit_folder):
+        if os.path.isdir(audit_folder) and audit_folder != kept:       # a worker's
             _audit_process.stop_audit(audit_folder, keep=True)
             kept = audit_folder
         if not failed:

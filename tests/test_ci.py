@@ -101,3 +101,9 @@ def test_two_lanes_put_the_side_modules_on_one_worker_below_the_others(tmp_path)
     (main_worker, main_nice), = lanes["test_main_lane"]
     assert side_worker != main_worker and int(main_nice) == start
     assert int(side_nice) == max(start, _scheduling.SIDE_NICE), ran
+    # Lanes need their two workers.
+    alone = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "conftest",
+                            "--rootdir", str(tmp_path), "--lanes", "tests"],
+                           env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert alone.returncode == 4 and "--lanes: expected -n 2 (two pytest-xdist workers, one lane each)" in alone.stderr, \
+        alone.stderr[-2000:]

@@ -20,6 +20,9 @@ from ray._private.utils import get_ray_address_file
 from lockstep import cli, dist, train
 from _rl_runs import COMPARED, TINY, run, weights
 
+# Runs argv[1:] with SIGINT at its default disposition.
+DEFAULT_SIGINT = ("import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+                  "os.execv(sys.argv[1], sys.argv[1:])")
 KEYS = ("step", "loss", "grad_norm", "reward", "tokens", "max_abs_dlogp", "approx_kl0", "mean_ratio",
         "sampled_with_version", "weight_version")
 
@@ -60,12 +63,12 @@ def test_at_the_address_of_a_running_cluster(tmp_path, rl_on_one_server):
     before = recorded.read_text() if recorded.exists() else None
     port = dist.free_port()
     ray_cli = os.path.join(os.path.dirname(sys.executable), "ray")
-    # SIGINT at its default in the head, which stops on it: a process started in the background by a
-    # non-interactive shell (nohup, a CI runner's job) ignores SIGINT, and its children inherit that.
-    head = subprocess.Popen([ray_cli, "start", "--head", "--block", "--port", str(port), "--num-cpus", "2",
-                             "--include-dashboard", "false", "--disable-usage-stats"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, start_new_session=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    # The head stops on SIGINT, so it starts with SIGINT at its default: a process started in the
+    # background by a non-interactive shell (nohup, a CI runner's job) ignores SIGINT, and so would
+    # every process it starts.
+    head = subprocess.Popen([sys.executable, "-c", DEFAULT_SIGINT, ray_cli, "start", "--head", "--block", "--port",
+                             str(port), "--num-cpus", "2", "--include-dashboard", "false", "--disable-usage-stats"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, start_new_session=True)
     try:
         deadline = time.time() + 60
         while True:

@@ -104,12 +104,37 @@ def _ranks_worker(rank, world, out, accept):
 
     ours = {**machine.fingerprint(), "isa": "avx2" if rank == 1 else "avx512"}
     try:
-        found = machine.check_ranks(ours, accept_mismatch=accept)
+        found = machine.check_ranks(lambda: ours, accept_mismatch=accept)
         said = f"ok {[f['isa'] for f in found]}"
     except machine.FingerprintMismatch as e:
         said = f"refused {e}"
     with open(f"{out}.{rank}", "w") as f:
         f.write(said)
+
+
+def _failing_rank_worker(rank, world, out):
+    from lockstep import machine
+
+    def ours():
+        if rank == 1:
+            raise OSError("no kernels here")
+        return machine.fingerprint()
+
+    try:
+        machine.check_ranks(ours)
+        said = "ok"
+    except RuntimeError as e:
+        said = f"refused {e}"
+    with open(f"{out}.{rank}", "w") as f:
+        f.write(said)
+
+
+def test_a_rank_whose_fingerprint_fails_stops_every_rank(tmp_path):
+    from lockstep import dist as ldist
+
+    ldist.spawn(_failing_rank_worker, 2, str(tmp_path / "said"))
+    said = {(tmp_path / f"said.{rank}").read_text() for rank in (0, 1)}
+    assert said == {"refused trainer rank 1 could not tell what it computes with: OSError: no kernels here"}
 
 
 @pytest.mark.parametrize("accept", [False, True])

@@ -145,8 +145,8 @@ def run(cfg: RLConfig, out: str, task: ArithmeticTask | None = None, server_url:
     """GRPO for cfg.steps steps with rollouts from a `lockstep serve` (started here unless server_url
     is given). With `servers` > 1, that many servers are started behind SGLang's router, and several
     URLs in server_url are servers already running, behind a router started here
-    (lockstep.rl.servers); either way the run has the bits of one server. Every server's fingerprint
-    must be the trainer's (lockstep.machine) unless accept_mismatch. push_weights: how each step's
+    (lockstep.rl.servers); either way the run has the bits of one server. Every server's fingerprint,
+    and under torchrun every rank's, must be rank 0's (lockstep.machine) unless accept_mismatch. push_weights: how each step's
     weights reach the servers (rollout.PUSHES: "disk", a path they read; "http", the file in the
     request; "auto", http for a server on another host). Writes out/log.jsonl (one
     record a step), out/rollouts.jsonl (every problem, completion and reward), checkpoints in out/checkpoints and the served weights in out/weights. `resume`
@@ -207,7 +207,7 @@ def _run(cfg: RLConfig, out: str, task: ArithmeticTask, urls: list[str], resume:
                              "--shard-optimizer may change)")
     log_path = os.path.join(out, "log.jsonl")
     client: RolloutClient | ServerPool | None = None
-    ranks = check_ranks(fingerprint(cfg.backend, model.device), accept_mismatch)
+    ranks = check_ranks(lambda: fingerprint(cfg.backend, model.device), accept_mismatch)
 
     def start_server() -> str:
         nonlocal client

@@ -31,7 +31,7 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from ..machine import FingerprintMismatch, differences, said
+from ..machine import FingerprintMismatch, differences, in_words
 from .rollout import Rollout, RolloutClient, free_port
 
 log = logging.getLogger("lockstep.rl")
@@ -60,7 +60,7 @@ def check_fingerprints(servers: list[RolloutClient], ours: dict, accept_mismatch
         diff = differences(ours, theirs)
         if not diff:
             continue
-        words = said(diff, "the trainer", "the server")
+        words = in_words(diff, "the trainer", "the server")
         if not accept_mismatch:
             raise FingerprintMismatch(f"rollout server {server.url} computes differently from the trainer ({words}); "
                                       "its logprobs would not be the trainer's bits. Pass --accept-mismatch to "
