@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 
 import pytest
 import torch
@@ -85,18 +84,3 @@ def test_verify_cli_on_the_real_model_writes_model_config_gate_and_experiment(tm
     data = json.loads(out.read_text())
     assert data["model"] == "smollm2" and data["config"]["num_hidden_layers"] == 30
     assert data["verify"]["passed"] and data["experiment"]["paths"][2]["unique"] == 1
-
-
-def test_verify_without_transformers_runs_the_gate_and_says_why_the_experiment_is_left_out(capsys, monkeypatch):
-    """The gate needs only lockstep; the batch experiment runs stock transformers beside it. Without
-    transformers (the hf extra), `lockstep verify` still runs the gate and exits on it, and says in
-    one line why the experiment is not there."""
-    from lockstep.tools import verify
-
-    monkeypatch.setattr(verify, "SETTINGS", verify.SETTINGS[:1])
-    monkeypatch.setitem(sys.modules, "transformers", None)
-    assert cli.main(["verify", "--max-new-tokens", "2", "--no-eager"]) == 0
-    printed = capsys.readouterr().out
-    assert "0 / 0 / 0 and identical tokens" in printed and "The batch experiment" not in printed
-    assert ("(no batch experiment: it runs stock transformers beside lockstep, and transformers is not installed: "
-            "pip install 'lockstep[hf]')") in printed.splitlines()
