@@ -96,9 +96,9 @@ def lane(nodeid: str) -> str:
 
 
 class Lanes(LoadScopeScheduling):
-    """Two workers, one lane each: xdist's scope scheduling with the lanes as scopes, each run in
-    collection order. The worker that draws the side lane lowers its own priority on its first test
-    (`enter_side_lane`)."""
+    """Two workers, one lane each: xdist's scope scheduling with the lanes as scopes, each lane in the
+    order its worker collected it (`order`: the heaviest unit first, the audit's readers last). The
+    worker that draws the side lane lowers its own priority on its first test (`enter_side_lane`)."""
 
     def __init__(self, config: pytest.Config, log):
         super().__init__(config, log)
