@@ -38,9 +38,10 @@ def no_ray_left():
 def test_on_a_local_ray_cluster_the_run_has_the_bits_of_the_run_without_ray(tmp_path, capsys, rl_on_one_server):
     """Two rollout servers (behind the router, on rank 0's node) and data parallel 2, each an actor."""
     plain = rl_on_one_server
-    placed, events = run(tmp_path / "ray", "--ray", "--servers", "2", "--dp", "2")
+    placed, events = run(tmp_path / "ray", "--ray", "--servers", "2", "--dp", "2", "--push-weights", "http")
     assert not ray.is_initialized(), "the cluster started for the run is shut down with it"
     assert events[0]["ranks"] == 2 and events[0]["layout"]["data_parallel"] == 2
+    assert events[0]["push_weights"] == "http", "the ranks push as the command asked"
     assert len(events[0]["servers"]) == 2 and events[0]["server"] not in events[0]["servers"]
     assert all(url.startswith("http://127.0.0.1:") for url in events[0]["servers"]), "this machine only"
     assert [[r[k] for k in KEYS] for r in placed] == plain.rows(KEYS)
@@ -119,6 +120,14 @@ def test_a_bad_ray_address_is_one_line_naming_it(tmp_path, capsys, address, said
     err = capsys.readouterr().err
     assert err.startswith(f"lockstep rl: --ray {address!r}: ") and said in err and err.count("\n") == 1, err
     assert "ray://HOST:PORT" in err and not ray.is_initialized()
+
+
+def test_a_bad_push_is_refused_before_any_cluster_starts(tmp_path):
+    from lockstep.rl import RLConfig, ray_run
+
+    with pytest.raises(ValueError, match=r"^push_weights: expected one of \('auto', 'disk', 'http'\), got 'ftp'$"):
+        ray_run.run(RLConfig(model="tiny"), str(tmp_path / "run"), push_weights="ftp")
+    assert not ray.is_initialized()
 
 
 def test_without_ray_the_flag_names_the_extra(tmp_path, capsys, monkeypatch):

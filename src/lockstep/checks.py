@@ -96,3 +96,9 @@ def int_at_least(name: str, value: object, minimum: int = 1) -> int:
         expected = "a positive int" if minimum == 1 else f"an int >= {minimum}"
         raise ValueError(f"{name}: expected {expected}, got {value!r}")
     return value
+
+
+def one_of(name: str, value: object, choices: tuple) -> None:
+    """A ValueError naming `name` unless `value` is one of `choices`."""
+    if value not in choices:
+        raise ValueError(f"{name}: expected one of {choices}, got {value!r}")

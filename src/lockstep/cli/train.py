@@ -86,7 +86,8 @@ def cmd_rl(args: argparse.Namespace) -> int:
             from ..rl import ray_run
 
             ray_run.run(cfg, args.out, address=args.ray, servers=args.servers, dp=args.dp, gpus=args.ray_gpus,
-                        cpus_per_actor=args.ray_cpus, resume=args.resume, accept_mismatch=args.accept_mismatch)
+                        cpus_per_actor=args.ray_cpus, resume=args.resume, accept_mismatch=args.accept_mismatch,
+                        push_weights=args.push_weights)
         else:
             rl.run(cfg, args.out, server_url=args.server, resume=args.resume, servers=args.servers,
                    accept_mismatch=args.accept_mismatch, push_weights=args.push_weights)

@@ -146,11 +146,13 @@ def run(cfg: RLConfig, out: str, task: ArithmeticTask | None = None, server_url:
     is given). With `servers` > 1, that many servers are started behind SGLang's router, and several
     URLs in server_url are servers already running, behind a router started here
     (lockstep.rl.servers); either way the run has the bits of one server. Every server's fingerprint,
-    and under torchrun every rank's, must be rank 0's (lockstep.machine) unless accept_mismatch. push_weights: how each step's
-    weights reach the servers (rollout.PUSHES: "disk", a path they read; "http", the file in the
-    request; "auto", http for a server on another host). Writes out/log.jsonl (one
-    record a step), out/rollouts.jsonl (every problem, completion and reward), checkpoints in out/checkpoints and the served weights in out/weights. `resume`
-    continues the run in `out` from its last checkpoint, bitwise as if it had not stopped.
+    and under torchrun every rank's, must be rank 0's (lockstep.machine) unless accept_mismatch.
+    push_weights: how each step's weights reach the servers (rollout.PUSHES: "disk", a path they
+    read; "http", the file in the request; "auto", http for a server on another host). Writes
+    out/log.jsonl (one record a step, after a start event with the run's settings), out/rollouts.jsonl
+    (every problem, completion and reward), checkpoints in out/checkpoints and the served weights in
+    out/weights. `resume` continues the run in `out` from its last checkpoint, bitwise as if it had
+    not stopped.
 
     Under torchrun, data parallel: rank 0 owns the folder and the server and broadcasts each step's
     rollouts; every rank trains its share of the window (lockstep.dist.ParallelSync), and the run's
@@ -158,8 +160,7 @@ def run(cfg: RLConfig, out: str, task: ArithmeticTask | None = None, server_url:
     from .. import dist as ldist
 
     checks.int_at_least("servers", servers)
-    if push_weights not in PUSHES:
-        raise ValueError(f"push_weights: expected one of {PUSHES}, got {push_weights!r}")
+    checks.one_of("push_weights", push_weights, PUSHES)
     distributed = ldist.init_from_env()
     try:
         urls = [server_url] if isinstance(server_url, str) else list(server_url or [])
@@ -233,6 +234,7 @@ def _run(cfg: RLConfig, out: str, task: ArithmeticTask, urls: list[str], resume:
                                   "servers": client.server_urls, "ranks": trainer.sync.world,
                                   "layout": trainer.layout,
                                   "fingerprints": {"ranks": ranks, "servers": client.fingerprints},
+                                  "push_weights": push_weights,
                                   "dropped_log_records": dropped}) + "\n")
         served_before: dict[str, int] = {}
         with use_backend(cfg.backend):

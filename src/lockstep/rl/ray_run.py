@@ -29,6 +29,7 @@ from types import ModuleType
 from typing import TYPE_CHECKING
 
 from .. import checks
+from .rollout import PUSHES
 
 if TYPE_CHECKING:
     from . import RLConfig
@@ -147,7 +148,7 @@ class RankActor:
             return ray.util.get_node_ip_address(), s.getsockname()[1]
 
     def run(self, rank: int, world: int, master: tuple[str, int], cfg: dict, out: str, urls: list[str],
-            resume: bool, progress: bool, accept_mismatch: bool) -> list[dict]:
+            resume: bool, progress: bool, accept_mismatch: bool, push_weights: str) -> list[dict]:
         import datetime
 
         import torch
@@ -165,12 +166,12 @@ class RankActor:
             torch.distributed.init_process_group("gloo", rank=rank, world_size=world,
                                                  timeout=datetime.timedelta(seconds=DEFAULT_TIMEOUT_S))
         return run(RLConfig(**cfg), out, server_url=urls, resume=resume, progress=progress and rank == 0,
-                   accept_mismatch=accept_mismatch)
+                   accept_mismatch=accept_mismatch, push_weights=push_weights)
 
 
 def run(cfg: RLConfig, out: str, address: str | None = None, servers: int = 1, dp: int = 1, gpus: bool = False,
         cpus_per_actor: int = 1, resume: bool = False, progress: bool = True,
-        accept_mismatch: bool = False) -> list[dict]:
+        accept_mismatch: bool = False, push_weights: str = "auto") -> list[dict]:
     """lockstep.rl.run on a Ray cluster (`address`; None or "": a cluster started here and shut down at
     the end): `servers` ServerActors and `dp` RankActors, each with `cpus_per_actor` CPUs and, with
     `gpus`, one GPU. The same bits as lockstep.rl.run without Ray with the same settings: the ranks
@@ -178,6 +179,7 @@ def run(cfg: RLConfig, out: str, address: str | None = None, servers: int = 1, d
     checks.int_at_least("servers", servers)
     checks.int_at_least("dp", dp)
     checks.int_at_least("cpus_per_actor", cpus_per_actor)
+    checks.one_of("push_weights", push_weights, PUSHES)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise ValueError("--ray: places the trainer's ranks itself; run it as one process, not under torchrun")
     cfg.validate()
@@ -201,7 +203,7 @@ def run(cfg: RLConfig, out: str, address: str | None = None, servers: int = 1, d
         master = ray.get(ranks[0].rendezvous.remote())
         if not address:
             master = ("127.0.0.1", master[1])
-        calls = [r.run.remote(i, dp, master, asdict(cfg), out, urls, resume, progress, accept_mismatch)
+        calls = [r.run.remote(i, dp, master, asdict(cfg), out, urls, resume, progress, accept_mismatch, push_weights)
                  for i, r in enumerate(ranks)]
         return _wait(ray, calls)[0]
     finally:

@@ -19,6 +19,8 @@ import time
 import urllib.parse
 from dataclasses import dataclass
 
+from .. import checks
+
 
 # How weight updates reach a server: "disk" (it reads the pushed folder), "http" (the file is the
 # request's body) or "auto" (http for a server on another host).
@@ -53,8 +55,7 @@ class RolloutClient:
                  host: str = "127.0.0.1", push: str = "auto"):
         import httpx
 
-        if push not in PUSHES:
-            raise ValueError(f"push: expected one of {PUSHES}, got {push!r}")
+        checks.one_of("push", push, PUSHES)
         self.push = push
         self.process = None
         self.fingerprints: list[dict] = []      # the server's, once `connect` has checked it
