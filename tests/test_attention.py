@@ -1,3 +1,5 @@
+import itertools
+
 import pytest
 import torch
 
@@ -7,6 +9,7 @@ from lockstep.backends import reference
 from lockstep.harness.attention_check import AttnSizes, check_attention
 
 from _contract_checks import assert_attention_report
+from _native_helpers import isa  # noqa: F401  (fixture)
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 ALL_SWEEPS = {"reversed order", "next to NaN/Inf sequences", "padding rows", "strided", "repeat (determinism)",
@@ -169,3 +172,84 @@ def test_pairwise_weight_grad_names_a_bad_shape():
         pairwise_weight_grad(torch.ones(5, 4), torch.ones(5, 3))
     with pytest.raises(ValueError, match=r"inp: expected the batch and row counts of grad_out, \(2, 5\), got \(2, 6\)"):
         pairwise_weight_grad(torch.ones(2, 5, 4), torch.ones(2, 6, 3))
+
+
+def _step_with_cache(dtype, positions_below=None):
+    """A step of a 6-token prefill chunk and a decode token over 4 blocks of 4 slots, with caches
+    whose earlier slots hold keys and values already."""
+    from lockstep.paged_cache import build_step
+
+    gen = torch.Generator().manual_seed(8)
+    step, positions = build_step([([3, 1], 0, 6), ([0], 2, 3)], 4, positions_below=positions_below)
+    caches = [torch.randn(4, 4, 2, 16, generator=gen).to(dtype) for _ in range(2)]
+    q = torch.randn(7, 4, 16, generator=gen).to(dtype)
+    k, v = (torch.randn(7, 2, 16, generator=gen).to(dtype) for _ in range(2))
+    return step, positions, caches, q, k, v
+
+
+@pytest.mark.parametrize("style", ["neox", "gptj"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_cached_attention_rotates_q_and_k_with_ropes_bits(dtype, style, isa, monkeypatch):
+    """rope= against ops.rope on q and k before the call, host positions and positions gathered on
+    the device, on every instruction set and 1 to 3 threads: the same output and the same caches; on
+    the native backend (fp32, bf16) the rotation and the write are one call, and a step made by
+    hand takes the ops one by one with the same bits."""
+    from lockstep.backends.native import build
+    from lockstep.backends.native import rope as native_rope
+    from lockstep.paged_cache import CacheStep
+    from lockstep.rotary import Llama3RopeScaling, Rotation
+
+    calls = []
+    into = native_rope.into_cache
+
+    def counted(*args):
+        rotated = into(*args)
+        calls.append(rotated is not None)         # None: not taken (fp16), written by the ops instead
+        return rotated
+
+    monkeypatch.setattr(native_rope.rope, "into_cache", counted)
+    scaling = Llama3RopeScaling(8.0, 1.0, 4.0, 64)
+    for name, threads, below in itertools.product(build.supported_isas(), (1, 3), (None, 16)):
+        isa(name)
+        torch.set_num_threads(threads)
+        step, positions, (k_cache, v_cache), q, k, v = _step_with_cache(dtype, below)
+        host = step.host.positions            # as the model passes them: Positions, or TablePositions
+        outs = []
+        for fused in (True, False, "by hand"):
+            kc, vc = k_cache.clone(), v_cache.clone()
+            with torch.no_grad():
+                if fused is True:
+                    out = ops.cached_attention(q, k, v, kc, vc, step, rope=Rotation(host, 5e5, style, scaling))
+                elif fused is False:
+                    qr, kr = (ops.rope(t, host, 5e5, style, scaling) for t in (q, k))
+                    out = ops.cached_attention(qr, kr, v, kc, vc, step)
+                else:
+                    made = CacheStep(step.cu_seqlens_q.clone(), step.seq_lens.clone(), step.block_table.clone(),
+                                     step.slot_mapping.clone())
+                    out = ops.cached_attention(q, k, v, kc, vc, made,
+                                               rope=Rotation(positions.clone(), 5e5, style, scaling))
+            outs.append((out, kc, vc))
+        for fused, other in zip(outs[0], outs[1]):
+            assert torch.equal(fused, other), (name, threads, below)
+        for by_hand, other in zip(outs[2], outs[1]):
+            assert torch.equal(by_hand, other), (name, threads, below)
+    assert sum(calls) == (0 if dtype == torch.float16 else 2 * 2 * len(build.supported_isas()))
+
+
+def test_the_rotation_and_cache_write_refuse_a_slot_outside_the_cache_and_write_nothing():
+    from lockstep.backends.native.rope import into_cache
+    from lockstep.rotary import Positions
+
+    k_cache, v_cache = torch.zeros(2, 4, 2, 16), torch.zeros(2, 4, 2, 16)
+    q, k, v = torch.randn(2, 4, 16), torch.randn(2, 2, 16), torch.randn(2, 2, 16)
+    with pytest.raises(RuntimeError, match=r"^ls_rope_kv refused q \(2, 4, 16\), k \(2, 2, 16\) torch.float32 into a "
+                                           r"cache \(2, 4, 2, 16\) at slots \[3, 8\]$"):
+        into_cache(q, k, v, k_cache, v_cache, torch.tensor([3, 8]), Positions.read(torch.tensor([0, 1])), 1e4,
+                   "neox", None)
+    assert not k_cache.any() and not v_cache.any()
+
+
+def test_cached_attention_names_a_rope_that_is_not_a_rotation():
+    step, positions, (k_cache, v_cache), q, k, v = _step_with_cache(torch.float32)
+    with pytest.raises(TypeError, match=r"^rope: expected a lockstep.rotary.Rotation or None, got tuple$"):
+        ops.cached_attention(q, k, v, k_cache, v_cache, step, rope=(positions, 1e4))

@@ -66,3 +66,40 @@ def test_linear_bad_input(make, message):
     with pytest.raises((TypeError, ValueError)) as e:
         make()
     assert message in str(e.value)
+
+
+@pytest.mark.parametrize("backend", ["native", "portable"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_linears_give_the_bits_of_a_linear_each(backend, dtype, monkeypatch):
+    """The projections of one input (q, k and v) with and without a gradient, [T, K] and [B, T, K]
+    inputs, a bias on some: the bits of a linear call each; on the native backend, without a
+    gradient, in one kernel call."""
+    from lockstep.backends.native import gemm
+
+    calls = []
+    grouped = gemm.gemm_nt_group_in_layout
+    monkeypatch.setattr(gemm, "gemm_nt_group_in_layout", lambda *a: calls.append(1) or grouped(*a))
+    gen = torch.Generator().manual_seed(3)
+    ws = [torch.randn(n, 48, generator=gen).to(dtype) for n in (32, 16, 16)]
+    bs = [torch.randn(32, generator=gen).to(dtype), None, torch.randn(16, generator=gen).to(dtype)]
+    with lockstep.use_backend(backend):
+        for shape in ((7, 48), (2, 5, 48)):
+            x = torch.randn(shape, generator=gen).to(dtype)
+            with torch.no_grad():
+                ys = ops.linears(x, ws, bs, split_n=2)
+            want = [ops.linear(x, w, b, split_n=2) for w, b in zip(ws, bs)]
+            assert [y.shape for y in ys] == [y.shape for y in want]
+            assert all(torch.equal(y, z) for y, z in zip(ys, want, strict=True))
+            leaves = [w.clone().requires_grad_() for w in ws]
+            ys = ops.linears(x, leaves, bs, split_n=2)
+            sum(y.float().sum() for y in ys).backward()
+            assert all(w.grad is not None for w in leaves)
+    assert len(calls) == (2 if backend == "native" else 0)
+
+
+def test_linears_names_a_bias_list_of_another_length():
+    with pytest.raises(ValueError, match=r"^biases: expected one per weight \(2\), got 1$"):
+        ops.linears(torch.randn(2, 3), [torch.randn(4, 3), torch.randn(4, 3)], [None])
+    with pytest.raises(ValueError, match=r"^weight: expected shape \[N, 3\] to match x's last dimension, got \(4, 5\)$"):
+        with torch.no_grad():
+            ops.linears(torch.randn(2, 3), [torch.randn(4, 3), torch.randn(4, 5)])

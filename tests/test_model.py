@@ -346,3 +346,24 @@ def test_with_byte_tokenizer_gives_bytes_only_to_a_model_without_one(tmp_path):
             "model's own tokenizer; pass token ids, or add the tokenizer files")
     with pytest.warns(UserWarning, match=f"^{re.escape(text)}$"):
         assert bare.tokenizer.encode("hi") == [256, 104, 105]
+
+
+@pytest.mark.parametrize("family", ["qwen2", "gemma3_text"])
+def test_the_projections_of_one_input_in_one_call_keep_the_bits_and_the_hooks(family, monkeypatch):
+    """Without a gradient (the engine's steps), q, k and v, and gate and up, go through one
+    ops.linears call each: the hidden states keep the bits of a call per layer (the trainer's
+    forward), and a layer with a forward hook is still called, hook and all."""
+    model = Transformer.from_config(ModelConfig.tiny(family, vocab_size=300), seed=4, dtype=torch.bfloat16)
+    ids, cu = pack([[5, 9, 2, 7, 1], [3, 3, 8]])
+    trained = model(ids, cu).detach()                    # a gradient is recorded: a call per layer
+    grouped = []
+    original = ops.linears
+    monkeypatch.setattr(ops, "linears", lambda *a, **k: grouped.append(1) or original(*a, **k))
+    with torch.no_grad():
+        assert torch.equal(model(ids, cu).view(torch.int16), trained.view(torch.int16))
+        assert len(grouped) == 2 * model.config.num_layers
+        seen = []
+        model.model.layers[0].self_attn.k_proj.register_forward_hook(lambda m, i, o: seen.append(o.shape))
+        assert torch.equal(model(ids, cu).view(torch.int16), trained.view(torch.int16))
+    assert seen == [(8, model.config.num_kv_heads * model.config.head_dim)]
+    assert len(grouped) == 4 * model.config.num_layers - 1      # all but layer 0's attention

@@ -78,6 +78,14 @@ def test_a_layer_adds_at_most_twelve_aten_ops_to_a_decode_step(counted, request)
     assert per_layer <= OPS_PER_LAYER, (family, per_layer, work[4][0].ops - work[2][0].ops)
 
 
+def test_a_dense_layer_on_the_native_backend_adds_no_aten_op_to_a_step(counted, request):
+    """Every op of a dense layer is one of the backend's kernel calls: the residual adds go with
+    their norms and the cache write with the rotation (ADR 0042)."""
+    family, work = counted
+    _sparse_moe_misses(request, family, "a sparse MoE layer routes, sorts and combines its rows in aten")
+    assert work[4][0].ops == work[2][0].ops, (family, work[4][0].ops - work[2][0].ops, work[2][0].ops - work[4][0].ops)
+
+
 @pytest.mark.parametrize("autocast", [False, True], ids=["plain", "autocast-bf16"])
 def test_a_step_built_by_hand_gives_the_bits_of_the_checked_host_copy(autocast):
     """forward_cached over a CacheStep made by hand (no host copy: the ops read and check its

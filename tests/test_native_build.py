@@ -396,3 +396,7 @@ def test_a_build_with_fewer_paths_gives_the_same_bits(define, monkeypatch, reduc
         monkeypatch.setenv("LOCKSTEP_CPU_ISA", missing[0])
         with pytest.raises(RuntimeError, match="ls_gemm_nt refused"):
             gemm.gemm_nt(torch.ones(2, 3, dtype=torch.bfloat16), torch.ones(2, 3, dtype=torch.bfloat16))
+        with pytest.raises(RuntimeError, match=r"^ls_gemm_nt_group refused a \[2, 3\] torch.bfloat16 input to "
+                                               r"\[\(4, 3\)\] \[torch.bfloat16\]$"):
+            gemm.gemm_nt_group_in_layout(torch.ones(2, 3, dtype=torch.bfloat16), [torch.ones(4, 3, dtype=torch.bfloat16)],
+                                         [None], torch.bfloat16)

@@ -343,3 +343,30 @@ def test_bf16_gemm_order_is_the_documented_one():
     x, y = BF16_TININESS
     assert gemm.gemm_nt(x[None], y[None]).item() == 0.0
     assert (x.double() * y.double()).sum().item() > 0.99 * 2.0 ** -126     # the exact dot: just below 2^-126
+
+
+_INT = {torch.float32: torch.int32, torch.bfloat16: torch.int16}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_products_of_one_input_in_one_call_have_the_bits_of_a_call_each(dtype, isa):
+    """ls_gemm_nt_group (q, k and v; gate and up) against ls_gemm_nt per product, on every
+    instruction set and 1 to 3 threads: tails in rows, columns and K, a long K in blocks, NaN and
+    Inf, a bias on some products and not others, and products too small to wake a thread beside
+    one that does."""
+    gen = torch.Generator().manual_seed(4)
+    for name in build.supported_isas():
+        isa(name)
+        for threads, (rows, k, widths) in itertools.product((1, 2, 3), ((5, 64, (64, 32, 32)), (37, 4133, (301, 7)),
+                                                                         (1, 200, (3, 96, 160)))):
+            x = torch.randn(rows, k, generator=gen).to(dtype)
+            x[0, 3] = float("nan")
+            ws = [torch.randn(n, k, generator=gen).to(dtype) for n in widths]
+            ws[-1][1, 5] = float("inf")
+            biases = [torch.randn(n, generator=gen).to(dtype) if j % 2 == 0 else None for j, n in enumerate(widths)]
+            torch.set_num_threads(threads)
+            grouped = gemm.gemm_nt_group_in_layout(x, ws, biases, dtype)
+            for y, w, b in zip(grouped, ws, biases, strict=True):
+                single = gemm.gemm_nt_in_layout(x, w, b, dtype)
+                assert torch.equal(y.view(_INT[dtype]), single.view(_INT[dtype])), (name, threads, rows, k)
+

@@ -52,26 +52,24 @@ def wheel_install(tmp_path_factory) -> tuple[Path, Path]:
     return wheel, site
 
 
-def run_installed(site: Path, code: str, tmp_path: Path, blocked: tuple[str, ...] = (),
-                  fresh_cache: bool = True) -> subprocess.CompletedProcess:
+def run_installed(site: Path, code: str, tmp_path: Path, blocked: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
     """`code` in a fresh interpreter that imports lockstep from `site`, with the `blocked` modules
-    unimportable (a None in sys.modules is how Python marks one). `fresh_cache`: the native kernels
-    are compiled from the installed source into an empty cache folder; otherwise the suite's cache
-    folder serves them (the installed sources are the clone's, so their key is the same), or, where
-    the suite has not built them yet, they are compiled into it."""
+    unimportable (a None in sys.modules is how Python marks one). The suite's cache folder serves
+    the native kernels (the installed sources are the clone's, so their key is the same: the wheel
+    test checks it), or, where the suite has not built them yet, they are compiled into it."""
     prelude = "".join(f"import sys; sys.modules[{name!r}] = None\n" for name in blocked)
     env = {**os.environ, "PYTHONPATH": str(site)}
-    if fresh_cache:
-        env["LOCKSTEP_CACHE_DIR"] = str(tmp_path / "cache")
     return subprocess.run([sys.executable, "-c", prelude + code], env=env, capture_output=True, text=True,
                           timeout=600, cwd=tmp_path)
 
 
 def test_a_wheel_holds_every_file_of_the_package_and_runs_the_native_backend(wheel_install, tmp_path):
     """`pip wheel .` packs every file under src/lockstep that is not Python (the contract, the
-    native kernels' source, their recorded bits); installed from that wheel alone, lockstep compiles
-    the kernels, runs the native backend, not the portable fallback, and its kernels give the
-    recorded bits."""
+    native kernels' source, their recorded bits); installed from that wheel alone, lockstep runs the
+    native backend, not the portable fallback, and its kernels give the recorded bits. Its kernel
+    sources name the clone's cached library (the key reads every source file's name and bytes, the
+    flags and the compiler), so the suite's build of the clone serves it rather than a second
+    compile of the same bytes."""
     wheel, site = wheel_install
     names = set(zipfile.ZipFile(wheel).namelist())
     data = {p.relative_to(PACKAGE.parent).as_posix() for p in PACKAGE.rglob("*")
@@ -87,10 +85,13 @@ def test_a_wheel_holds_every_file_of_the_package_and_runs_the_native_backend(whe
                                "from lockstep.backends.native import bits\n"
                                "print(bits.describe(bits.compare(bits.recorded()['kernels'])) or 'same')\n"
                                "from lockstep.tools import backend_bits\n"
-                               "print(', '.join(backend_bits.compare(bits.recorded())['differ']) or 'same')\n",
+                               "print(', '.join(backend_bits.compare(bits.recorded())['differ']) or 'same')\n"
+                               "from lockstep.backends.native import build\n"
+                               "print(build.cached_library(build.compiler()))\n",
                          tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    where, backend, total, differ, backend_differ = proc.stdout.split("\n")[:5]
+    where, backend, total, differ, backend_differ, cached = proc.stdout.split("\n")[:6]
+    assert cached == str(build.cached_library(build.compiler())), "the installed kernel sources are not the clone's"
     assert differ == "same", f"the installed kernels' bits are not the recorded ones in {differ}"
     assert backend_differ == "same", f"the installed native backend's bits are not the recorded ones in {backend_differ}"
     assert Path(where).is_relative_to(site), where
@@ -148,7 +149,7 @@ def test_the_core_jobs_run_without_any_extra(wheel_install, tmp_path):
             "    assert cli.main(argv) == 0, argv\n"
             "print('integrations:', sorted(m for m in sys.modules if m.startswith(('lockstep.server', "
             "'lockstep.integrations'))))\n")
-    proc = run_installed(site, code, tmp_path, blocked=OPTIONAL, fresh_cache=False)
+    proc = run_installed(site, code, tmp_path, blocked=OPTIONAL)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "lockstep: 0 / 0 / 0 and identical tokens in every setting" in proc.stdout
     # The gate needs only lockstep; the batch experiment runs stock transformers beside it, and says

@@ -1,3 +1,5 @@
+import itertools
+
 import pytest
 import torch
 
@@ -7,6 +9,7 @@ from lockstep.backends import reference
 from lockstep.harness.check import check_large
 
 from _contract_checks import DTYPES, assert_op_contract
+from _native_helpers import isa  # noqa: F401  (fixture)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -68,3 +71,68 @@ def test_unknown_backend_is_refused():
     with pytest.raises(ValueError, match="backend: unknown backend 'cuda-fast'"):
         with lockstep.use_backend("cuda-fast"):
             pass
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit for bit, every NaN as one (ATen's add keeps a NaN operand's payload, the kernel stores
+    one quiet NaN)."""
+    a, b = (torch.where(t.isnan(), torch.tensor(float("nan"), dtype=t.dtype), t) for t in (a, b))
+    ints = {torch.float32: torch.int32, torch.float64: torch.int64}.get(a.dtype, torch.int16)
+    return a.shape == b.shape and torch.equal(a.view(ints), b.view(ints))
+
+
+@pytest.mark.parametrize("backend", ["native", "portable"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_add_rms_norm_gives_the_bits_of_the_add_and_the_norm(backend, dtype, isa):
+    """The residual add and the RMSNorm after it, [T, H] and [B, T, H], Gemma's offset and not, a
+    NaN in one row and an Inf in another, on every instruction set and 1 to 3 threads: the bits of
+    `residual + delta` and `rms_norm`; on the native backend, fp32 and bf16 without a gradient, in
+    one pass (fp16 takes the add and the op)."""
+    from lockstep.backends.native import build
+
+    gen = torch.Generator().manual_seed(6)
+    names = build.supported_isas() if backend == "native" else [None]
+    for name, threads, (shape, offset) in itertools.product(names, (1, 2, 3), (((5, 200), 0.0), ((2, 40, 576), 1.0))):
+        if name is not None:
+            isa(name)
+        torch.set_num_threads(threads)
+        residual, delta = (torch.randn(shape, generator=gen).to(dtype) for _ in range(2))
+        residual.view(-1, shape[-1])[1, 7], delta.view(-1, shape[-1])[3, 0] = float("nan"), float("inf")
+        weight = (torch.randn(shape[-1], generator=gen) / 4).to(dtype)
+        with lockstep.use_backend(backend), torch.no_grad():
+            total, y = ops.add_rms_norm(residual, delta, weight, 1e-6, offset)
+            want = residual + delta
+            assert _same(total, want) and _same(y, ops.rms_norm(want, weight, 1e-6, offset)), (name, threads, shape)
+        rows = y.view(-1, shape[-1])
+        assert rows[1].isnan().all() and rows[[0, 2, 4]].isfinite().all()      # the NaN and the Inf stay in their rows
+
+
+def test_add_rms_norm_on_the_native_backend_is_one_pass_and_keeps_the_gradient_elsewhere(monkeypatch):
+    from lockstep.backends.native import rms_norm as native
+
+    passes = []
+    add = native.add_forward
+    monkeypatch.setattr(native.rms_norm, "add", lambda *a: passes.append(1) or add(*a))
+    residual, delta = torch.randn(3, 64), torch.randn(3, 64)
+    weight = torch.randn(64, requires_grad=True)
+    with torch.no_grad():
+        ops.add_rms_norm(residual, delta, weight)
+    total, y = ops.add_rms_norm(residual, delta, weight)
+    y.sum().backward()
+    assert len(passes) == 1 and weight.grad is not None and torch.equal(total, residual + delta)
+    mixed, _ = ops.add_rms_norm(residual, delta.to(torch.bfloat16), weight.detach())   # promoted, as `+` does
+    assert len(passes) == 1 and mixed.dtype == torch.float32 and torch.equal(mixed, residual + delta.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda: ops.add_rms_norm(torch.randn(2, 4), torch.randn(2, 5), torch.ones(4)),
+     r"^delta: expected shape \(2, 4\) \(the shape of residual\), got \(2, 5\)$"),
+    (lambda: ops.add_rms_norm(torch.randn(2, 4), torch.randn(2, 4, device="meta"), torch.ones(4)),
+     r"^delta: expected a tensor on cpu \(the device of residual\), got meta$"),
+    (lambda: ops.add_rms_norm(torch.ones(2, 4, dtype=torch.int64), torch.ones(2, 4, dtype=torch.int64), torch.ones(4)),
+     r"^residual: expected"),
+    (lambda: ops.add_rms_norm(torch.randn(2, 4), [1.0], torch.ones(4)), r"^delta: expected a torch.Tensor"),
+])
+def test_add_rms_norm_names_what_is_wrong(make, message):
+    with pytest.raises((TypeError, ValueError), match=message):
+        make()

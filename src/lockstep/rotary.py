@@ -145,6 +145,17 @@ class TablePositions:
             raise ValueError(f"limit: expected an int in [1, 2^24 = {MAX_POSITION}], got {self.limit!r}")
 
 
+@dataclass(frozen=True)
+class Rotation:
+    """ops.rope's arguments besides x: how a step rotates its queries and keys, for an op that
+    rotates them itself (ops.cached_attention's `rope`)."""
+
+    positions: Tensor | Positions | TablePositions
+    theta: float = 10000.0
+    style: str = "neox"
+    scaling: RopeScaling | None = None
+
+
 def rope_cos_sin(positions: Tensor | Positions | TablePositions, head_dim: int, theta: float,
                  scaling: RopeScaling | None, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """cos and sin [T, 1, head_dim // 2] for each token's own position [T] (integers in

@@ -14,13 +14,14 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
+from torch.nn.modules import module as torch_module
 
 from .. import checks, ops
 from ..numerics import grad_tree
 from ..numerics.exact_math import normal
 from ..numerics.fixed_order import TP_SPLIT, accumulate_dtype
 from ..paged_cache import CacheStep
-from ..rotary import Positions
+from ..rotary import Positions, Rotation
 from ..numerics.softcap import softcap
 from ..registry import cpu_backend_kernel_set
 from .config import ModelConfig
@@ -54,6 +55,25 @@ class Linear(nn.Module):
         return ops.linear(x, self.weight, self.bias, split_k=self.split_k, split_n=self.split_n)
 
 
+def project(x: Tensor, layers: tuple[Linear, ...]) -> list[Tensor]:
+    """x [T, K] through each of `layers`, Linears of that input (q, k and v; gate and up): [T, N_j]
+    each. Where no gradient is recorded (the engine's steps), plain Linears without hooks go through
+    one ops.linears call, one kernel call on the native backend, with the bits of a call each; the
+    trainer keeps a call per layer, whose backward sums each layer's dX by itself. A subclass (a
+    tensor-parallel layer) or a hooked layer is called as a module."""
+    split_n = layers[0].split_n
+    if torch.is_grad_enabled() or not all(type(m).forward is Linear.forward and not _hooked(m) and m.split_k == 1
+                                          and m.split_n == split_n for m in layers):
+        return [m(x) for m in layers]
+    return ops.linears(x, [m.weight for m in layers], [m.bias for m in layers], split_n=split_n)
+
+
+def _hooked(module: nn.Module) -> bool:
+    """Whether a call of `module` would run a forward hook (its own or a global one)."""
+    return bool(module._forward_hooks or module._forward_pre_hooks or torch_module._global_forward_hooks
+                or torch_module._global_forward_pre_hooks)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float, offset: float):
         super().__init__()
@@ -81,14 +101,17 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, c.norm_offset)
             self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, c.norm_offset)
 
-    def qkv(self, x: Tensor, positions: Tensor | Positions) -> tuple[Tensor, Tensor, Tensor]:
+    def qkv(self, x: Tensor, positions: Tensor | Positions | None) -> tuple[Tensor, Tensor, Tensor]:
+        """q [T, Hq, D], k and v [T, Hkv, D] of x [T, hidden]: projected, normed (Qwen3, Gemma 3) and
+        rotated; not rotated where positions is None (for an op that rotates them itself)."""
         c = self.c
         t = x.shape[0]
-        q = self.q_proj(x).view(t, c.num_heads, c.head_dim)
-        k = self.k_proj(x).view(t, c.num_kv_heads, c.head_dim)
-        v = self.v_proj(x).view(t, c.num_kv_heads, c.head_dim)
+        q, k, v = project(x, (self.q_proj, self.k_proj, self.v_proj))
+        q, k, v = q.view(t, c.num_heads, c.head_dim), k.view(t, c.num_kv_heads, c.head_dim), v.view(t, c.num_kv_heads, c.head_dim)
         if c.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
+        if positions is None:
+            return q, k, v
         q = ops.rope(q, positions, self.rope_theta, c.rope_style, self.rope_scaling)
         k = ops.rope(k, positions, self.rope_theta, c.rope_style, self.rope_scaling)
         return q, k, v
@@ -99,8 +122,10 @@ class Attention(nn.Module):
         return self.o_proj(out.reshape(x.shape[0], -1))
 
     def forward_cached(self, x: Tensor, positions: Tensor, step: "CacheStep", k_cache: Tensor, v_cache: Tensor) -> Tensor:
-        q, k, v = self.qkv(x, positions)
-        out = ops.cached_attention(q, k, v, k_cache, v_cache, step, scale=self.c.attn_scale, window=self.window)
+        q, k, v = self.qkv(x, None)
+        rotation = Rotation(positions, self.rope_theta, self.c.rope_style, self.rope_scaling)
+        out = ops.cached_attention(q, k, v, k_cache, v_cache, step, scale=self.c.attn_scale, window=self.window,
+                                   rope=rotation)
         return self.o_proj(out.reshape(x.shape[0], -1))
 
 
@@ -120,7 +145,7 @@ class MLP(nn.Module):
         self.act = ACTIVATIONS[c.hidden_act]
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(self.act(self.gate_proj(x), self.up_proj(x)))
+        return self.down_proj(self.act(*project(x, (self.gate_proj, self.up_proj))))
 
 
 class Block(nn.Module):
@@ -142,18 +167,38 @@ class Block(nn.Module):
             self.mlp = MLP(c)
         self.sandwich = c.sandwich_norms
 
-    def _residuals(self, x: Tensor, attend) -> Tensor:
+    def _residuals(self, x: Tensor, delta: Tensor | None, attend) -> tuple[Tensor, Tensor]:
+        """The layer on the residual stream x + delta (x alone where delta is None), returned as the
+        stream before its last add: the layer's output is the first plus the second. Each add and
+        the RMSNorm after it are one `add_norm`; the next layer, or the final norm, makes the last."""
+        x, h = add_norm(x, delta, self.input_layernorm)
+        a = attend(h)
         if self.sandwich:
-            x = x + self.post_attention_layernorm(attend(self.input_layernorm(x)))
-            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
-        x = x + attend(self.input_layernorm(x))
-        return x + self.mlp(self.post_attention_layernorm(x))
+            x, h = add_norm(x, self.post_attention_layernorm(a), self.pre_feedforward_layernorm)
+            return x, self.post_feedforward_layernorm(self.mlp(h))
+        x, h = add_norm(x, a, self.post_attention_layernorm)
+        return x, self.mlp(h)
 
-    def forward(self, x: Tensor, positions: Tensor, cu_seqlens: Tensor) -> Tensor:
-        return self._residuals(x, lambda h: self.self_attn(h, positions, cu_seqlens))
+    def forward(self, x: Tensor, delta: Tensor | None, positions: Tensor,
+                cu_seqlens: Tensor) -> tuple[Tensor, Tensor]:
+        return self._residuals(x, delta, lambda h: self.self_attn(h, positions, cu_seqlens))
 
-    def forward_cached(self, x: Tensor, positions: Tensor, step: "CacheStep", k_cache: Tensor, v_cache: Tensor) -> Tensor:
-        return self._residuals(x, lambda h: self.self_attn.forward_cached(h, positions, step, k_cache, v_cache))
+    def forward_cached(self, x: Tensor, delta: Tensor | None, positions: Tensor, step: "CacheStep",
+                       k_cache: Tensor, v_cache: Tensor) -> tuple[Tensor, Tensor]:
+        return self._residuals(x, delta, lambda h: self.self_attn.forward_cached(h, positions, step, k_cache, v_cache))
+
+
+def add_norm(x: Tensor, delta: Tensor | None, norm: RMSNorm) -> tuple[Tensor, Tensor]:
+    """(x + delta, norm(x + delta)) ([T, H] each; x and norm(x) where delta is None). Where no
+    gradient is recorded (the engine's steps), a plain RMSNorm without hooks goes through
+    ops.add_rms_norm, one pass on the native backend, with the bits of the add and the norm; the
+    trainer, and a hooked norm, keep the add and the module call."""
+    if delta is None:
+        return x, norm(x)
+    if torch.is_grad_enabled() or type(norm).forward is not RMSNorm.forward or _hooked(norm):
+        x = x + delta
+        return x, norm(x)
+    return ops.add_rms_norm(x, delta, norm.weight, norm.eps, norm.offset)
 
 
 class Decoder(nn.Module):
@@ -273,9 +318,10 @@ class Transformer(nn.Module):
                              f"{int(positions.max())}), beyond the model's context of {context} "
                              "(max_position_embeddings)")
         positions = _read_once(positions)
+        delta = None
         for layer in self.model.layers:
-            x = layer(x, positions, cu_seqlens)
-        return self.model.norm(x)
+            x, delta = layer(x, delta, positions, cu_seqlens)
+        return add_norm(x, delta, self.model.norm)[1]
 
     def forward_cached(self, input_ids: Tensor, positions: Tensor, step: CacheStep, cache: KVCache) -> Tensor:
         """Final hidden states [T, hidden] of new tokens, attending through the paged cache.
@@ -288,9 +334,10 @@ class Transformer(nn.Module):
         x = self.embed(input_ids, ids_checked=host is not None and input_ids is host.input_ids
                        and host.vocab_size == self.config.vocab_size)
         positions = host.positions if host is not None and positions is host.positions.tensor else _read_once(positions)
+        delta = None
         for layer, k_cache, v_cache in zip(self.model.layers, cache.k, cache.v):
-            x = layer.forward_cached(x, positions, step, k_cache, v_cache)
-        return self.model.norm(x)
+            x, delta = layer.forward_cached(x, delta, positions, step, k_cache, v_cache)
+        return add_norm(x, delta, self.model.norm)[1]
 
     def logits(self, input_ids: Tensor, cu_seqlens: Tensor, positions: Tensor | None = None) -> Tensor:
         """[T, vocab] logits in the model's dtype, softcapped when the config says so (materialised;

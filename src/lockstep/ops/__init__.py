@@ -11,16 +11,16 @@ from .attention import attention, cached_attention, paged_attention, write_kv
 from .cross_entropy import cross_entropy
 from .embedding import embedding
 from .gelu_mul import gelu_mul
-from .linear import linear
+from .linear import linear, linears
 from .log_softmax import log_softmax
 from .masked_attention import masked_attention
-from .rms_norm import rms_norm
+from .rms_norm import add_rms_norm, rms_norm
 from .rope import rope
 from .selected_logprobs import selected_logprobs
 from .silu_mul import silu_mul
 from .vocab_logprobs import vocab_logprobs
 
 __all__ = [
-    "attention", "cached_attention", "paged_attention", "write_kv", "cross_entropy", "embedding", "gelu_mul", "linear", "log_softmax", "masked_attention", "rms_norm", "rope", "rope_inv_freq",
+    "add_rms_norm", "attention", "cached_attention", "paged_attention", "write_kv", "cross_entropy", "embedding", "gelu_mul", "linear", "linears", "log_softmax", "masked_attention", "rms_norm", "rope", "rope_inv_freq",
     "Llama3RopeScaling", "LinearRopeScaling", "selected_logprobs", "silu_mul", "vocab_logprobs",
 ]

@@ -17,6 +17,9 @@ from .. import autocast
 from .. import checks as c
 from ..paged_cache import CacheStep
 from ..registry import resolve
+from ..rotary import Rotation
+from .rope import checked as checked_rotation
+from .rope import rope as _rope
 
 MAX_HEAD_DIM = 256
 
@@ -185,21 +188,33 @@ def _write(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping:
 
 
 def cached_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, step: CacheStep,
-                     scale: float | None = None, window: int | None = None) -> Tensor:
+                     scale: float | None = None, window: int | None = None, rope: Rotation | None = None) -> Tensor:
     """One layer's causal attention of a step's new tokens through the paged cache: `write_kv` of
     k, v at the step's slots, then `paged_attention` over each sequence's keys (forward only).
 
     q: [T, Hq, D]; k, v: [T, Hkv, D]; k_cache, v_cache: [num_blocks, block_size, Hkv, D]; step: a
-    paged_cache.CacheStep. When `build_step` made the step, its checked host copy (step.host) stands
-    for the step's values and nothing is read back from the device; otherwise (or when the step's
-    block table or slot mapping is not the one build_step made) write_kv and paged_attention check
-    them. Returns [T, Hq, D] in q's dtype."""
+    paged_cache.CacheStep. rope: q and k as given are first rotated by `ops.rope(x, *rope)`, with
+    its bits; a backend whose rope carries an `into_cache` form (the native one) rotates and writes
+    the cache in one call. When `build_step` made the step, its checked host copy (step.host)
+    stands for the step's values and nothing is read back from the device; otherwise (or when the
+    step's block table or slot mapping is not the one build_step made) write_kv and paged_attention
+    check them. Returns [T, Hq, D] in q's dtype."""
     host = step.host
     if host is None or step.block_table is not host.block_table or step.slot_mapping is not host.slot_mapping:
+        if rope is not None:
+            q, k = (_rope(t, rope.positions, rope.theta, rope.style, rope.scaling) for t in (q, k))
         write_kv(k, v, k_cache, v_cache, step.slot_mapping)
         return paged_attention(q, k_cache, v_cache, step.block_table, step.seq_lens, step.cu_seqlens_q,
                                scale=scale, window=window)
     well_formed = _cached_well_formed(q, k, v, k_cache, v_cache, step, scale, window)
+    into = None
+    if rope is not None:
+        if not isinstance(rope, Rotation):
+            raise TypeError(f"rope: expected a lockstep.rotary.Rotation or None, got {type(rope).__name__}")
+        if well_formed and not torch.is_grad_enabled():
+            into = getattr(resolve("rope", q.device), "into_cache", None)
+        if into is None:    # rotated here, before any cast to the cache's dtype, as a caller would
+            q, k = (_rope(t, rope.positions, rope.theta, rope.style, rope.scaling) for t in (q, k))
     if not well_formed:
         k, v = _check_kv(k, v, k_cache, v_cache)
         for name, t in (("step.slot_mapping", step.slot_mapping), ("step.block_table", step.block_table)):
@@ -210,7 +225,17 @@ def cached_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: 
     if not q.shape[0] == k.shape[0] == host.cu_seqlens_q[-1]:
         raise ValueError(f"q: expected the step's {host.cu_seqlens_q[-1]} new tokens in q, k and v, got "
                          f"{q.shape[0]}, {k.shape[0]}")
-    _write(k, v, k_cache, v_cache, step.slot_mapping)
+    written = False
+    if into is not None:
+        positions = checked_rotation(q, rope.positions, rope.theta, rope.style, rope.scaling)
+        rotated = into(q, k, v, k_cache, v_cache, step.slot_mapping, positions, float(rope.theta), rope.style,
+                       rope.scaling)
+        if rotated is not None:
+            q, written = rotated, True
+        else:
+            q, k = (_rope(t, positions, rope.theta, rope.style, rope.scaling) for t in (q, k))
+    if not written:
+        _write(k, v, k_cache, v_cache, step.slot_mapping)
     if well_formed:
         scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     else:

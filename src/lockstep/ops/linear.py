@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from typing import Sequence
+
+import torch
 from torch import Tensor
 
 from .. import autocast
@@ -28,6 +31,29 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, split_k: in
         impl = resolve("linear", x.device)
         y = impl(rows, weight, bias) if split_k == split_n == 1 else impl(rows, weight, bias, split_k, split_n)
     return y if x.dim() == 2 else y.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def linears(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor | None] | None = None, *,
+            split_n: int = 1) -> list[Tensor]:
+    """[linear(x, w, b, split_n=split_n) for w, b in zip(weights, biases)]: the projections of one
+    input (q, k and v; gate and up), with those bits.
+
+    x: [..., K]; each weight [N_j, K] and bias [N_j] (or None), as `linear` takes them; returns a
+    [..., N_j] tensor per weight. Where no gradient is recorded and autocast is off, a backend whose
+    `linear` carries a `group` form (the native one: `columns_at_any_width`, each column its own
+    dot) computes them in one kernel call; elsewhere, a `linear` call each.
+    """
+    biases = [None] * len(weights) if biases is None else list(biases)
+    if len(biases) != len(weights):
+        raise ValueError(f"biases: expected one per weight ({len(weights)}), got {len(biases)}")
+    if isinstance(x, Tensor) and not torch.is_grad_enabled() and not autocast.enabled(x.device.type) \
+            and all(_well_formed(x, w, b, 1, split_n) for w, b in zip(weights, biases)):
+        group = getattr(resolve("linear", x.device), "group", None)
+        if group is not None:
+            rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+            ys = group(rows, list(weights), biases)
+            return ys if x.dim() == 2 else [y.reshape(*x.shape[:-1], y.shape[-1]) for y in ys]
+    return [linear(x, w, b, split_n=split_n) for w, b in zip(weights, biases)]
 
 
 def _well_formed(x: object, weight: object, bias: object, split_k: object, split_n: object) -> bool:

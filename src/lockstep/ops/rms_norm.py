@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import torch
 from torch import Tensor
 
 from .. import autocast
@@ -23,6 +24,33 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float = 1e-6, offset: float = 0.0) 
     with autocast.off(x.device.type):
         y = resolve("rms_norm", x.device)(rows, weight, float(eps), float(offset))
     return y.reshape(x.shape)
+
+
+def add_rms_norm(residual: Tensor, delta: Tensor, weight: Tensor, eps: float = 1e-6,
+                 offset: float = 0.0) -> tuple[Tensor, Tensor]:
+    """(residual + delta, rms_norm(residual + delta, weight, eps, offset)): a decoder layer's
+    residual add and the RMSNorm that follows it, with the bits of the two.
+
+    residual, delta: [..., H] float of one shape and device (the sum's dtype is PyTorch's promotion
+    of theirs, as `+` gives it); weight: [H]. Returns both [..., H]. Where no gradient is recorded,
+    autocast is off and residual, delta and weight share a dtype, a backend whose rms_norm carries
+    an `add` form (the native one) computes them in one pass; elsewhere, the add and `rms_norm`.
+    """
+    if not (isinstance(delta, Tensor) and isinstance(residual, Tensor) and residual.dtype in c.FLOAT_DTYPES
+            and delta.dtype in c.FLOAT_DTYPES and delta.shape == residual.shape and delta.device == residual.device):
+        c.float_tensor("residual", residual)
+        c.float_tensor("delta", delta)
+        c.same_device("delta", delta, "residual", residual)
+        raise ValueError(f"delta: expected shape {tuple(residual.shape)} (the shape of residual), got {tuple(delta.shape)}")
+    if delta.dtype == residual.dtype and not torch.is_grad_enabled() and not autocast.enabled(residual.device.type) \
+            and _well_formed(residual, weight, eps, offset):
+        add = getattr(resolve("rms_norm", residual.device), "add", None)
+        if add is not None:
+            total, y = add(residual.reshape(-1, residual.shape[-1]), delta.reshape(-1, residual.shape[-1]), weight,
+                           eps, offset)
+            return total.reshape(residual.shape), y.reshape(residual.shape)
+    total = residual + delta
+    return total, rms_norm(total, weight, eps, offset)
 
 
 def _well_formed(x: object, weight: object, eps: object, offset: object) -> bool:

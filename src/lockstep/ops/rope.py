@@ -26,6 +26,14 @@ def rope(x: Tensor, positions: Tensor | Positions | TablePositions, theta: float
     style "neox" rotates the two halves of head_dim against each other (Llama, Qwen); "gptj" rotates
     interleaved pairs. scaling: Llama 3 or linear frequency scaling. Returns x's shape and dtype; angles in float64, rotation in fp32.
     """
+    positions = checked(x, positions, theta, style, scaling)
+    return resolve("rope", x.device)(x, positions, float(theta), style, scaling)
+
+
+def checked(x: Tensor, positions: Tensor | Positions | TablePositions, theta: float, style: str,
+            scaling: RopeScaling | None) -> Positions | TablePositions:
+    """rope's checks of its arguments, each failure named; returns the positions as the backends
+    take them (a tensor read once into a Positions)."""
     c.float_tensor("x", x)
     c.ndim("x", x, 3, "a 3-D tensor [tokens, heads, head_dim]")
     if x.shape[-1] % 2:
@@ -49,4 +57,4 @@ def rope(x: Tensor, positions: Tensor | Positions | TablePositions, theta: float
         raise ValueError(f"style: expected one of {STYLES}, got {style!r}")
     if scaling is not None and not isinstance(scaling, (Llama3RopeScaling, LinearRopeScaling)):
         raise TypeError(f"scaling: expected a Llama3RopeScaling, a LinearRopeScaling or None, got {type(scaling).__name__}")
-    return resolve("rope", x.device)(x, positions, float(theta), style, scaling)
+    return positions

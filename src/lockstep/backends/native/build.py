@@ -48,7 +48,7 @@ FLAGS = ["-O3", "-std=gnu11", "-shared", "-fPIC", "-pthread", "-ffp-contract=off
 BUILDS = (([], ""), (["-DLS_NO_DPBF16"], "the VDPBF16PS path"), (["-DLS_NO_X86"], "the x86 vector paths"))
 ISAS = {"scalar": 0, "avx2": 1, "avx512": 2, "avx512bf16": 3}
 POOLS = ("openmp", "own")
-ABI_VERSION = 14
+ABI_VERSION = 15
 
 
 class NativeUnavailable(RuntimeError):
@@ -312,24 +312,20 @@ def pool_name() -> str:
 # kernels.c's exported functions: their arguments and result, one letter each: q int64_t, i int, p a pointer (an address as an int, or None for
 # NULL), f float; v (a result only) void.
 SIGNATURES = {
-    "ls_gemm_nt": ("qqqqpqqpqqpqqpiiiii", "i"),
-    "ls_gemm_nt_tree": ("qqqpqpqpqqpiii", "i"),
-    "ls_attention_fwd": ("qqqqpppqqppppqqpqfiqpppiii", "i"),
-    "ls_attention_bwd": ("qqqqppppqqppppqfiqppppppiii", "i"),
-    "ls_rms_norm_fwd": ("qqppffppiiiii", "i"),
-    "ls_rms_norm_bwd": ("qqppppfpppqqiiiiii", "i"),
-    "ls_silu": ("qpppppiiii", "i"),
-    "ls_rope": ("qqqppppiiii", "i"),
-    "ls_rows": ("qqpppiii", "i"),
-    "ls_unary": ("ppqiii", "i"),
-    "ls_unary_f64": ("ppqiii", "i"),
-    "ls_gemm_nt_f64": ("qqqqpqqpqqpqqpii", "i"),
+    # gemm.c
+    "ls_gemm_nt": ("qqqqpqqpqqpqqpiiiii", "i"), "ls_gemm_nt_group": ("qqpq" + "pqqpqp" * 3 + "iiii", "i"),
+    "ls_gemm_nt_tree": ("qqqpqpqpqqpiii", "i"), "ls_transpose": ("qqqpqqpqqii", "i"),
+    # attention.c, attention_backward.c
+    "ls_attention_fwd": ("qqqqpppqqppppqqpqfiqpppiii", "i"), "ls_attention_bwd": ("qqqqppppqqppppqfiqppppppiii", "i"),
+    # rows.c: norms, activations, rope, row sums and log_softmax
+    "ls_rms_norm_fwd": ("qqppffppiiiii", "i"), "ls_add_rms_norm_fwd": ("qqpppffpppiiiii", "i"),
+    "ls_rms_norm_bwd": ("qqppppfpppqqiiiiii", "i"), "ls_silu": ("qpppppiiii", "i"),
+    "ls_rope": ("qqqppppiiii", "i"), "ls_rope_kv": ("qqqq" + "p" * 9 + "qiiii", "i"), "ls_rows": ("qqpppiii", "i"),
+    # exp_log.c, float64.c, lm_head.c
+    "ls_unary": ("ppqiii", "i"), "ls_unary_f64": ("ppqiii", "i"), "ls_gemm_nt_f64": ("qqqqpqqpqqpqqpii", "i"),
     "ls_logit_rows": ("qqqpqifiipppppppiii", "i"),
-    "ls_cpu_supports": ("i", "i"),
-    "ls_cpu_isas": ("", "i"),
-    "ls_built_isas": ("", "i"),
-    "ls_transpose": ("qqqpqqpqqii", "i"),
-    "ls_use_openmp": ("p", "v"),
+    # isa.c, threads.c
+    "ls_cpu_supports": ("i", "i"), "ls_cpu_isas": ("", "i"), "ls_built_isas": ("", "i"), "ls_use_openmp": ("p", "v"),
 }
 _CTYPES = {"q": ctypes.c_int64, "i": ctypes.c_int, "p": ctypes.c_void_p, "f": ctypes.c_float, "v": None}
 

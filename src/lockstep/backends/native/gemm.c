@@ -259,6 +259,44 @@ static int64_t panel_columns(int64_t K, int64_t es) {
     return nb < NR ? NR : (nb > 256 ? 256 : nb - nb % NR);
 }
 
+/* The job of ls_gemm_nt's arguments, its item tiles sized for the caches and `threads` (never for
+ * the bits), and the threads worth waking for it in *threads_out. Returns 0, 1 for a product with
+ * nothing to compute, or -1 for arguments ls_gemm_nt cannot take. */
+static int gemm_plan(gemm_job *g, int *threads_out, int64_t batch, int64_t M, int64_t N, int64_t K, const void *A,
+                     int64_t lda, int64_t sa, const void *B, int64_t ldb, int64_t sb, void *C, int64_t ldc, int64_t sc,
+                     const float *bias, int dt, int c_dt, int parts, int isa, int threads) {
+    if (batch < 0 || M < 0 || N < 0 || K < 0 || dt < DT_F32 || dt > DT_F16 || c_dt < DT_F32 || c_dt > DT_BF16 ||
+        !ls_cpu_supports(isa))
+        return -1;
+    int64_t es = dt == DT_F32 ? 4 : 2;
+    if (parts != 1 && (parts < 1 || parts > MAX_PARTS || (parts & (parts - 1)) || K % parts || bias ||
+                       !((dt == DT_F32 && c_dt == DT_F32) || (dt == DT_BF16 && c_dt == DT_BF16)) ||
+                       K / parts * es >= KC_FROM_BYTES))
+        return -1;
+    if (batch == 0 || M == 0 || N == 0) return 1;
+    gemm_job plan = {batch, M, N, K / parts, (const char *)A, (const char *)B, lda * es, ldb * es, sa * es, sb * es,
+                     C, ldc, sc, bias, dt, isa, c_dt == DT_BF16, 0, 0, 0, 0, K / parts, 0, parts, NULL};
+    *g = plan;
+    g->mb = 64;
+    g->nb = panel_columns(K, es);
+    /* The larger operand is streamed once: its panels stay in cache while the smaller one (which
+     * fits in L3) passes by again for each (the LM head's 311 MB weight against 1024 rows). */
+    g->n_major = N > M;
+    if (parts == 1 && K * es >= KC_FROM_BYTES) {
+        /* the largest item that still leaves a few per thread */
+        int64_t side = KC_ITEM;
+        while (side > KC_SMALL && batch * ((M + side - 1) / side) * ((N + side - 1) / side) < 4 * (int64_t)threads)
+            side /= 2;
+        g->mb = g->nb = side;
+        g->kc = KC_BYTES / es;
+    }
+    g->m_tiles = (M + g->mb - 1) / g->mb;
+    g->n_tiles = (N + g->nb - 1) / g->nb;
+    /* Small problems run on the calling thread: waking workers would cost more than they save. */
+    *threads_out = batch * M * N * K < (int64_t)1 << 18 ? 1 : threads;
+    return 0;
+}
+
 /* C[b, m, n] = dot(A[b, m, :], B[b, n, :]) (+ bias[n]) for b < batch, m < M, n < N, in the order
  * of kernels.c's header. A, B: rows of K contiguous elements of dtype dt (0 fp32, 1 bf16, 2 fp16);
  * row strides lda, ldb and batch strides sa, sb in elements. C: dtype c_dt (0 fp32, 1 bf16: each
@@ -271,36 +309,63 @@ static int64_t panel_columns(int64_t K, int64_t es) {
 int ls_gemm_nt(int64_t batch, int64_t M, int64_t N, int64_t K, const void *A, int64_t lda, int64_t sa,
                const void *B, int64_t ldb, int64_t sb, void *C, int64_t ldc, int64_t sc, const float *bias,
                int dt, int c_dt, int parts, int isa, int threads) {
-    if (batch < 0 || M < 0 || N < 0 || K < 0 || dt < DT_F32 || dt > DT_F16 || c_dt < DT_F32 || c_dt > DT_BF16 ||
-        !ls_cpu_supports(isa))
-        return -1;
-    int64_t es = dt == DT_F32 ? 4 : 2;
-    if (parts != 1 && (parts < 1 || parts > MAX_PARTS || (parts & (parts - 1)) || K % parts || bias ||
-                       !((dt == DT_F32 && c_dt == DT_F32) || (dt == DT_BF16 && c_dt == DT_BF16)) ||
-                       K / parts * es >= KC_FROM_BYTES))
-        return -1;
-    if (batch == 0 || M == 0 || N == 0) return 0;
-    gemm_job g = {batch, M, N, K / parts, (const char *)A, (const char *)B, lda * es, ldb * es, sa * es, sb * es,
-                  C, ldc, sc, bias, dt, isa, c_dt == DT_BF16, 0, 0, 0, 0, K / parts, 0, parts, NULL};
-    g.mb = 64;
-    g.nb = panel_columns(K, es);
-    /* The larger operand is streamed once: its panels stay in cache while the smaller one (which
-     * fits in L3) passes by again for each (the LM head's 311 MB weight against 1024 rows). */
-    g.n_major = N > M;
-    if (parts == 1 && K * es >= KC_FROM_BYTES) {
-        /* the largest item that still leaves a few per thread */
-        int64_t side = KC_ITEM;
-        while (side > KC_SMALL && batch * ((M + side - 1) / side) * ((N + side - 1) / side) < 4 * (int64_t)threads)
-            side /= 2;
-        g.mb = g.nb = side;
-        g.kc = KC_BYTES / es;
+    gemm_job g;
+    int status = gemm_plan(&g, &threads, batch, M, N, K, A, lda, sa, B, ldb, sb, C, ldc, sc, bias, dt, c_dt, parts,
+                           isa, threads);
+    if (status != 0) return status < 0 ? -1 : 0;
+    parallel_for(gemm_item, &g, batch * g.m_tiles * g.n_tiles, threads);
+    return 0;
+}
+
+/* Up to GROUP_MAX products of one A, each ls_gemm_nt's job with its own B, N, C and bias, whose
+ * items run as one parallel loop: first[j] is the index of job j's first item. */
+#define GROUP_MAX 3
+
+typedef struct {
+    gemm_job job[GROUP_MAX];
+    int64_t first[GROUP_MAX + 1];
+    int count;
+} gemm_group;
+
+static void gemm_group_item(void *ctx, int64_t item) {
+    const gemm_group *gg = (const gemm_group *)ctx;
+    int j = 0;
+    while (item >= gg->first[j + 1]) j++;
+    gemm_item((void *)&gg->job[j], item - gg->first[j]);
+}
+
+/* C_j[m, n] = dot(A[m, :], B_j[n, :]) (+ bias_j[n]) for each j < 3 whose B_j is not NULL, as
+ * ls_gemm_nt(1, M, N_j, K, A, lda, 0, B_j, ldb_j, 0, C_j, ldc_j, 0, bias_j, dt, c_dt, 1, isa,
+ * threads) computes each (so the same bits: every output is its own dot, whatever the products
+ * beside it), with the threads woken once for all: the projections of one input (q, k and v; gate
+ * and up) in one call. Returns 0, or -1 for arguments it cannot take. */
+int ls_gemm_nt_group(int64_t M, int64_t K, const void *A, int64_t lda,
+                     const void *B0, int64_t ldb0, int64_t N0, void *C0, int64_t ldc0, const float *bias0,
+                     const void *B1, int64_t ldb1, int64_t N1, void *C1, int64_t ldc1, const float *bias1,
+                     const void *B2, int64_t ldb2, int64_t N2, void *C2, int64_t ldc2, const float *bias2,
+                     int dt, int c_dt, int isa, int threads) {
+    const void *B[GROUP_MAX] = {B0, B1, B2};
+    const int64_t ldb[GROUP_MAX] = {ldb0, ldb1, ldb2}, N[GROUP_MAX] = {N0, N1, N2}, ldc[GROUP_MAX] = {ldc0, ldc1, ldc2};
+    void *C[GROUP_MAX] = {C0, C1, C2};
+    const float *bias[GROUP_MAX] = {bias0, bias1, bias2};
+    gemm_group gg;
+    gg.count = 0;
+    gg.first[0] = 0;
+    int wake = 1;
+    for (int j = 0; j < GROUP_MAX; j++) {
+        if (!B[j]) continue;
+        int job_threads;
+        int status = gemm_plan(&gg.job[gg.count], &job_threads, 1, M, N[j], K, A, lda, 0, B[j], ldb[j], 0, C[j],
+                               ldc[j], 0, bias[j], dt, c_dt, 1, isa, threads);
+        if (status < 0) return -1;
+        if (status > 0) continue;
+        if (job_threads > wake) wake = job_threads;
+        gg.first[gg.count + 1] = gg.first[gg.count] + gg.job[gg.count].m_tiles * gg.job[gg.count].n_tiles;
+        gg.count++;
     }
-    g.m_tiles = (M + g.mb - 1) / g.mb;
-    g.n_tiles = (N + g.nb - 1) / g.nb;
-    int64_t items = batch * g.m_tiles * g.n_tiles;
-    /* Small problems run on the calling thread: waking workers would cost more than they save. */
-    if (batch * M * N * K < (int64_t)1 << 18) threads = 1;
-    parallel_for(gemm_item, &g, items, threads);
+    if (gg.count == 0) return 0;
+    for (int j = gg.count + 1; j <= GROUP_MAX; j++) gg.first[j] = gg.first[gg.count];
+    parallel_for(gemm_group_item, &gg, gg.first[gg.count], wake);
     return 0;
 }
 

@@ -138,6 +138,35 @@ def gemm_nt_in_layout(a: Tensor, b: Tensor, bias: Tensor | None, out_dtype: torc
     return _gemm_nt(a, b, bias, None, out_dtype, parts)
 
 
+# ls_gemm_nt_group's most products in one call: q, k and v.
+GROUP_MAX = 3
+
+
+def gemm_nt_group_in_layout(a: Tensor, bs: list[Tensor], biases: list[Tensor | None],
+                            out_dtype: torch.dtype) -> list[Tensor]:
+    """[gemm_nt_in_layout(a, b, bias, out_dtype) for b, bias in zip(bs, biases)] in one kernel call
+    (ls_gemm_nt_group): a [M, K], each b [N_j, K], up to GROUP_MAX of them, under
+    gemm_nt_in_layout's conditions and in one dtype -> [M, N_j] each. The same bits: each output is
+    its own dot whatever the products beside it; the threads wake once for all of them."""
+    m, k = a.shape
+    args: list = []
+    outs = []
+    for b, bias in zip(bs, biases):
+        n = b.shape[0]
+        out = torch.empty((m, n), dtype=out_dtype)
+        if bias is not None:
+            bias = bias.to(torch.float32).contiguous()
+        args += [b.data_ptr(), b.stride(0) if n > 1 else k, n, out.data_ptr(), n, None if bias is None else bias.data_ptr()]
+        outs.append((out, bias))                # the bias copy lives until the call returns
+    args += [None, 0, 0, None, 0, None] * (GROUP_MAX - len(bs))
+    status = library().ls_gemm_nt_group(m, k, a.data_ptr(), a.stride(0) if m > 1 else k, *args,
+                                        DTYPE_CODES[a.dtype], OUT_CODES[out_dtype], isa(), torch.get_num_threads())
+    if status != 0:
+        raise RuntimeError(f"ls_gemm_nt_group refused a [{m}, {k}] {a.dtype} input to "
+                           f"{[tuple(b.shape) for b in bs]} {[b.dtype for b in bs]}")
+    return [out for out, _ in outs]
+
+
 def _gemm_nt(a: Tensor, b: Tensor, bias: Tensor | None, out: Tensor | None, out_dtype: torch.dtype,
              parts: int) -> Tensor:
     """gemm_nt on operands whose rows are contiguous."""

@@ -40,4 +40,4 @@
 #include "rows.c"
 #include "lm_head.c"
 
-int ls_abi_version(void) { return 14; }
+int ls_abi_version(void) { return 15; }

@@ -28,3 +28,17 @@ def forward(x: Tensor, weight: Tensor, bias: Tensor | None, split_k: int = 1) ->
             and weight.stride(-1) == 1 and x.device.type == "cpu" and not gemm.holds_a_copy():
         return gemm.gemm_nt_in_layout(x, weight, bias, x.dtype, split_k)
     return portable.linear_forward(x.contiguous(), weight, bias, split_k, kernels=cpu.KERNELS)
+
+
+def forward_group(x: Tensor, weights: list[Tensor], biases: list[Tensor | None]) -> list[Tensor]:
+    """[forward(x, w, b) for w, b in zip(weights, biases)] (x [M, K], each w [N_j, K] -> [M, N_j] in
+    x's dtype), in one kernel call where `forward` would make each with one call in the kernel's
+    layout: the same bits, since each column is its own dot (`columns_at_any_width`)."""
+    if (len(weights) <= gemm.GROUP_MAX and x.dtype in gemm.OUT_CODES and x.stride(-1) == 1 and x.device.type == "cpu"
+            and all(w.dtype == x.dtype and w.stride(-1) == 1 for w in weights) and not gemm.holds_a_copy()):
+        return gemm.gemm_nt_group_in_layout(x, weights, biases, x.dtype)
+    return [forward(x, w, b) for w, b in zip(weights, biases)]
+
+
+# ops.linears' form of this backend: the engine's projections of one input in one call.
+linear.group = forward_group

@@ -18,18 +18,19 @@ from . import cpu
 from .gemm import DTYPE_CODES, OUT_CODES
 
 
-def _forward(x: Tensor, weight: Tensor, eps: float, offset: float) -> tuple[Tensor, Tensor]:
-    """y in x's dtype and rstd fp32 [rows] of x [rows, H] (contiguous), by the C pass."""
+def _forward(x: Tensor, weight: Tensor, eps: float, offset: float, rstd: bool = True) -> tuple[Tensor, Tensor | None]:
+    """y in x's dtype and rstd fp32 [rows] (None where not wanted) of x [rows, H] (contiguous), by
+    the C pass."""
     rows, hidden = x.shape
     y = torch.empty((rows, hidden), dtype=x.dtype if x.dtype in OUT_CODES else torch.float32)
-    rstd = torch.empty(rows, dtype=torch.float32)
+    rstd = torch.empty(rows, dtype=torch.float32) if rstd else None
     w = weight.contiguous()
     status = library().ls_rms_norm_fwd(rows, hidden, x.data_ptr(), w.data_ptr(), eps, offset, y.data_ptr(),
-                                       rstd.data_ptr(), DTYPE_CODES[x.dtype], DTYPE_CODES[w.dtype],
-                                       OUT_CODES[y.dtype], isa(), torch.get_num_threads())
+                                       None if rstd is None else rstd.data_ptr(), DTYPE_CODES[x.dtype],
+                                       DTYPE_CODES[w.dtype], OUT_CODES[y.dtype], isa(), torch.get_num_threads())
     if status != 0:
         raise RuntimeError(f"ls_rms_norm_fwd refused x {tuple(x.shape)} {x.dtype}, weight {w.dtype}")
-    return y.to(x.dtype), rstd
+    return (y if y.dtype == x.dtype else y.to(x.dtype)), rstd
 
 
 def _backward(ctx, grad_y: Tensor) -> tuple[Tensor | None, Tensor | None]:
@@ -84,5 +85,32 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, offset: float) -> Tensor:
     if x.dtype not in DTYPE_CODES or weight.dtype not in DTYPE_CODES or x.dim() != 2:
         return portable.rms_norm(x, weight, eps, offset, kernels=cpu.KERNELS)
     if not torch.is_grad_enabled():  # no graph to record (the engine's steps): the forward alone
-        return _forward(x.contiguous(), weight, eps, offset)[0]
+        return _forward(x.contiguous(), weight, eps, offset, rstd=False)[0]
     return _RMSNorm.apply(x.contiguous(), weight, eps, offset)
+
+
+def add_forward(residual: Tensor, delta: Tensor, weight: Tensor, eps: float, offset: float) -> tuple[Tensor, Tensor]:
+    """(residual + delta, rms_norm of that sum), both [rows, H] in residual's dtype, from residual
+    and delta [rows, H] of one dtype: one C pass where that dtype is fp32 or bf16 and both are
+    contiguous (the sum as ATen's add rounds it, then the forward's operations on it), else the add
+    and this op. The forward alone: for callers that record no graph."""
+    if (residual.dtype in OUT_CODES and delta.dtype == residual.dtype and weight.dtype in DTYPE_CODES
+            and residual.dim() == 2 and delta.shape == residual.shape and residual.is_contiguous()
+            and delta.is_contiguous() and residual.device.type == "cpu" and delta.device.type == "cpu"):
+        rows, hidden = residual.shape
+        total, y = torch.empty_like(residual), torch.empty_like(residual)
+        w = weight.contiguous()
+        status = library().ls_add_rms_norm_fwd(
+            rows, hidden, residual.data_ptr(), delta.data_ptr(), w.data_ptr(), eps, offset, total.data_ptr(),
+            y.data_ptr(), None, DTYPE_CODES[residual.dtype], DTYPE_CODES[w.dtype], OUT_CODES[y.dtype], isa(),
+            torch.get_num_threads())
+        if status != 0:
+            raise RuntimeError(f"ls_add_rms_norm_fwd refused x {tuple(residual.shape)} {residual.dtype}, "
+                               f"weight {w.dtype}")
+        return total, y
+    total = residual + delta
+    return total, rms_norm(total, weight, eps, offset)
+
+
+# ops.add_rms_norm's form of this backend: a decoder layer's residual add and next RMSNorm in one pass.
+rms_norm.add = add_forward

@@ -63,3 +63,33 @@ def rope(x: Tensor, positions: Tensor, theta: float, style: str, scaling) -> Ten
             return _forward(x.contiguous(), positions, theta, style, scaling)[0]
         return _Rope.apply(x.contiguous(), positions, theta, style, scaling)
     return portable.rope(x, positions, theta, style, scaling)
+
+
+def into_cache(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, positions,
+               theta: float, style: str, scaling) -> Tensor | None:
+    """A cached attention step's rotation and cache write in one C pass (`ls_rope_kv`): q [T, Hq, D]
+    rotated, returned; k [T, Hkv, D] rotated and v as it is, written into slots [T] (int64, distinct)
+    of the paged caches [blocks, block_size, Hkv, D]. The bits of this op on q and k, then write_kv.
+    None, having written nothing, where the pass does not take the operands (another dtype, a head
+    over 512 wide, a tensor off the CPU or not contiguous): the caller then rotates and writes."""
+    tensors = (q, k, v, k_cache, v_cache)
+    if not (q.dtype in OUT_CODES and all(t.dtype == q.dtype and t.device.type == "cpu" and t.is_contiguous()
+                                         for t in tensors)
+            and slots.dtype == torch.int64 and slots.device.type == "cpu" and slots.is_contiguous()
+            and 0 < q.shape[-1] <= _MAX_HEAD_DIM and q.shape[0] == k.shape[0] == slots.shape[0]):
+        return None
+    cos, sin = (a.contiguous() for a in rope_cos_sin(positions, q.shape[-1], theta, scaling, torch.float32))
+    out = torch.empty_like(q)
+    t, heads, dim = q.shape
+    status = library().ls_rope_kv(t, heads, k.shape[1], dim, q.data_ptr(), k.data_ptr(), v.data_ptr(), cos.data_ptr(),
+                                  sin.data_ptr(), out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+                                  slots.data_ptr(), k_cache.shape[0] * k_cache.shape[1], OUT_CODES[q.dtype],
+                                  style != "neox", isa(), torch.get_num_threads())
+    if status != 0:
+        raise RuntimeError(f"ls_rope_kv refused q {tuple(q.shape)}, k {tuple(k.shape)} {q.dtype} into a cache "
+                           f"{tuple(k_cache.shape)} at slots {slots.tolist()}")
+    return out
+
+
+# ops.cached_attention's form of this backend: the step's rotation and cache write in one call.
+rope.into_cache = into_cache

@@ -71,11 +71,13 @@ _Static_assert(ROW_BLOCK <= SUM_WIDTH, "rms_rows keeps ROW_BLOCK blocks in SUM_W
 typedef struct {
     const char *x, *w;
     char *y;
-    float *rstd;
+    float *rstd; /* or NULL: not wanted */
     int64_t H;
     int64_t rows;
     float eps, offset;
     int dt, wdt, ydt, isa;
+    const char *delta; /* or NULL; else each row is first x + delta, stored into sum (dtype dt) and normed from there */
+    char *sum;
 } rms_job;
 
 #define RMS_ROWS 16 /* rows per work item */
@@ -87,6 +89,16 @@ INLINE void rms_rows(const rms_job *R, int64_t item) {
     float acc[SUM_WIDTH], v[SUM_WIDTH], w[SUM_WIDTH];
     for (int64_t row = item * RMS_ROWS; row < (item + 1) * RMS_ROWS && row < R->rows; row++) {
         const char *x = R->x + row * H * es;
+        if (R->delta) { /* the residual add as ATen's: both widened exactly, one fp32 add, rounded to dt */
+            for (int64_t c = 0; c < H; c += ROW_BLOCK) {
+                int64_t n = H - c < ROW_BLOCK ? H - c : ROW_BLOCK;
+                load_block(x, R->dt, c, n, n, v);
+                load_block(R->delta + row * H * es, R->dt, c, n, n, w);
+                for (int64_t h = 0; h < n; h++) v[h] = v[h] + w[h];
+                store_block(R->sum, R->dt, row * H + c, n, v);
+            }
+            x = R->sum + row * H * es;
+        }
         for (int64_t c = 0; c < H; c += width) {
             int64_t n = H - c < width ? H - c : width;
             load_block(x, R->dt, c, n, n, v);
@@ -95,7 +107,7 @@ INLINE void rms_rows(const rms_job *R, int64_t item) {
         }
         float mean = row_sum_fold(acc, width) / (float)H;
         float rstd = 1.0f / sqrtf(mean + R->eps);
-        R->rstd[row] = rstd;
+        if (R->rstd) R->rstd[row] = rstd;
         for (int64_t c = 0; c < H; c += ROW_BLOCK) {
             int64_t n = H - c < ROW_BLOCK ? H - c : ROW_BLOCK;
             load_block(x, R->dt, c, n, n, v);
@@ -274,10 +286,11 @@ typedef struct {
     const float *cos, *sin;
     int64_t T, H, D;
     int dt, interleaved, isa;
+    const int64_t *slots; /* or NULL; else token t's rows go to row slots[t] of y (a paged cache) */
 } rope_job;
 
 INLINE void rope_token(const rope_job *J, int64_t t) {
-    const int64_t D = J->D, half = D / 2;
+    const int64_t D = J->D, half = D / 2, to = J->slots ? J->slots[t] : t;
     const float *c = J->cos + t * half, *s = J->sin + t * half;
     float v[ROW_BLOCK], a[ROW_BLOCK / 2], b[ROW_BLOCK / 2];
     for (int64_t h = 0; h < J->H; h++) {
@@ -292,7 +305,7 @@ INLINE void rope_token(const rope_job *J, int64_t t) {
             v[J->interleaved ? 2 * j : j] = a[j];
             v[J->interleaved ? 2 * j + 1 : j + half] = b[j];
         }
-        store_block(J->y, J->dt, k, D, v);
+        store_block(J->y, J->dt, (to * J->H + h) * D, D, v);
     }
 }
 
@@ -417,14 +430,31 @@ ROW_PASSES(z, AVX512_T)
 #endif
 
 /* rms_norm forward over rows of x [rows, H] (dtype dt, contiguous) with weight w [H] (dtype wdt):
- * y [rows, H] in dtype ydt (fp32, or bf16 rounded as Tensor.to rounds) and rstd fp32 [rows], in the
- * order of the rms_norm section above. Returns 0, or -1 for arguments it cannot take. */
+ * y [rows, H] in dtype ydt (fp32, or bf16 rounded as Tensor.to rounds) and rstd fp32 [rows] (or NULL:
+ * not wanted), in the order of the rms_norm section above. Returns 0, or -1 for arguments it cannot
+ * take. */
+int ls_add_rms_norm_fwd(int64_t rows, int64_t H, const void *x, const void *delta, const void *w, float eps,
+                        float offset, void *sum, void *y, float *rstd, int dt, int wdt, int ydt, int isa, int threads);
+
 int ls_rms_norm_fwd(int64_t rows, int64_t H, const void *x, const void *w, float eps, float offset, void *y,
                     float *rstd, int dt, int wdt, int ydt, int isa, int threads) {
+    return ls_add_rms_norm_fwd(rows, H, x, NULL, w, eps, offset, NULL, y, rstd, dt, wdt, ydt, isa, threads);
+}
+
+/* The same over the rows of x + delta (both [rows, H], dtype dt, contiguous; dt fp32 or bf16),
+ * each sum an fp32 add of the two widened values rounded to dt as ATen's add rounds it, stored into
+ * sum [rows, H] (dtype dt) and normed from there: the residual add and the next RMSNorm of a
+ * decoder layer in one pass. delta NULL: ls_rms_norm_fwd. Returns 0, or -1 for arguments it cannot
+ * take. */
+int ls_add_rms_norm_fwd(int64_t rows, int64_t H, const void *x, const void *delta, const void *w, float eps,
+                        float offset, void *sum, void *y, float *rstd, int dt, int wdt, int ydt, int isa,
+                        int threads) {
     if (rows < 0 || H <= 0 || dt < DT_F32 || dt > DT_F16 || wdt < DT_F32 || wdt > DT_F16 ||
-        (ydt != DT_F32 && ydt != DT_BF16) || !ls_cpu_supports(isa) || (rows > 0 && (!x || !w || !y || !rstd)))
+        (ydt != DT_F32 && ydt != DT_BF16) || !ls_cpu_supports(isa) || (rows > 0 && (!x || !w || !y)) ||
+        (delta && (dt == DT_F16 || (rows > 0 && !sum))))
         return -1;
-    rms_job R = {(const char *)x, (const char *)w, (char *)y, rstd, H, rows, eps, offset, dt, wdt, ydt, isa};
+    rms_job R = {(const char *)x, (const char *)w, (char *)y, rstd, H, rows, eps, offset, dt, wdt, ydt, isa,
+                 (const char *)delta, (char *)sum};
     int64_t items = (rows + RMS_ROWS - 1) / RMS_ROWS;
     parallel_for(ELEMENTWISE_FOR(rms_item, isa), &R, items, rows * H < (1 << 16) ? 1 : threads);
     return 0;
@@ -487,8 +517,31 @@ int ls_rope(int64_t T, int64_t H, int64_t D, const void *x, const float *cos, co
     if (T < 0 || H < 0 || D <= 0 || D % 2 || D > ROW_BLOCK || (dt != DT_F32 && dt != DT_BF16) ||
         !ls_cpu_supports(isa) || (T > 0 && H > 0 && (!x || !cos || !sin || !y)))
         return -1;
-    rope_job J = {(const char *)x, (char *)y, cos, sin, T, H, D, dt, interleaved != 0, isa};
+    rope_job J = {(const char *)x, (char *)y, cos, sin, T, H, D, dt, interleaved != 0, isa, NULL};
     parallel_for(ELEMENTWISE_FOR(rope_item, isa), &J, T, T * H * D < (1 << 15) ? 1 : threads);
+    return 0;
+}
+
+/* A cached attention step's rotation and cache write in one call: q [T, Hq, D] rotated into q_out
+ * (ls_rope's arithmetic), k [T, Hkv, D] rotated into the paged cache's slot slots[t] of k_cache
+ * [slot_count, Hkv, D], and v copied into the same slots of v_cache; all of dtype dt (fp32 or
+ * bf16), contiguous. The slots must lie in [0, slot_count) and be distinct. Returns 0, or -1 for
+ * arguments it cannot take (nothing is written then). */
+int ls_rope_kv(int64_t T, int64_t Hq, int64_t Hkv, int64_t D, const void *q, const void *k, const void *v,
+               const float *cos, const float *sin, void *q_out, void *k_cache, void *v_cache, const int64_t *slots,
+               int64_t slot_count, int dt, int interleaved, int isa, int threads) {
+    if (T < 0 || Hq <= 0 || Hkv <= 0 || D <= 0 || D % 2 || D > ROW_BLOCK || (dt != DT_F32 && dt != DT_BF16) ||
+        !ls_cpu_supports(isa) || (T > 0 && (!q || !k || !v || !cos || !sin || !q_out || !k_cache || !v_cache || !slots)))
+        return -1;
+    for (int64_t t = 0; t < T; t++)
+        if (slots[t] < 0 || slots[t] >= slot_count) return -1;
+    int wide = T * Hq * D >= (1 << 15);
+    rope_job Q = {(const char *)q, (char *)q_out, cos, sin, T, Hq, D, dt, interleaved != 0, isa, NULL};
+    parallel_for(ELEMENTWISE_FOR(rope_item, isa), &Q, T, wide ? threads : 1);
+    rope_job K = {(const char *)k, (char *)k_cache, cos, sin, T, Hkv, D, dt, interleaved != 0, isa, slots};
+    parallel_for(ELEMENTWISE_FOR(rope_item, isa), &K, T, wide ? threads : 1);
+    const size_t row = (size_t)(Hkv * D * (dt == DT_F32 ? 4 : 2));
+    for (int64_t t = 0; t < T; t++) memcpy((char *)v_cache + slots[t] * row, (const char *)v + t * row, row);
     return 0;
 }
 
