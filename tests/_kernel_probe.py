@@ -13,7 +13,6 @@ row-position dependence of the kernels that have one.
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import sys
@@ -25,6 +24,8 @@ import torch  # noqa: E402
 from lockstep.harness.attention_check import AttnSizes, check_attention  # noqa: E402
 from lockstep.harness.check import check_op  # noqa: E402
 from lockstep.harness.specs import Sizes  # noqa: E402
+
+from _openblas import openblas_core  # noqa: E402
 
 # Larger than one 32-row GEMM tile and one 16-query attention tile; small enough for the interpreter.
 PROBE = Sizes(hidden=48, out_features=40, heads=2, head_dim=16, ffn=40, vocab=100, lm_hidden=16, embed_vocab=20,
@@ -38,25 +39,6 @@ OPS = {"triton": ["linear", "selected_logprobs", "attention"],
                   "embedding", "attention"],
        "portable": ["linear", "selected_logprobs", "rms_norm", "log_softmax", "silu_mul", "rope", "cross_entropy",
                     "embedding", "attention"]}
-
-
-def openblas_core() -> str | None:
-    """The core type numpy's OpenBLAS selected, when numpy's build says."""
-    import numpy
-
-    libs = os.path.join(os.path.dirname(numpy.__file__), os.pardir, "numpy.libs")
-    if not os.path.isdir(libs):
-        return None
-    for name in os.listdir(libs):
-        if "openblas" not in name:
-            continue
-        lib = ctypes.CDLL(os.path.join(libs, name))
-        for symbol in ("scipy_openblas_get_corename64_", "scipy_openblas_get_corename", "openblas_get_corename"):
-            fn = getattr(lib, symbol, None)
-            if fn is not None:
-                fn.restype = ctypes.c_char_p
-                return fn().decode()
-    return None
 
 
 def main(argv: list[str]) -> int:

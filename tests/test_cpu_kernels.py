@@ -92,7 +92,7 @@ def probe(env: dict[str, str], *args: str) -> dict:
 @functools.cache
 def effective_core(coretype: str) -> str | None:
     """The core OpenBLAS runs when asked for `coretype` (a build may map several names to one)."""
-    code = "import sys; sys.path.insert(0, 'tests'); import _kernel_probe as p; print(p.openblas_core())"
+    code = "import sys; sys.path.insert(0, 'tests'); import _openblas as p; print(p.openblas_core())"
     out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "OPENBLAS_CORETYPE": coretype},
                          capture_output=True, text=True, timeout=120, cwd=PROBE.parent.parent)
     return out.stdout.strip() or None

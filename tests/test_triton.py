@@ -20,10 +20,13 @@ from lockstep.harness.specs import Sizes  # noqa: E402
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SMALL = Sizes(hidden=96, out_features=40, heads=2, head_dim=16, ffn=64, vocab=1100, lm_hidden=32, embed_vocab=20,
               pool=70)      # > every Triton tile (GEMM 32/64 rows, 64-row partial sums); small for the interpreter
-# The LM head ops' cost grows with the vocabulary and needs only to span more than one 512-row
+# The LM head ops' cost grows with the vocabulary and needs only to span more than one 128-row
 # vocabulary chunk of the interpreter (selected_logprobs.VOCAB_CHUNK), the last one short;
 # log_softmax and cross_entropy keep SMALL's 1100 columns, more than their 1024-lane row steps.
-LM_HEAD = replace(SMALL, vocab=600)
+LM_HEAD = replace(SMALL, vocab=200)
+# Ops whose kernels run one program per row (rope: per token), with no row tiles to cross: 24 rows
+# run every sweep of 70 (the batch of 133 runs at neither), at a third of the interpreter's time.
+ROWWISE = replace(SMALL, pool=24)
 OPS = ["linear", "rms_norm", "rope", "silu_mul", "gelu_mul", "embedding", "log_softmax", "selected_logprobs", "vocab_logprobs",
        "cross_entropy"]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -32,7 +35,8 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("op", OPS)
 def test_triton_op_contract(op, dtype):
-    sizes = LM_HEAD if op in ("selected_logprobs", "vocab_logprobs") else SMALL
+    sizes = LM_HEAD if op in ("selected_logprobs", "vocab_logprobs") else ROWWISE if op in ("rope", "log_softmax",
+                                                                                            "cross_entropy") else SMALL
     report = check_op(op, dtype, backend="triton", sizes=sizes, device=DEVICE)
     failures = [f"{s.sweep}: {s.detail} ({s.max_diff:.3e})" for s in report.sweeps if not s.passed]
     assert not failures, failures
@@ -175,6 +179,27 @@ def test_the_interpreter_patches_the_language_once_per_launch(monkeypatch):
     assert len(calls) > 10                             # the nested calls that `once` skips
 
 
+@pytest.mark.skipif(DEVICE == "cuda", reason="Triton's interpreter only")
+def test_the_interpreter_keeps_each_dtypes_numpy_dtype(monkeypatch):
+    """The interpreter's dtype lookup answers from a table kept across calls, with its own answers:
+    for every Triton dtype, a block of it, and pointers (which do not hash); and a kernel gives the
+    bits of the lookup that builds its table at every call."""
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    from lockstep.backends.triton.attention import _forward
+
+    cached = interpreter._get_np_dtype
+    asked = [tl.float32, tl.bfloat16, tl.float16, tl.int1, tl.int32, tl.int64, tl.uint16,
+             tl.block_type(tl.bfloat16, [4]), tl.pointer_type(tl.float32), tl.block_type(tl.pointer_type(tl.int8), [2])]
+    assert [cached(t) for t in asked] == [cached.original(t) for t in asked]
+    g = torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(20, h, 16, generator=g).to(torch.bfloat16) for h in (2, 1, 1))
+    ours = _forward(q, k, v, [0, 20], [0, 20], None, None, 0.25, True, None, False)[0]
+    monkeypatch.setattr(interpreter, "_get_np_dtype", cached.original)
+    assert torch.equal(ours, _forward(q, k, v, [0, 20], [0, 20], None, None, 0.25, True, None, False)[0])
+
+
 def test_auto_picks_triton_only_for_cuda_tensors():
     from lockstep.registry import cpu_backend, resolve
 
@@ -183,9 +208,12 @@ def test_auto_picks_triton_only_for_cuda_tensors():
         assert resolve("linear", torch.device("cpu")).__module__.startswith("lockstep.backends.triton")
 
 
-def test_cli_check_backend_triton(capsys):
-    from lockstep import cli
+def test_cli_check_backend_triton(capsys, monkeypatch):
+    """`lockstep check --backend triton` runs the op's sweeps on the Triton kernels, at the test's
+    sizes (the command's own are for a compiled GPU kernel, not the interpreter)."""
+    from lockstep import cli, harness
 
+    monkeypatch.setattr(harness, "check_op", lambda *a, **k: check_op(*a, **k, sizes=SMALL))
     assert cli.main(["check", "silu_mul", "--dtype", "fp32", "--backend", "triton"]) == 0
     assert "1 passed, 0 failed" in capsys.readouterr().out
 

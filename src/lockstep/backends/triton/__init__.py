@@ -20,6 +20,7 @@ if os.environ.get("TRITON_INTERPRET") == "1":
     if _refusal:
         raise ImportError(_refusal)
 
-    from .interpreter import patch_language_once
+    from .interpreter import cache_dtype_lookup, patch_language_once
 
     patch_language_once()
+    cache_dtype_lookup()

@@ -15,6 +15,11 @@ such calls in a launch: `dot`, `cast_out`, the attention kernels' tile and mask 
 are already patched (every module of `triton.language` or `triton.language.core` in its globals
 has a stand-in for `load`) returns without patching. A launch's own call, and a nested function's
 that sees a module the launch did not patch, go to the interpreter as before.
+
+The interpreter also asks `_get_np_dtype` for the numpy dtype of a Triton dtype at nearly every
+operation, and each call builds its table of every dtype anew. `cache_dtype_lookup` keeps each
+answer: a function of the dtype alone (a block's, of its element type's), so the same values come
+back.
 """
 
 from __future__ import annotations
@@ -53,4 +58,33 @@ def patch_language_once() -> bool:
     setattr(patch_lang, _MARK, True)
     patch_lang.original = original
     interpreter._patch_lang = patch_lang
+    return True
+
+
+def cache_dtype_lookup() -> bool:
+    """Install a caching `_get_np_dtype` in triton.runtime.interpreter (once). False where that
+    module has none to wrap: then nothing changes."""
+    from triton.runtime import interpreter
+
+    original = getattr(interpreter, "_get_np_dtype", None)
+    if original is None:
+        return False
+    if getattr(original, _MARK, False):
+        return True
+    found: dict = {}
+
+    def get_np_dtype(tt_dtype):
+        # A block's answer is its element type's (the interpreter's own rule); block types do not hash.
+        key = tt_dtype.element_ty if isinstance(tt_dtype, tl.block_type) else tt_dtype
+        try:
+            return found[key]
+        except KeyError:
+            answer = found[key] = original(key)
+            return answer
+        except TypeError:                   # a pointer type, which does not hash: the interpreter's answer
+            return original(tt_dtype)
+
+    setattr(get_np_dtype, _MARK, True)
+    get_np_dtype.original = original
+    interpreter._get_np_dtype = get_np_dtype
     return True

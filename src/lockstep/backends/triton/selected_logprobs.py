@@ -21,7 +21,7 @@ from .gemm import gemm, weight_grad
 
 # Vocabulary rows per chunk. Under the interpreter (the CPU stand-in) chunks are smaller: the same
 # kernels and chunk boundaries, at a size the interpreter runs in seconds rather than minutes.
-VOCAB_CHUNK = 512 if INTERPRET else 4096
+VOCAB_CHUNK = 128 if INTERPRET else 4096
 
 
 @triton.jit(do_not_specialize=["V", "start", "scale"])
