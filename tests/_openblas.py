@@ -1,5 +1,5 @@
-"""The core type numpy's OpenBLAS runs, asked without importing torch or lockstep: a process that
-asks only this starts in a fraction of a second (OpenBLAS reads OPENBLAS_CORETYPE when numpy loads it)."""
+"""The core type numpy's OpenBLAS runs, asked without importing torch or lockstep, so that a process
+can ask it alone (OpenBLAS reads OPENBLAS_CORETYPE when numpy loads it)."""
 
 from __future__ import annotations
 

@@ -174,16 +174,20 @@ def test_pairwise_weight_grad_names_a_bad_shape():
         pairwise_weight_grad(torch.ones(2, 5, 4), torch.ones(2, 6, 3))
 
 
-def _step_with_cache(dtype, positions_below=None):
-    """A step of a 6-token prefill chunk and a decode token over 4 blocks of 4 slots, with caches
-    whose earlier slots hold keys and values already."""
+def _step_with_cache(dtype, positions_below=None, large=False):
+    """A step of a prefill chunk and a decode token (large: an 80-token prefill chunk of 8 heads of
+    64, enough for the rotation to run on several threads), with caches whose earlier slots hold
+    keys and values already."""
     from lockstep.paged_cache import build_step
 
     gen = torch.Generator().manual_seed(8)
-    step, positions = build_step([([3, 1], 0, 6), ([0], 2, 3)], 4, positions_below=positions_below)
-    caches = [torch.randn(4, 4, 2, 16, generator=gen).to(dtype) for _ in range(2)]
-    q = torch.randn(7, 4, 16, generator=gen).to(dtype)
-    k, v = (torch.randn(7, 2, 16, generator=gen).to(dtype) for _ in range(2))
+    spans, blocks, block_size, heads, dim = (([([3, 1], 0, 6), ([0], 2, 3)], 4, 4, (4, 2), 16) if not large else
+                                             ([(list(range(6)), 0, 80), ([7], 0, 1)], 8, 16, (8, 2), 64))
+    step, positions = build_step(spans, block_size, positions_below=positions_below)
+    caches = [torch.randn(blocks, block_size, heads[1], dim, generator=gen).to(dtype) for _ in range(2)]
+    tokens = positions.shape[0]
+    q = torch.randn(tokens, heads[0], dim, generator=gen).to(dtype)
+    k, v = (torch.randn(tokens, heads[1], dim, generator=gen).to(dtype) for _ in range(2))
     return step, positions, caches, q, k, v
 
 
@@ -191,7 +195,8 @@ def _step_with_cache(dtype, positions_below=None):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 def test_cached_attention_rotates_q_and_k_with_ropes_bits(dtype, style, isa, monkeypatch):
     """rope= against ops.rope on q and k before the call, host positions and positions gathered on
-    the device, on every instruction set and 1 to 3 threads: the same output and the same caches; on
+    the device, a step large enough for several threads, on every instruction set and 1 and 3
+    threads: the same output and the same caches; on
     the native backend (fp32, bf16) the rotation and the write are one call, and a step made by
     hand takes the ops one by one with the same bits."""
     from lockstep.backends.native import build
@@ -209,10 +214,11 @@ def test_cached_attention_rotates_q_and_k_with_ropes_bits(dtype, style, isa, mon
 
     monkeypatch.setattr(native_rope.rope, "into_cache", counted)
     scaling = Llama3RopeScaling(8.0, 1.0, 4.0, 64)
-    for name, threads, below in itertools.product(build.supported_isas(), (1, 3), (None, 16)):
+    cases = ((None, False), (16, False), (None, True))
+    for name, threads, (below, large) in itertools.product(build.supported_isas(), (1, 3), cases):
         isa(name)
         torch.set_num_threads(threads)
-        step, positions, (k_cache, v_cache), q, k, v = _step_with_cache(dtype, below)
+        step, positions, (k_cache, v_cache), q, k, v = _step_with_cache(dtype, below, large)
         host = step.host.positions            # as the model passes them: Positions, or TablePositions
         outs = []
         for fused in (True, False, "by hand"):
@@ -233,7 +239,7 @@ def test_cached_attention_rotates_q_and_k_with_ropes_bits(dtype, style, isa, mon
             assert torch.equal(fused, other), (name, threads, below)
         for by_hand, other in zip(outs[2], outs[1]):
             assert torch.equal(by_hand, other), (name, threads, below)
-    assert sum(calls) == (0 if dtype == torch.float16 else 2 * 2 * len(build.supported_isas()))
+    assert sum(calls) == (0 if dtype == torch.float16 else 2 * len(cases) * len(build.supported_isas()))
 
 
 def test_the_rotation_and_cache_write_refuse_a_slot_outside_the_cache_and_write_nothing():

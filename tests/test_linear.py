@@ -92,6 +92,7 @@ def test_linears_give_the_bits_of_a_linear_each(backend, dtype, monkeypatch):
             assert all(torch.equal(y, z) for y, z in zip(ys, want, strict=True))
             leaves = [w.clone().requires_grad_() for w in ws]
             ys = ops.linears(x, leaves, bs, split_n=2)
+            assert all(torch.equal(y.detach(), z) for y, z in zip(ys, want, strict=True))
             sum(y.float().sum() for y in ys).backward()
             assert all(w.grad is not None for w in leaves)
     assert len(calls) == (2 if backend == "native" else 0)
@@ -100,6 +101,11 @@ def test_linears_give_the_bits_of_a_linear_each(backend, dtype, monkeypatch):
 def test_linears_names_a_bias_list_of_another_length():
     with pytest.raises(ValueError, match=r"^biases: expected one per weight \(2\), got 1$"):
         ops.linears(torch.randn(2, 3), [torch.randn(4, 3), torch.randn(4, 3)], [None])
-    with pytest.raises(ValueError, match=r"^weight: expected shape \[N, 3\] to match x's last dimension, got \(4, 5\)$"):
-        with torch.no_grad():
-            ops.linears(torch.randn(2, 3), [torch.randn(4, 3), torch.randn(4, 5)])
+    with pytest.raises(ValueError, match=r"^weights\[1\]: expected shape \[N, 3\] to match x's last dimension, "
+                                         r"got \(4, 5\)$"):
+        ops.linears(torch.randn(2, 3), [torch.randn(4, 3), torch.randn(4, 5)])
+    with pytest.raises(ValueError, match=r"^biases\[0\]: expected shape \[4\], got \(3,\)$"), torch.no_grad():
+        ops.linears(torch.randn(2, 3), [torch.randn(4, 3)], [torch.randn(3)])
+    with torch.autocast("cpu", dtype=torch.bfloat16):       # autocast casts first, as linear does
+        ys = ops.linears(torch.randn(2, 3, dtype=torch.bfloat16), [torch.randn(4, 3)])
+    assert ys[0].dtype == torch.bfloat16

@@ -351,8 +351,9 @@ def test_with_byte_tokenizer_gives_bytes_only_to_a_model_without_one(tmp_path):
 @pytest.mark.parametrize("family", ["qwen2", "gemma3_text"])
 def test_the_projections_of_one_input_in_one_call_keep_the_bits_and_the_hooks(family, monkeypatch):
     """Without a gradient (the engine's steps), q, k and v, and gate and up, go through one
-    ops.linears call each: the hidden states keep the bits of a call per layer (the trainer's
-    forward), and a layer with a forward hook is still called, hook and all."""
+    ops.linears call each, and each residual add with its norm through ops.add_rms_norm: the hidden
+    states keep the bits of the trainer's forward, and a module with a forward hook or a forward of
+    its own is still called, hook and all, with its output as before."""
     model = Transformer.from_config(ModelConfig.tiny(family, vocab_size=300), seed=4, dtype=torch.bfloat16)
     ids, cu = pack([[5, 9, 2, 7, 1], [3, 3, 8]])
     trained = model(ids, cu).detach()                    # a gradient is recorded: a call per layer
@@ -367,3 +368,11 @@ def test_the_projections_of_one_input_in_one_call_keep_the_bits_and_the_hooks(fa
         assert torch.equal(model(ids, cu).view(torch.int16), trained.view(torch.int16))
     assert seen == [(8, model.config.num_kv_heads * model.config.head_dim)]
     assert len(grouped) == 4 * model.config.num_layers - 1      # all but layer 0's attention
+    # An instance's own forward (an offloading wrapper, say) and a hooked layer are called too.
+    up = model.model.layers[1].mlp.up_proj
+    up.forward = lambda x, call=up.forward: seen.append("up") or call(x)
+    model.model.layers[1].register_forward_hook(lambda m, i, o: seen.append(tuple(o.shape)))
+    seen.clear()
+    with torch.no_grad():
+        assert torch.equal(model(ids, cu).view(torch.int16), trained.view(torch.int16))
+    assert seen == [(8, model.config.num_kv_heads * model.config.head_dim), "up", (8, model.config.hidden_size)]

@@ -352,13 +352,13 @@ _INT = {torch.float32: torch.int32, torch.bfloat16: torch.int16}
 def test_products_of_one_input_in_one_call_have_the_bits_of_a_call_each(dtype, isa):
     """ls_gemm_nt_group (q, k and v; gate and up) against ls_gemm_nt per product, on every
     instruction set and 1 to 3 threads: tails in rows, columns and K, a long K in blocks, NaN and
-    Inf, a bias on some products and not others, and products too small to wake a thread beside
-    one that does."""
+    Inf, a bias on some products and not others, products all too small to wake a thread, and one
+    large enough to beside one too small."""
     gen = torch.Generator().manual_seed(4)
     for name in build.supported_isas():
         isa(name)
-        for threads, (rows, k, widths) in itertools.product((1, 2, 3), ((5, 64, (64, 32, 32)), (37, 4133, (301, 7)),
-                                                                         (1, 200, (3, 96, 160)))):
+        cases = ((5, 64, (64, 32, 32)), (37, 4133, (301, 7)), (1, 200, (3, 96, 160)), (5, 2048, (2048, 8)))
+        for threads, (rows, k, widths) in itertools.product((1, 2, 3), cases):
             x = torch.randn(rows, k, generator=gen).to(dtype)
             x[0, 3] = float("nan")
             ws = [torch.randn(n, k, generator=gen).to(dtype) for n in widths]

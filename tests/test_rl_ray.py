@@ -55,8 +55,9 @@ def test_on_a_local_ray_cluster_the_run_has_the_bits_of_the_run_without_ray(tmp_
 def test_at_the_address_of_a_running_cluster(tmp_path, rl_on_one_server):
     """A cluster's head started apart (`ray start --head`, on this machine, with Ray's token
     authentication): the run connects to it by address, places one server and one rank there, and
-    leaves the cluster running; a run that fails on its rank says why in one line. Its node address is this machine's own, where the server listens. The
-    run is `lockstep rl` in a process of its own, as Ray reads RAY_AUTH_MODE when it is imported."""
+    leaves the cluster running; a run that fails on its rank says why in one line. Its node address
+    is this machine's own, where the server listens. The run is `lockstep rl` in a process of its
+    own, as Ray reads RAY_AUTH_MODE when it is imported."""
     env = {**os.environ, "RAY_AUTH_MODE": "token"}      # the head's and the driver's, as Ray's docs say
     # `ray start` records its address for a later ray.init() on this machine; the test puts back what
     # was there, so that no one is sent to its head once it is gone.
@@ -67,9 +68,11 @@ def test_at_the_address_of_a_running_cluster(tmp_path, rl_on_one_server):
     # The head stops on SIGINT, so it starts with SIGINT at its default: a process started in the
     # background by a non-interactive shell (nohup, a CI runner's job) ignores SIGINT, and so would
     # every process it starts.
-    head = subprocess.Popen([sys.executable, "-c", DEFAULT_SIGINT, ray_cli, "start", "--head", "--block", "--port",
-                             str(port), "--num-cpus", "2", "--include-dashboard", "false", "--disable-usage-stats"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, start_new_session=True)
+    said = tmp_path / "head.log"
+    with open(said, "w") as log:
+        head = subprocess.Popen([sys.executable, "-c", DEFAULT_SIGINT, ray_cli, "start", "--head", "--block", "--port",
+                                 str(port), "--num-cpus", "2", "--include-dashboard", "false", "--disable-usage-stats"],
+                                stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     try:
         deadline = time.time() + 60
         while True:
@@ -77,7 +80,7 @@ def test_at_the_address_of_a_running_cluster(tmp_path, rl_on_one_server):
                 socket.create_connection(("127.0.0.1", port), timeout=1).close()
                 break
             except OSError:
-                assert head.poll() is None and time.time() < deadline, "the head did not come up"
+                assert head.poll() is None and time.time() < deadline, f"the head did not come up: {said.read_text()[-3000:]}"
                 time.sleep(0.5)
         plain = rl_on_one_server
         # A rank's error is the command's one line, as under torchrun; the cluster stays up.

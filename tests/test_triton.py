@@ -25,7 +25,7 @@ SMALL = Sizes(hidden=96, out_features=40, heads=2, head_dim=16, ffn=64, vocab=11
 # log_softmax and cross_entropy keep SMALL's 1100 columns, more than their 1024-lane row steps.
 LM_HEAD = replace(SMALL, vocab=200)
 # Ops whose kernels run one program per row (rope: per token), with no row tiles to cross: 24 rows
-# run every sweep of 70 (the batch of 133 runs at neither), at a third of the interpreter's time.
+# run every sweep that 70 run (the batch of 133 runs at neither), in fewer programs for the interpreter.
 ROWWISE = replace(SMALL, pool=24)
 OPS = ["linear", "rms_norm", "rope", "silu_mul", "gelu_mul", "embedding", "log_softmax", "selected_logprobs", "vocab_logprobs",
        "cross_entropy"]

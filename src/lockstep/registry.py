@@ -235,6 +235,16 @@ def resolve(op: str, device: torch.device) -> Callable:
     return impl
 
 
+def fused_form(op: str, name: str, device: torch.device) -> Callable | None:
+    """The fused form `name` that the implementation of `op` for `device` carries (linear's `group`,
+    rms_norm's `add`, rope's `into_cache`: docs/adr/0042), or None: where a gradient is recorded
+    (the forms are forward only), where the backend has none, or while an op recorder wraps the
+    ops (its wrappers carry none, so a recorded run sees every op)."""
+    if torch.is_grad_enabled():
+        return None
+    return getattr(resolve(op, device), name, None)
+
+
 def _find(name: str, op: str, device: torch.device) -> Callable:
     if name == "auto":
         if device.type == "cuda" and _implements("triton", op):

@@ -62,16 +62,19 @@ def project(x: Tensor, layers: tuple[Linear, ...]) -> list[Tensor]:
     trainer keeps a call per layer, whose backward sums each layer's dX by itself. A subclass (a
     tensor-parallel layer) or a hooked layer is called as a module."""
     split_n = layers[0].split_n
-    if torch.is_grad_enabled() or not all(type(m).forward is Linear.forward and not _hooked(m) and m.split_k == 1
-                                          and m.split_n == split_n for m in layers):
+    if torch.is_grad_enabled() or not all(plain(m, Linear) and m.split_k == 1 and m.split_n == split_n
+                                          for m in layers):
         return [m(x) for m in layers]
     return ops.linears(x, [m.weight for m in layers], [m.bias for m in layers], split_n=split_n)
 
 
-def _hooked(module: nn.Module) -> bool:
-    """Whether a call of `module` would run a forward hook (its own or a global one)."""
-    return bool(module._forward_hooks or module._forward_pre_hooks or torch_module._global_forward_hooks
-                or torch_module._global_forward_pre_hooks)
+def plain(module: nn.Module, cls: type) -> bool:
+    """Whether calling `module` runs `cls.forward` and nothing else: no subclass's or instance's own
+    forward (a tensor-parallel layer, an offloading wrapper) and no forward hook, its own or a
+    global one. Only then may a fused step stand for the module's call."""
+    return (type(module).forward is cls.forward and "forward" not in module.__dict__
+            and not (module._forward_hooks or module._forward_pre_hooks or torch_module._global_forward_hooks
+                     or torch_module._global_forward_pre_hooks))
 
 
 class RMSNorm(nn.Module):
@@ -167,10 +170,11 @@ class Block(nn.Module):
             self.mlp = MLP(c)
         self.sandwich = c.sandwich_norms
 
-    def _residuals(self, x: Tensor, delta: Tensor | None, attend) -> tuple[Tensor, Tensor]:
+    def stream(self, x: Tensor, delta: Tensor | None, attend) -> tuple[Tensor, Tensor]:
         """The layer on the residual stream x + delta (x alone where delta is None), returned as the
         stream before its last add: the layer's output is the first plus the second. Each add and
-        the RMSNorm after it are one `add_norm`; the next layer, or the final norm, makes the last."""
+        the RMSNorm after it are one `add_norm`; the next layer, or the final norm, makes the last.
+        attend: the attention of the normed input (packed or through the cache)."""
         x, h = add_norm(x, delta, self.input_layernorm)
         a = attend(h)
         if self.sandwich:
@@ -179,13 +183,16 @@ class Block(nn.Module):
         x, h = add_norm(x, a, self.post_attention_layernorm)
         return x, self.mlp(h)
 
-    def forward(self, x: Tensor, delta: Tensor | None, positions: Tensor,
-                cu_seqlens: Tensor) -> tuple[Tensor, Tensor]:
-        return self._residuals(x, delta, lambda h: self.self_attn(h, positions, cu_seqlens))
+    def forward(self, x: Tensor, positions: Tensor, cu_seqlens: Tensor) -> Tensor:
+        """The layer's output [T, hidden] over packed sequences."""
+        x, delta = self.stream(x, None, lambda h: self.self_attn(h, positions, cu_seqlens))
+        return x + delta
 
-    def forward_cached(self, x: Tensor, delta: Tensor | None, positions: Tensor, step: "CacheStep",
-                       k_cache: Tensor, v_cache: Tensor) -> tuple[Tensor, Tensor]:
-        return self._residuals(x, delta, lambda h: self.self_attn.forward_cached(h, positions, step, k_cache, v_cache))
+    def forward_cached(self, x: Tensor, positions: Tensor, step: "CacheStep", k_cache: Tensor,
+                       v_cache: Tensor) -> Tensor:
+        """The layer's output [T, hidden] for a step's new tokens through the paged cache."""
+        x, delta = self.stream(x, None, lambda h: self.self_attn.forward_cached(h, positions, step, k_cache, v_cache))
+        return x + delta
 
 
 def add_norm(x: Tensor, delta: Tensor | None, norm: RMSNorm) -> tuple[Tensor, Tensor]:
@@ -195,7 +202,7 @@ def add_norm(x: Tensor, delta: Tensor | None, norm: RMSNorm) -> tuple[Tensor, Te
     trainer, and a hooked norm, keep the add and the module call."""
     if delta is None:
         return x, norm(x)
-    if torch.is_grad_enabled() or type(norm).forward is not RMSNorm.forward or _hooked(norm):
+    if torch.is_grad_enabled() or not plain(norm, RMSNorm):
         x = x + delta
         return x, norm(x)
     return ops.add_rms_norm(x, delta, norm.weight, norm.eps, norm.offset)
@@ -320,7 +327,11 @@ class Transformer(nn.Module):
         positions = _read_once(positions)
         delta = None
         for layer in self.model.layers:
-            x, delta = layer(x, delta, positions, cu_seqlens)
+            if torch.is_grad_enabled() or not plain(layer, Block):    # the trainer, a hooked layer: as a module
+                x = layer(x if delta is None else x + delta, positions, cu_seqlens)
+                delta = None
+            else:
+                x, delta = layer.stream(x, delta, lambda h, layer=layer: layer.self_attn(h, positions, cu_seqlens))
         return add_norm(x, delta, self.model.norm)[1]
 
     def forward_cached(self, input_ids: Tensor, positions: Tensor, step: CacheStep, cache: KVCache) -> Tensor:
@@ -336,7 +347,8 @@ class Transformer(nn.Module):
         positions = host.positions if host is not None and positions is host.positions.tensor else _read_once(positions)
         delta = None
         for layer, k_cache, v_cache in zip(self.model.layers, cache.k, cache.v):
-            x, delta = layer.forward_cached(x, delta, positions, step, k_cache, v_cache)
+            x, delta = layer.stream(x, delta, lambda h, layer=layer, k_cache=k_cache, v_cache=v_cache:
+                                    layer.self_attn.forward_cached(h, positions, step, k_cache, v_cache))
         return add_norm(x, delta, self.model.norm)[1]
 
     def logits(self, input_ids: Tensor, cu_seqlens: Tensor, positions: Tensor | None = None) -> Tensor:

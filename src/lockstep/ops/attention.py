@@ -16,7 +16,7 @@ from torch import Tensor
 from .. import autocast
 from .. import checks as c
 from ..paged_cache import CacheStep
-from ..registry import resolve
+from ..registry import fused_form, resolve
 from ..rotary import Rotation
 from .rope import checked as checked_rotation
 from .rope import rope as _rope
@@ -199,22 +199,22 @@ def cached_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: 
     stands for the step's values and nothing is read back from the device; otherwise (or when the
     step's block table or slot mapping is not the one build_step made) write_kv and paged_attention
     check them. Returns [T, Hq, D] in q's dtype."""
+    if rope is not None and not isinstance(rope, Rotation):
+        raise TypeError(f"rope: expected a lockstep.rotary.Rotation or None, got {type(rope).__name__}")
     host = step.host
     if host is None or step.block_table is not host.block_table or step.slot_mapping is not host.slot_mapping:
         if rope is not None:
-            q, k = (_rope(t, rope.positions, rope.theta, rope.style, rope.scaling) for t in (q, k))
+            q, k = _rotated(q, k, rope)
         write_kv(k, v, k_cache, v_cache, step.slot_mapping)
         return paged_attention(q, k_cache, v_cache, step.block_table, step.seq_lens, step.cu_seqlens_q,
                                scale=scale, window=window)
     well_formed = _cached_well_formed(q, k, v, k_cache, v_cache, step, scale, window)
     into = None
     if rope is not None:
-        if not isinstance(rope, Rotation):
-            raise TypeError(f"rope: expected a lockstep.rotary.Rotation or None, got {type(rope).__name__}")
-        if well_formed and not torch.is_grad_enabled():
-            into = getattr(resolve("rope", q.device), "into_cache", None)
+        if well_formed:
+            into = fused_form("rope", "into_cache", q.device)
         if into is None:    # rotated here, before any cast to the cache's dtype, as a caller would
-            q, k = (_rope(t, rope.positions, rope.theta, rope.style, rope.scaling) for t in (q, k))
+            q, k = _rotated(q, k, rope)
     if not well_formed:
         k, v = _check_kv(k, v, k_cache, v_cache)
         for name, t in (("step.slot_mapping", step.slot_mapping), ("step.block_table", step.block_table)):
@@ -233,7 +233,7 @@ def cached_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: 
         if rotated is not None:
             q, written = rotated, True
         else:
-            q, k = (_rope(t, positions, rope.theta, rope.style, rope.scaling) for t in (q, k))
+            q, k = _rotated(q, k, rope, positions)
     if not written:
         _write(k, v, k_cache, v_cache, step.slot_mapping)
     if well_formed:
@@ -247,6 +247,12 @@ def cached_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: 
         return resolve("paged_attention", q.device)(q, k_cache, v_cache, step.block_table, host.seq_lens,
                                                     host.cu_seqlens_q, scale, True, window,
                                                     on_device=host.indices32)
+
+
+def _rotated(q: Tensor, k: Tensor, rope: Rotation, positions=None) -> tuple[Tensor, Tensor]:
+    """q and k each rotated by `ops.rope` (positions: rope's, already checked, if given)."""
+    at = rope.positions if positions is None else positions
+    return _rope(q, at, rope.theta, rope.style, rope.scaling), _rope(k, at, rope.theta, rope.style, rope.scaling)
 
 
 def _cached_well_formed(q: object, k: object, v: object, k_cache: object, v_cache: object, step: CacheStep,

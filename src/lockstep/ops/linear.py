@@ -4,12 +4,11 @@ from __future__ import annotations
 
 from typing import Sequence
 
-import torch
 from torch import Tensor
 
 from .. import autocast
 from .. import checks as c
-from ..registry import resolve
+from ..registry import fused_form, resolve
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, split_k: int = 1, split_n: int = 1) -> Tensor:
@@ -46,9 +45,12 @@ def linears(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor | None
     biases = [None] * len(weights) if biases is None else list(biases)
     if len(biases) != len(weights):
         raise ValueError(f"biases: expected one per weight ({len(weights)}), got {len(biases)}")
-    if isinstance(x, Tensor) and not torch.is_grad_enabled() and not autocast.enabled(x.device.type) \
-            and all(_well_formed(x, w, b, 1, split_n) for w, b in zip(weights, biases)):
-        group = getattr(resolve("linear", x.device), "group", None)
+    if isinstance(x, Tensor) and not autocast.enabled(x.device.type):     # (under autocast: linear's casts and checks)
+        for i, (w, b) in enumerate(zip(weights, biases)):
+            if not _well_formed(x, w, b, 1, split_n):
+                _check(x, w, b, 1, split_n, f"weights[{i}]", f"biases[{i}]")
+    if isinstance(x, Tensor) and not autocast.enabled(x.device.type):
+        group = fused_form("linear", "group", x.device)
         if group is not None:
             rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
             ys = group(rows, list(weights), biases)
@@ -68,21 +70,23 @@ def _well_formed(x: object, weight: object, bias: object, split_k: object, split
             and type(split_n) is int and split_n >= 1 and weight.shape[0] % split_n == 0)
 
 
-def _check(x: object, weight: object, bias: object, split_k: object, split_n: object) -> None:
+def _check(x: object, weight: object, bias: object, split_k: object, split_n: object,
+           weight_name: str = "weight", bias_name: str = "bias") -> None:
     c.float_tensor("x", x)
     c.at_least_1d("x", x)
-    c.float_tensor("weight", weight)
-    c.ndim("weight", weight, 2, "a 2-D weight [out_features, in_features]")
-    c.same_dtype("weight", weight, "x", x)
-    c.same_device("weight", weight, "x", x)
+    c.float_tensor(weight_name, weight)
+    c.ndim(weight_name, weight, 2, "a 2-D weight [out_features, in_features]")
+    c.same_dtype(weight_name, weight, "x", x)
+    c.same_device(weight_name, weight, "x", x)
     if weight.shape[1] != x.shape[-1]:
-        raise ValueError(f"weight: expected shape [N, {x.shape[-1]}] to match x's last dimension, got {tuple(weight.shape)}")
+        raise ValueError(f"{weight_name}: expected shape [N, {x.shape[-1]}] to match x's last dimension, got "
+                         f"{tuple(weight.shape)}")
     if bias is not None:
-        c.float_tensor("bias", bias)
-        c.same_dtype("bias", bias, "x", x)
-        c.same_device("bias", bias, "x", x)
+        c.float_tensor(bias_name, bias)
+        c.same_dtype(bias_name, bias, "x", x)
+        c.same_device(bias_name, bias, "x", x)
         if tuple(bias.shape) != (weight.shape[0],):
-            raise ValueError(f"bias: expected shape [{weight.shape[0]}], got {tuple(bias.shape)}")
+            raise ValueError(f"{bias_name}: expected shape [{weight.shape[0]}], got {tuple(bias.shape)}")
     for name, split, size in (("split_k", split_k, weight.shape[1]), ("split_n", split_n, weight.shape[0])):
         if not isinstance(split, int) or isinstance(split, bool) or split < 1 or size % split:
             raise ValueError(f"{name}: expected a positive int that divides {size}, got {split!r}")

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import math
 
-import torch
 from torch import Tensor
 
 from .. import autocast
 from .. import checks as c
-from ..registry import resolve
+from ..registry import fused_form, resolve
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float = 1e-6, offset: float = 0.0) -> Tensor:
@@ -42,9 +41,9 @@ def add_rms_norm(residual: Tensor, delta: Tensor, weight: Tensor, eps: float = 1
         c.float_tensor("delta", delta)
         c.same_device("delta", delta, "residual", residual)
         raise ValueError(f"delta: expected shape {tuple(residual.shape)} (the shape of residual), got {tuple(delta.shape)}")
-    if delta.dtype == residual.dtype and not torch.is_grad_enabled() and not autocast.enabled(residual.device.type) \
+    if delta.dtype == residual.dtype and not autocast.enabled(residual.device.type) \
             and _well_formed(residual, weight, eps, offset):
-        add = getattr(resolve("rms_norm", residual.device), "add", None)
+        add = fused_form("rms_norm", "add", residual.device)
         if add is not None:
             total, y = add(residual.reshape(-1, residual.shape[-1]), delta.reshape(-1, residual.shape[-1]), weight,
                            eps, offset)

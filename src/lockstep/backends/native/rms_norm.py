@@ -1,5 +1,5 @@
-"""Native rms_norm: the forward is one C pass per row (rows.c, `ls_rms_norm_fwd`) and the
-backward one pass over rows for d x and one over column strips for the weight's gradient
+"""Native rms_norm: the forward is one C pass per row (rows.c, `ls_add_rms_norm_fwd`, which also
+takes a decoder layer's residual add before the norm: `add_forward`) and the backward one pass over rows for d x and one over column strips for the weight's gradient
 (`ls_rms_norm_bwd`, every unit of a unit tree in the one call); both perform the portable op's
 operations in the portable order, so they give its bits on every CPU (fp32 and bf16 results are
 stored by the passes themselves, fp16 ones rounded by torch). float64 takes the portable op."""
@@ -18,18 +18,22 @@ from . import cpu
 from .gemm import DTYPE_CODES, OUT_CODES
 
 
-def _forward(x: Tensor, weight: Tensor, eps: float, offset: float, rstd: bool = True) -> tuple[Tensor, Tensor | None]:
+def _forward(x: Tensor, weight: Tensor, eps: float, offset: float, rstd: bool = True,
+             total: Tensor | None = None, delta: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
     """y in x's dtype and rstd fp32 [rows] (None where not wanted) of x [rows, H] (contiguous), by
-    the C pass."""
+    the C pass; with delta (x's shape and dtype, fp32 or bf16, contiguous), of x + delta instead,
+    which the pass stores into `total`."""
     rows, hidden = x.shape
     y = torch.empty((rows, hidden), dtype=x.dtype if x.dtype in OUT_CODES else torch.float32)
     rstd = torch.empty(rows, dtype=torch.float32) if rstd else None
     w = weight.contiguous()
-    status = library().ls_rms_norm_fwd(rows, hidden, x.data_ptr(), w.data_ptr(), eps, offset, y.data_ptr(),
-                                       None if rstd is None else rstd.data_ptr(), DTYPE_CODES[x.dtype],
-                                       DTYPE_CODES[w.dtype], OUT_CODES[y.dtype], isa(), torch.get_num_threads())
+    status = library().ls_add_rms_norm_fwd(
+        rows, hidden, x.data_ptr(), None if delta is None else delta.data_ptr(), w.data_ptr(), eps, offset,
+        None if total is None else total.data_ptr(), y.data_ptr(), None if rstd is None else rstd.data_ptr(),
+        DTYPE_CODES[x.dtype], DTYPE_CODES[w.dtype], OUT_CODES[y.dtype], isa(), torch.get_num_threads())
     if status != 0:
-        raise RuntimeError(f"ls_rms_norm_fwd refused x {tuple(x.shape)} {x.dtype}, weight {w.dtype}")
+        added = "" if delta is None else f" plus delta {tuple(delta.shape)} {delta.dtype}"
+        raise RuntimeError(f"ls_add_rms_norm_fwd refused x {tuple(x.shape)} {x.dtype}{added}, weight {w.dtype}")
     return (y if y.dtype == x.dtype else y.to(x.dtype)), rstd
 
 
@@ -92,22 +96,13 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, offset: float) -> Tensor:
 def add_forward(residual: Tensor, delta: Tensor, weight: Tensor, eps: float, offset: float) -> tuple[Tensor, Tensor]:
     """(residual + delta, rms_norm of that sum), both [rows, H] in residual's dtype, from residual
     and delta [rows, H] of one dtype: one C pass where that dtype is fp32 or bf16 and both are
-    contiguous (the sum as ATen's add rounds it, then the forward's operations on it), else the add
-    and this op. The forward alone: for callers that record no graph."""
+    contiguous (the sum as ATen's add rounds it, a NaN as one quiet NaN; then the forward's operations
+    on it), else the add and this op. The forward alone: for callers that record no graph."""
     if (residual.dtype in OUT_CODES and delta.dtype == residual.dtype and weight.dtype in DTYPE_CODES
             and residual.dim() == 2 and delta.shape == residual.shape and residual.is_contiguous()
             and delta.is_contiguous() and residual.device.type == "cpu" and delta.device.type == "cpu"):
-        rows, hidden = residual.shape
-        total, y = torch.empty_like(residual), torch.empty_like(residual)
-        w = weight.contiguous()
-        status = library().ls_add_rms_norm_fwd(
-            rows, hidden, residual.data_ptr(), delta.data_ptr(), w.data_ptr(), eps, offset, total.data_ptr(),
-            y.data_ptr(), None, DTYPE_CODES[residual.dtype], DTYPE_CODES[w.dtype], OUT_CODES[y.dtype], isa(),
-            torch.get_num_threads())
-        if status != 0:
-            raise RuntimeError(f"ls_add_rms_norm_fwd refused x {tuple(residual.shape)} {residual.dtype}, "
-                               f"weight {w.dtype}")
-        return total, y
+        total = torch.empty_like(residual)
+        return total, _forward(residual, weight, eps, offset, rstd=False, total=total, delta=delta)[0]
     total = residual + delta
     return total, rms_norm(total, weight, eps, offset)
 

@@ -17,12 +17,17 @@ from .gemm import OUT_CODES
 _MAX_HEAD_DIM = 512  # rows.c's ROW_BLOCK
 
 
-def _rotate_in_c(x: Tensor, cos: Tensor, sin: Tensor, style: str) -> Tensor:
-    """x [T, H, D] (contiguous) rotated by cos, sin fp32 [T, 1, D / 2] in one C pass; x's shape and
-    dtype."""
+def _check_angles(x: Tensor, cos: Tensor, sin: Tensor) -> None:
+    """That cos and sin are fp32 [T, 1, D / 2] and contiguous for x [T, H, D]: one row per token."""
     half = (x.shape[0], 1, x.shape[2] // 2)
     if tuple(cos.shape) != half or tuple(sin.shape) != half or not (cos.is_contiguous() and sin.is_contiguous()):
         raise ValueError(f"positions: expected one per token of x {tuple(x.shape)}, got angles {tuple(cos.shape)}")
+
+
+def _rotate_in_c(x: Tensor, cos: Tensor, sin: Tensor, style: str) -> Tensor:
+    """x [T, H, D] (contiguous) rotated by cos, sin fp32 [T, 1, D / 2] in one C pass; x's shape and
+    dtype."""
+    _check_angles(x, cos, sin)
     y = torch.empty_like(x)
     status = library().ls_rope(x.shape[0], x.shape[1], x.shape[2], x.data_ptr(), cos.data_ptr(), sin.data_ptr(),
                                y.data_ptr(), OUT_CODES[x.dtype], style != "neox", isa(), torch.get_num_threads())
@@ -70,15 +75,21 @@ def into_cache(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor
     """A cached attention step's rotation and cache write in one C pass (`ls_rope_kv`): q [T, Hq, D]
     rotated, returned; k [T, Hkv, D] rotated and v as it is, written into slots [T] (int64, distinct)
     of the paged caches [blocks, block_size, Hkv, D]. The bits of this op on q and k, then write_kv.
-    None, having written nothing, where the pass does not take the operands (another dtype, a head
-    over 512 wide, a tensor off the CPU or not contiguous): the caller then rotates and writes."""
+    The slots' range is checked (by the kernel, which then writes nothing), their distinctness is
+    the caller's promise (build_step checks it). None, having written nothing, where the pass does
+    not take the operands (another dtype, a head over 512 wide, a tensor off the CPU or not
+    contiguous, shapes that do not fit together): the caller then rotates and writes."""
     tensors = (q, k, v, k_cache, v_cache)
     if not (q.dtype in OUT_CODES and all(t.dtype == q.dtype and t.device.type == "cpu" and t.is_contiguous()
                                          for t in tensors)
+            and q.dim() == 3 and k.dim() == 3 and v.shape == k.shape and k_cache.dim() == 4
+            and v_cache.shape == k_cache.shape and k.shape[1:] == k_cache.shape[2:] and q.shape[2] == k.shape[2]
             and slots.dtype == torch.int64 and slots.device.type == "cpu" and slots.is_contiguous()
-            and 0 < q.shape[-1] <= _MAX_HEAD_DIM and q.shape[0] == k.shape[0] == slots.shape[0]):
+            and 0 < q.shape[-1] <= _MAX_HEAD_DIM and q.shape[-1] % 2 == 0
+            and q.shape[0] == k.shape[0] == slots.numel() and slots.dim() == 1):
         return None
     cos, sin = (a.contiguous() for a in rope_cos_sin(positions, q.shape[-1], theta, scaling, torch.float32))
+    _check_angles(q, cos, sin)
     out = torch.empty_like(q)
     t, heads, dim = q.shape
     status = library().ls_rope_kv(t, heads, k.shape[1], dim, q.data_ptr(), k.data_ptr(), v.data_ptr(), cos.data_ptr(),

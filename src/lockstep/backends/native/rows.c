@@ -429,22 +429,22 @@ ROW_PASSES(a, AVX2_T)
 ROW_PASSES(z, AVX512_T)
 #endif
 
+int ls_add_rms_norm_fwd(int64_t rows, int64_t H, const void *x, const void *delta, const void *w, float eps,
+                        float offset, void *sum, void *y, float *rstd, int dt, int wdt, int ydt, int isa, int threads);
+
 /* rms_norm forward over rows of x [rows, H] (dtype dt, contiguous) with weight w [H] (dtype wdt):
  * y [rows, H] in dtype ydt (fp32, or bf16 rounded as Tensor.to rounds) and rstd fp32 [rows] (or NULL:
  * not wanted), in the order of the rms_norm section above. Returns 0, or -1 for arguments it cannot
  * take. */
-int ls_add_rms_norm_fwd(int64_t rows, int64_t H, const void *x, const void *delta, const void *w, float eps,
-                        float offset, void *sum, void *y, float *rstd, int dt, int wdt, int ydt, int isa, int threads);
-
 int ls_rms_norm_fwd(int64_t rows, int64_t H, const void *x, const void *w, float eps, float offset, void *y,
                     float *rstd, int dt, int wdt, int ydt, int isa, int threads) {
     return ls_add_rms_norm_fwd(rows, H, x, NULL, w, eps, offset, NULL, y, rstd, dt, wdt, ydt, isa, threads);
 }
 
 /* The same over the rows of x + delta (both [rows, H], dtype dt, contiguous; dt fp32 or bf16),
- * each sum an fp32 add of the two widened values rounded to dt as ATen's add rounds it, stored into
- * sum [rows, H] (dtype dt) and normed from there: the residual add and the next RMSNorm of a
- * decoder layer in one pass. delta NULL: ls_rms_norm_fwd. Returns 0, or -1 for arguments it cannot
+ * each sum an fp32 add of the two widened values rounded to dt as ATen's add rounds it (a NaN
+ * stored as f32_to_bf16 stores one), stored into sum [rows, H] (dtype dt) and normed from there:
+ * the residual add and the next RMSNorm of a decoder layer in one pass. delta NULL: ls_rms_norm_fwd. Returns 0, or -1 for arguments it cannot
  * take. */
 int ls_add_rms_norm_fwd(int64_t rows, int64_t H, const void *x, const void *delta, const void *w, float eps,
                         float offset, void *sum, void *y, float *rstd, int dt, int wdt, int ydt, int isa,
