@@ -287,9 +287,17 @@ def test_weight_updates_from_a_folder_and_a_gguf_file(routed, files):
     # sglang-router 0.3.2 does not route weight updates: they go to each server
     assert httpx.post(f"{url}/update_weights_from_disk", json={"model_path": files["folder"]}).status_code == 404
     before = _bits(_post(url, "/generate", body))
-    for kind, version in (("folder", "v1"), ("gguf", "v2")):
+    # load_format "auto" finds the format; a named one must be the path's
+    for kind, other in (("folder", "gguf"), ("gguf", "safetensors")):
+        refused = _post(servers[0], "/update_weights_from_disk", {"model_path": files[kind], "load_format": other},
+                        status=400)
+        held = "a safetensors checkpoint folder" if kind == "folder" else "a GGUF file"
+        assert refused["message"] == (f'load_format: "{other}" was asked, but {files[kind]} is {held}; pass '
+                                      f'"{"gguf" if other == "safetensors" else "safetensors"}" or "auto"'), refused
+    for kind, version, load_format in (("folder", "v1", "safetensors"), ("gguf", "v2", "gguf")):
         for server in servers:
-            answer = _post(server, "/update_weights_from_disk", {"model_path": files[kind], "weight_version": version})
+            answer = _post(server, "/update_weights_from_disk", {"model_path": files[kind], "weight_version": version,
+                                                                 "load_format": load_format})
             assert answer["success"] and answer["weight_version"] == version, answer
         direct = _post(servers[0], "/generate", body)
         assert direct["meta_info"]["weight_version"] == version and _bits(direct) != before

@@ -212,7 +212,8 @@ def test_model_info_health_flush_cache_and_bad_weight_updates(live, tmp_path):
     r = httpx.post(f"{url}/update_weights_from_disk", json={"model_path": str(tmp_path), "load_format": "pt"}, timeout=30)
     assert r.status_code == 400 and r.json()["success"] is False, r.text
     assert r.json()["error"] == {**r.json()["error"], "param": "load_format",
-                                 "message": 'load_format: only null or "auto" is supported, got "pt"'}
+                                 "message": 'load_format: only null or "auto" or "safetensors" or "gguf" is supported, '
+                                            'got "pt"'}
     r = httpx.post(f"{url}/update_weights_from_disk", json={"model_path": str(tmp_path / "nowhere"),
                                                             "load_format": "auto", "flush_cache": False}, timeout=30)
     refused = r.json()

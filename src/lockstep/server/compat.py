@@ -13,9 +13,12 @@ here, and any other value is a 400 that names the field and what is accepted
 from __future__ import annotations
 
 import json
+import os
 from typing import Any, Mapping
 
 from pydantic import BaseModel, create_model
+
+from ..model import gguf
 
 # SGLang 0.5's /generate fields (io_struct.GenerateReqInput) beside those lockstep implements:
 # multimodal inputs, LoRA, disaggregation, sessions, ... all at their defaults. Metrics and request
@@ -58,8 +61,31 @@ CHAT: dict[str, tuple] = {
 # SGLang's /update_weights_from_disk beside model_path: lockstep reads the path as the server read its
 # model at start (a checkpoint folder, a GGUF file or a folder holding one), and forgets the prefix
 # cache with every update whatever flush_cache says (cached keys and values of the old weights would
-# break the guarantee).
-UPDATE_FROM_DISK: dict[str, tuple] = {"load_format": (None, "auto"), "flush_cache": (True, False)}
+# break the guarantee). A load_format that names a format must be the one the path holds
+# (load_format_mismatch).
+UPDATE_FROM_DISK: dict[str, tuple] = {"load_format": (None, "auto", "safetensors", "gguf"),
+                                      "flush_cache": (True, False)}
+
+
+def load_format_mismatch(load_format: str | None, model_path: str) -> str | None:
+    """The refusal of a `load_format` ("safetensors" or "gguf") that is not the format `model_path`
+    holds, e.g. 'load_format: "gguf" was asked, but /m is a safetensors checkpoint folder'; None
+    if it is, if load_format is null or "auto", or if the path holds no model (the load says why)."""
+    if load_format in (None, "auto"):
+        return None
+    try:
+        found = gguf.find_gguf(model_path) if os.path.exists(model_path) else None
+    except ValueError:          # several GGUF files in one folder: the load names them
+        return None
+    if found is not None:
+        held, what = "gguf", "a GGUF file" if found == model_path else f"a folder holding a GGUF file ({found})"
+    elif os.path.isfile(os.path.join(model_path, "config.json")):
+        held, what = "safetensors", "a safetensors checkpoint folder"
+    else:
+        return None
+    if held == load_format:
+        return None
+    return f"load_format: {_json(load_format)} was asked, but {model_path} is {what}; pass {_json(held)} or \"auto\""
 
 
 def with_fields(name: str, model: type[BaseModel], accepted: Mapping[str, tuple]) -> type[BaseModel]:

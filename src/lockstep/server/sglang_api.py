@@ -113,6 +113,9 @@ async def update_weights_from_disk(body: UpdateWeightsFromDiskRequest, server: S
     if found is not None:
         return update_refused(found[1], found[0])
     path = body.model_path
+    mismatch = compat.load_format_mismatch(body.load_format, path)
+    if mismatch is not None:
+        return update_refused(mismatch, "load_format")
     answer = await server.update_weights(lambda: server.load_weights(path), path, "model_path", body.weight_version,
                                          body.abort_all_requests)
     if isinstance(answer, dict):
