@@ -42,6 +42,7 @@ def test_on_a_local_ray_cluster_the_run_has_the_bits_of_the_run_without_ray(tmp_
     assert not ray.is_initialized(), "the cluster started for the run is shut down with it"
     assert events[0]["ranks"] == 2 and events[0]["layout"]["data_parallel"] == 2
     assert events[0]["push_weights"] == "http", "the ranks push as the command asked"
+    assert [len(events[0]["placement"][kind]) for kind in ("servers", "ranks")] == [2, 2], events[0]["placement"]
     assert len(events[0]["servers"]) == 2 and events[0]["server"] not in events[0]["servers"]
     assert all(url.startswith("http://127.0.0.1:") for url in events[0]["servers"]), "this machine only"
     assert [[r[k] for k in KEYS] for r in placed] == plain.rows(KEYS)
@@ -52,12 +53,33 @@ def test_on_a_local_ray_cluster_the_run_has_the_bits_of_the_run_without_ray(tmp_
     assert "lockstep rl: 2 steps" in capsys.readouterr().out
 
 
+def _ray_start(ray_cli: str, args: list[str], log_path: Path, env: dict) -> subprocess.Popen:
+    """`ray start ARGS --block` in a session of its own, with SIGINT at its default: a process
+    started in the background by a non-interactive shell (nohup, a CI runner's job) ignores SIGINT,
+    and so would every process it starts; `ray start --block` stops the processes it started on
+    SIGINT."""
+    with open(log_path, "w") as log:
+        return subprocess.Popen([sys.executable, "-c", DEFAULT_SIGINT, ray_cli, "start", "--block", *args,
+                                 "--disable-usage-stats"], stdout=log, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)
+
+
+def _stop(node: subprocess.Popen) -> None:
+    node.send_signal(signal.SIGINT)
+    try:
+        node.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(node.pid, signal.SIGKILL)
+        node.wait(timeout=10)
+
+
 def test_at_the_address_of_a_running_cluster(tmp_path, rl_on_one_server):
-    """A cluster's head started apart (`ray start --head`, on this machine, with Ray's token
-    authentication): the run connects to it by address, places one server and one rank there, and
-    leaves the cluster running; a run that fails on its rank says why in one line. Its node address
-    is this machine's own, where the server listens. The run is `lockstep rl` in a process of its
-    own, as Ray reads RAY_AUTH_MODE when it is imported."""
+    """A cluster of two nodes started apart (`ray start --head` and `ray start --address`, both on
+    this machine, one CPU each, with Ray's token authentication): the run connects to the head by
+    address, places its server on one node and its rank on the other (one CPU each), records where
+    it placed them, and leaves the cluster running; a run that fails on its rank says why in one
+    line. The node address is this machine's own, where the server listens. The run is `lockstep
+    rl` in a process of its own, as Ray reads RAY_AUTH_MODE when it is imported."""
     env = {**os.environ, "RAY_AUTH_MODE": "token"}      # the head's and the driver's, as Ray's docs say
     # `ray start` records its address for a later ray.init() on this machine; the test puts back what
     # was there, so that no one is sent to its head once it is gone.
@@ -65,14 +87,10 @@ def test_at_the_address_of_a_running_cluster(tmp_path, rl_on_one_server):
     before = recorded.read_text() if recorded.exists() else None
     port = dist.free_port()
     ray_cli = os.path.join(os.path.dirname(sys.executable), "ray")
-    # The head stops on SIGINT, so it starts with SIGINT at its default: a process started in the
-    # background by a non-interactive shell (nohup, a CI runner's job) ignores SIGINT, and so would
-    # every process it starts.
-    said = tmp_path / "head.log"
-    with open(said, "w") as log:
-        head = subprocess.Popen([sys.executable, "-c", DEFAULT_SIGINT, ray_cli, "start", "--head", "--block", "--port",
-                                 str(port), "--num-cpus", "2", "--include-dashboard", "false", "--disable-usage-stats"],
-                                stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    said, joined = tmp_path / "head.log", tmp_path / "worker.log"
+    head = _ray_start(ray_cli, ["--head", "--port", str(port), "--num-cpus", "1", "--include-dashboard", "false"],
+                      said, env)
+    worker = None
     try:
         deadline = time.time() + 60
         while True:
@@ -82,6 +100,8 @@ def test_at_the_address_of_a_running_cluster(tmp_path, rl_on_one_server):
             except OSError:
                 assert head.poll() is None and time.time() < deadline, f"the head did not come up: {said.read_text()[-3000:]}"
                 time.sleep(0.5)
+        # The second node: the run's second actor waits for its CPU until it has joined.
+        worker = _ray_start(ray_cli, ["--address", f"127.0.0.1:{port}", "--num-cpus", "1"], joined, env)
         plain = rl_on_one_server
         # A rank's error is the command's one line, as under torchrun; the cluster stays up.
         taken = tmp_path / "taken"
@@ -94,21 +114,21 @@ def test_at_the_address_of_a_running_cluster(tmp_path, rl_on_one_server):
         proc = subprocess.run([sys.executable, "-m", "lockstep", "rl", *TINY, *COMPARED, "--ray", f"127.0.0.1:{port}",
                                "--out", str(tmp_path / "ray")],
                               capture_output=True, text=True, env=env, timeout=180)
-        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert proc.returncode == 0, proc.stderr[-3000:] + joined.read_text()[-2000:]
         placed, events = train.read_log(str(tmp_path / "ray"))
-        assert head.poll() is None, "the cluster outlives the run"
+        assert head.poll() is None and worker.poll() is None, "the cluster outlives the run"
     finally:
-        head.send_signal(signal.SIGINT)    # `ray start --block` stops the processes it started
-        try:
-            head.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(head.pid, signal.SIGKILL)
-            head.wait(timeout=10)
+        for node in (worker, head):
+            if node is not None:
+                _stop(node)
         if before is None:
             recorded.unlink(missing_ok=True)
         else:
             recorded.write_text(before)
     assert events[0]["ranks"] == 1
+    where = events[0]["placement"]
+    assert len(where["servers"]) == len(where["ranks"]) == 1
+    assert where["servers"][0]["node_id"] != where["ranks"][0]["node_id"], "one CPU a node: one actor a node"
     assert [[r[k] for k in KEYS] for r in placed] == plain.rows(KEYS)
     assert (tmp_path / "ray" / "rollouts.jsonl").read_text() == plain.rollouts_text
     assert weights(tmp_path / "ray") == weights(plain.out)

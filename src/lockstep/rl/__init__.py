@@ -141,7 +141,7 @@ def rollout_window(prompts: list[list[int]], rollouts: list[Rollout], advantages
 
 def run(cfg: RLConfig, out: str, task: ArithmeticTask | None = None, server_url: str | list[str] | None = None,
         resume: bool = False, progress: bool = True, servers: int = 1, accept_mismatch: bool = False,
-        push_weights: str = "auto") -> list[dict]:
+        push_weights: str = "auto", placement: dict | None = None) -> list[dict]:
     """GRPO for cfg.steps steps with rollouts from a `lockstep serve` (started here unless server_url
     is given). With `servers` > 1, that many servers are started behind SGLang's router, and several
     URLs in server_url are servers already running, behind a router started here
@@ -152,7 +152,8 @@ def run(cfg: RLConfig, out: str, task: ArithmeticTask | None = None, server_url:
     out/log.jsonl (one record a step, after a start event with the run's settings), out/rollouts.jsonl
     (every problem, completion and reward), checkpoints in out/checkpoints and the served weights in
     out/weights. `resume` continues the run in `out` from its last checkpoint, bitwise as if it had
-    not stopped.
+    not stopped. placement: where a cluster placed the servers and ranks (lockstep.rl.ray_run), kept
+    in the start event.
 
     Under torchrun, data parallel: rank 0 owns the folder and the server and broadcasts each step's
     rollouts; every rank trains its share of the window (lockstep.dist.ParallelSync), and the run's
@@ -165,7 +166,7 @@ def run(cfg: RLConfig, out: str, task: ArithmeticTask | None = None, server_url:
     try:
         urls = [server_url] if isinstance(server_url, str) else list(server_url or [])
         return _run(cfg, out, task or ArithmeticTask(), urls, resume, progress, distributed, servers, accept_mismatch,
-                    push_weights)
+                    push_weights, placement)
     finally:
         if distributed:
             torch.distributed.destroy_process_group()
@@ -181,7 +182,8 @@ def _check_out(out: str, resume: bool) -> None:
 
 
 def _run(cfg: RLConfig, out: str, task: ArithmeticTask, urls: list[str], resume: bool, progress: bool,
-         distributed: bool, servers: int, accept_mismatch: bool, push_weights: str = "auto") -> list[dict]:
+         distributed: bool, servers: int, accept_mismatch: bool, push_weights: str = "auto",
+         placement: dict | None = None) -> list[dict]:
     from .. import dist as ldist
 
     cfg.validate()
@@ -234,7 +236,7 @@ def _run(cfg: RLConfig, out: str, task: ArithmeticTask, urls: list[str], resume:
                                   "servers": client.server_urls, "ranks": trainer.sync.world,
                                   "layout": trainer.layout,
                                   "fingerprints": {"ranks": ranks, "servers": client.fingerprints},
-                                  "push_weights": push_weights,
+                                  "push_weights": push_weights, "placement": placement,
                                   "dropped_log_records": dropped}) + "\n")
         served_before: dict[str, int] = {}
         with use_backend(cfg.backend):

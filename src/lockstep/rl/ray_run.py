@@ -11,7 +11,8 @@ What is placed where:
   from the servers' URLs (behind SGLang's router on its node when there are several), pushes the
   weights to them and writes the run folder, as under torchrun.
 
-The driver only places the actors, waits for them and takes rank 0's step records; if a rank fails,
+The driver only places the actors, waits for them and takes rank 0's step records (the start event
+records the node of each actor: `placement`); if a rank fails,
 the others are stopped and its error is raised here. The run folder must be one path that every node
 sees (a shared filesystem): the servers load the pushed weights from it.
 """
@@ -101,6 +102,13 @@ def start(address: str | None, num_cpus: int, num_gpus: int) -> bool:
     return True
 
 
+def _node() -> dict[str, str]:
+    """The Ray node this process runs on: its id and address."""
+    import ray
+
+    return {"node_id": ray.get_runtime_context().get_node_id(), "address": ray.util.get_node_ip_address()}
+
+
 class ServerActor:
     """One rollout server: `lockstep serve` started as a subprocess on this actor's node, holding a
     model of the run's architecture until the run pushes its weights (as with `--server URL`)."""
@@ -131,6 +139,9 @@ class ServerActor:
     def url(self) -> str:
         return self.client.url
 
+    def node(self) -> dict[str, str]:
+        return _node()
+
     def close(self) -> None:
         self.client.close()
         shutil.rmtree(self.folder, ignore_errors=True)
@@ -138,6 +149,9 @@ class ServerActor:
 
 class RankActor:
     """One data-parallel rank of the trainer: torchrun's environment, then lockstep.rl.run."""
+
+    def node(self) -> dict[str, str]:
+        return _node()
 
     def rendezvous(self) -> tuple[str, int]:
         """This node's address and a free port on it, for rank 0's MASTER_ADDR/MASTER_PORT."""
@@ -148,7 +162,7 @@ class RankActor:
             return ray.util.get_node_ip_address(), s.getsockname()[1]
 
     def run(self, rank: int, world: int, master: tuple[str, int], cfg: dict, out: str, urls: list[str],
-            resume: bool, progress: bool, accept_mismatch: bool, push_weights: str) -> list[dict]:
+            resume: bool, progress: bool, accept_mismatch: bool, push_weights: str, placement: dict) -> list[dict]:
         import datetime
 
         import torch
@@ -166,7 +180,7 @@ class RankActor:
             torch.distributed.init_process_group("gloo", rank=rank, world_size=world,
                                                  timeout=datetime.timedelta(seconds=DEFAULT_TIMEOUT_S))
         return run(RLConfig(**cfg), out, server_url=urls, resume=resume, progress=progress and rank == 0,
-                   accept_mismatch=accept_mismatch, push_weights=push_weights)
+                   accept_mismatch=accept_mismatch, push_weights=push_weights, placement=placement)
 
 
 def run(cfg: RLConfig, out: str, address: str | None = None, servers: int = 1, dp: int = 1, gpus: bool = False,
@@ -203,7 +217,13 @@ def run(cfg: RLConfig, out: str, address: str | None = None, servers: int = 1, d
         master = ray.get(ranks[0].rendezvous.remote())
         if not address:
             master = ("127.0.0.1", master[1])
-        calls = [r.run.remote(i, dp, master, asdict(cfg), out, urls, resume, progress, accept_mismatch, push_weights)
+        placement = {"servers": ray.get([s.node.remote() for s in pool]),
+                     "ranks": ray.get([r.node.remote() for r in ranks])}
+        for kind, nodes in placement.items():
+            for i, where in enumerate(nodes):
+                log.info("lockstep rl --ray: %s %d on node %s (%s)", kind[:-1], i, where["node_id"], where["address"])
+        calls = [r.run.remote(i, dp, master, asdict(cfg), out, urls, resume, progress, accept_mismatch, push_weights,
+                              placement)
                  for i, r in enumerate(ranks)]
         return _wait(ray, calls)[0]
     finally:
