@@ -56,7 +56,7 @@ class GpuAudit:
     """`lockstep gpu-audit` in a process of its own (the Triton backend must be imported with
     TRITON_INTERPRET=0, which this process cannot undo), its output in a temporary folder.
 
-    On a fresh machine the audit compiles 592 binaries, about 8 minutes of one core, so a run
+    On a fresh machine the audit compiles about 670 binaries, 8 to 9 minutes of one core, so a run
     starts it early, at the lowest priority, and runs its tests last: the compiles take what the
     other tests leave idle (ADR 0029). The whole suite starts it before collecting its tests,
     under xdist from the controller; a narrower run once its tests are collected, under xdist from

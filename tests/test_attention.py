@@ -191,55 +191,81 @@ def _step_with_cache(dtype, positions_below=None, large=False):
     return step, positions, caches, q, k, v
 
 
+def _rotated_three_ways(dtype, style, below, large):
+    """A step's cached attention with rope= (fused), after ops.rope on q and k (the ops), and with a
+    step made by hand (the ops, inside): each (output, k cache, v cache)."""
+    from lockstep.paged_cache import CacheStep
+    from lockstep.rotary import Llama3RopeScaling, Rotation
+
+    scaling = Llama3RopeScaling(8.0, 1.0, 4.0, 64)
+    step, positions, (k_cache, v_cache), q, k, v = _step_with_cache(dtype, below, large)
+    host = step.host.positions            # as the model passes them: Positions, or TablePositions
+    outs = []
+    for fused in (True, False, "by hand"):
+        kc, vc = k_cache.clone(), v_cache.clone()
+        with torch.no_grad():
+            if fused is True:
+                out = ops.cached_attention(q, k, v, kc, vc, step, rope=Rotation(host, 5e5, style, scaling))
+            elif fused is False:
+                qr, kr = (ops.rope(t, host, 5e5, style, scaling) for t in (q, k))
+                out = ops.cached_attention(qr, kr, v, kc, vc, step)
+            else:
+                made = CacheStep(step.cu_seqlens_q.clone(), step.seq_lens.clone(), step.block_table.clone(),
+                                 step.slot_mapping.clone())
+                out = ops.cached_attention(q, k, v, kc, vc, made, rope=Rotation(positions.clone(), 5e5, style, scaling))
+        outs.append((out, kc, vc))
+    return outs
+
+
+def _counting_into_cache(monkeypatch, module) -> list[bool]:
+    """Counts the calls of `module`'s rope.into_cache: True where it rotated and wrote, False where
+    it did not take the operands (the ops then do)."""
+    calls, into = [], module.into_cache
+
+    def counted(*args):
+        rotated = into(*args)
+        calls.append(rotated is not None)
+        return rotated
+
+    monkeypatch.setattr(module.rope, "into_cache", counted)
+    return calls
+
+
 @pytest.mark.parametrize("style", ["neox", "gptj"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 def test_cached_attention_rotates_q_and_k_with_ropes_bits(dtype, style, isa, monkeypatch):
     """rope= against ops.rope on q and k before the call, host positions and positions gathered on
     the device, a step large enough for several threads, on every instruction set and 1 and 3
-    threads: the same output and the same caches; on
-    the native backend (fp32, bf16) the rotation and the write are one call, and a step made by
-    hand takes the ops one by one with the same bits."""
+    threads: the same output and the same caches; on the native backend (fp32, bf16) the rotation
+    and the write are one call, and a step made by hand takes the ops one by one with the same bits."""
     from lockstep.backends.native import build
     from lockstep.backends.native import rope as native_rope
-    from lockstep.paged_cache import CacheStep
-    from lockstep.rotary import Llama3RopeScaling, Rotation
 
-    calls = []
-    into = native_rope.into_cache
-
-    def counted(*args):
-        rotated = into(*args)
-        calls.append(rotated is not None)         # None: not taken (fp16), written by the ops instead
-        return rotated
-
-    monkeypatch.setattr(native_rope.rope, "into_cache", counted)
-    scaling = Llama3RopeScaling(8.0, 1.0, 4.0, 64)
+    calls = _counting_into_cache(monkeypatch, native_rope)
     cases = ((None, False), (16, False), (None, True))
     for name, threads, (below, large) in itertools.product(build.supported_isas(), (1, 3), cases):
         isa(name)
         torch.set_num_threads(threads)
-        step, positions, (k_cache, v_cache), q, k, v = _step_with_cache(dtype, below, large)
-        host = step.host.positions            # as the model passes them: Positions, or TablePositions
-        outs = []
-        for fused in (True, False, "by hand"):
-            kc, vc = k_cache.clone(), v_cache.clone()
-            with torch.no_grad():
-                if fused is True:
-                    out = ops.cached_attention(q, k, v, kc, vc, step, rope=Rotation(host, 5e5, style, scaling))
-                elif fused is False:
-                    qr, kr = (ops.rope(t, host, 5e5, style, scaling) for t in (q, k))
-                    out = ops.cached_attention(qr, kr, v, kc, vc, step)
-                else:
-                    made = CacheStep(step.cu_seqlens_q.clone(), step.seq_lens.clone(), step.block_table.clone(),
-                                     step.slot_mapping.clone())
-                    out = ops.cached_attention(q, k, v, kc, vc, made,
-                                               rope=Rotation(positions.clone(), 5e5, style, scaling))
-            outs.append((out, kc, vc))
-        for fused, other in zip(outs[0], outs[1]):
-            assert torch.equal(fused, other), (name, threads, below)
-        for by_hand, other in zip(outs[2], outs[1]):
-            assert torch.equal(by_hand, other), (name, threads, below)
+        fused, unfused, by_hand = _rotated_three_ways(dtype, style, below, large)
+        for a, b, c_ in zip(fused, unfused, by_hand):
+            assert torch.equal(a, b) and torch.equal(c_, b), (name, threads, below)
     assert sum(calls) == (0 if dtype == torch.float16 else 2 * len(cases) * len(build.supported_isas()))
+
+
+@pytest.mark.parametrize("style", ["neox", "gptj"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_cached_attention_rotates_q_and_k_in_one_triton_launch_with_ropes_bits(dtype, style, monkeypatch):
+    """The same on the Triton backend (its interpreter here), host positions and positions gathered on
+    the device: the fused launch gives the output and caches of ops.rope and the write, every dtype."""
+    from lockstep.backends.triton import rope as triton_rope
+
+    calls = _counting_into_cache(monkeypatch, triton_rope)
+    with lockstep.use_backend("triton"):
+        for below in (None, 16):
+            fused, unfused, by_hand = _rotated_three_ways(dtype, style, below, False)
+            for a, b, c_ in zip(fused, unfused, by_hand):
+                assert torch.equal(a, b) and torch.equal(c_, b), below
+    assert calls == [True, True]
 
 
 def test_the_rotation_and_cache_write_refuse_a_slot_outside_the_cache_and_write_nothing():

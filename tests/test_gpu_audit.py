@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import importlib.util
+import itertools
 import json
 import os
 import re
@@ -39,7 +40,8 @@ KERNELS = {"gemm_kernel", "partial_colsum_kernel", "rms_norm_fwd_kernel", "rms_n
            "embedding_fwd_kernel", "embedding_bwd_kernel", "log_softmax_fwd_kernel", "log_softmax_bwd_kernel",
            "cross_entropy_fwd_kernel", "cross_entropy_bwd_kernel", "lse_update_kernel", "dlogits_kernel",
            "attn_fwd_kernel", "attn_bwd_dq_kernel", "attn_bwd_dkdv_kernel", "attn_masked_fwd_kernel",
-           "attn_masked_bwd_dq_kernel", "attn_masked_bwd_dkdv_kernel"}
+           "attn_masked_bwd_dq_kernel", "attn_masked_bwd_dkdv_kernel", "gemm_group_kernel", "add_rms_norm_fwd_kernel",
+           "rope_kv_kernel"}
 
 
 def _env():
@@ -145,12 +147,13 @@ def test_compile_once_across_sizes(gpu_audit_output):
 def test_the_gemm_pipelines_its_loads(gpu_audit_output):
     """ADR 0014: with K unit-strided in both operands (linear's forward, x @ W^T), the GEMM's K
     loop copies its tiles with 16-byte cp.async (LDGSTS), several stages deep; before the strides
-    were specialized it loaded 2-byte scalars, one stage deep."""
+    were specialized it loaded 2-byte scalars, one stage deep. So does the grouped GEMM of the
+    engine's projections, whose tiles are the GEMM's."""
     out, records, _ = gpu_audit_output
-    for arch in ("sm_80", "sm_90a"):
-        forward = [r for r in records if r["kernel"] == "gemm_kernel" and r["arch"] == arch
+    for arch, kernel in itertools.product(("sm_80", "sm_90a"), ("gemm_kernel", "gemm_group_kernel")):
+        forward = [r for r in records if r["kernel"] == kernel and r["arch"] == arch
                    and r["config"].get("stride_ak") == 1 and r["config"].get("stride_bk") == 1]
-        assert {_dtype(r) for r in forward} >= {"fp32", "bf16", "fp16"}, arch
+        assert {_dtype(r) for r in forward} >= {"fp32", "bf16", "fp16"}, (arch, kernel)
         for r in forward:
             sass = (out / r["cubin"].replace(".cubin", ".sass")).read_text()
             assert re.search(r"LDGSTS[.\w]*\.128\b", sass), (arch, r["config"])

@@ -1,3 +1,5 @@
+import itertools
+
 import pytest
 import torch
 
@@ -68,22 +70,25 @@ def test_linear_bad_input(make, message):
     assert message in str(e.value)
 
 
-@pytest.mark.parametrize("backend", ["native", "portable"])
+@pytest.mark.parametrize("backend", ["native", "triton", "portable"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_linears_give_the_bits_of_a_linear_each(backend, dtype, monkeypatch):
     """The projections of one input (q, k and v) with and without a gradient, [T, K] and [B, T, K]
-    inputs, a bias on some: the bits of a linear call each; on the native backend, without a
-    gradient, in one kernel call."""
+    inputs, a bias on each, on none and on some: the bits of a linear call each. Without a gradient,
+    the native backend makes them in one kernel call, and the Triton backend (its interpreter here)
+    in one launch where all or none have a bias, as every model's do."""
     from lockstep.backends.native import gemm
+    from lockstep.backends.triton import linear as triton_linear
 
     calls = []
-    grouped = gemm.gemm_nt_group_in_layout
+    grouped, launched = gemm.gemm_nt_group_in_layout, triton_linear.gemm_group
     monkeypatch.setattr(gemm, "gemm_nt_group_in_layout", lambda *a: calls.append(1) or grouped(*a))
+    monkeypatch.setattr(triton_linear, "gemm_group", lambda *a: calls.append(1) or launched(*a))
     gen = torch.Generator().manual_seed(3)
     ws = [torch.randn(n, 48, generator=gen).to(dtype) for n in (32, 16, 16)]
-    bs = [torch.randn(32, generator=gen).to(dtype), None, torch.randn(16, generator=gen).to(dtype)]
+    each = [torch.randn(n, generator=gen).to(dtype) for n in (32, 16, 16)]
     with lockstep.use_backend(backend):
-        for shape in ((7, 48), (2, 5, 48)):
+        for shape, bs in itertools.product(((7, 48), (2, 5, 48)), (each, [None] * 3, [each[0], None, each[2]])):
             x = torch.randn(shape, generator=gen).to(dtype)
             with torch.no_grad():
                 ys = ops.linears(x, ws, bs, split_n=2)
@@ -95,7 +100,7 @@ def test_linears_give_the_bits_of_a_linear_each(backend, dtype, monkeypatch):
             assert all(torch.equal(y.detach(), z) for y, z in zip(ys, want, strict=True))
             sum(y.float().sum() for y in ys).backward()
             assert all(w.grad is not None for w in leaves)
-    assert len(calls) == (2 if backend == "native" else 0)
+    assert len(calls) == {"native": 6, "triton": 4, "portable": 0}[backend]
 
 
 def test_linears_names_a_bias_list_of_another_length():

@@ -81,20 +81,22 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and torch.equal(a.view(ints), b.view(ints))
 
 
-@pytest.mark.parametrize("backend", ["native", "portable"])
+@pytest.mark.parametrize("backend", ["native", "triton", "portable"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 def test_add_rms_norm_gives_the_bits_of_the_add_and_the_norm(backend, dtype, isa):
     """The residual add and the RMSNorm after it, [T, H] and [B, T, H], Gemma's offset and not, a
-    NaN in one row and an Inf in another, on every instruction set and 1 to 3 threads: the bits of
-    `residual + delta` and `rms_norm`; on the native backend, fp32 and bf16 without a gradient, in
-    one pass (fp16 takes the add and the op)."""
+    NaN in one row and an Inf in another: the bits of `residual + delta` and `rms_norm`. On the
+    native backend, on every instruction set and 1 to 3 threads, fp32 and bf16 in one pass (fp16
+    takes the add and the op); on the Triton backend (its interpreter here), every dtype in one
+    launch."""
     from lockstep.backends.native import build
 
     gen = torch.Generator().manual_seed(6)
     names = build.supported_isas() if backend == "native" else [None]
-    # The last shape is large enough for the pass to run on several threads.
+    # The last shape is large enough for the native pass to run on several threads.
     shapes = (((5, 200), 0.0), ((2, 40, 576), 1.0), ((130, 576), 0.0))
-    for name, threads, (shape, offset) in itertools.product(names, (1, 2, 3), shapes):
+    threads_swept = (1, 2, 3) if backend == "native" else (1,)
+    for name, threads, (shape, offset) in itertools.product(names, threads_swept, shapes):
         if name is not None:
             isa(name)
         torch.set_num_threads(threads)
@@ -124,6 +126,34 @@ def test_add_rms_norm_on_the_native_backend_is_one_pass_and_keeps_the_gradient_e
     assert len(passes) == 1 and weight.grad is not None and torch.equal(total, residual + delta)
     mixed, _ = ops.add_rms_norm(residual, delta.to(torch.bfloat16), weight.detach())   # promoted, as `+` does
     assert len(passes) == 1 and mixed.dtype == torch.float32 and torch.equal(mixed, residual + delta.to(torch.bfloat16))
+
+
+def test_add_rms_norm_on_the_triton_backend_is_one_launch(monkeypatch):
+    """Without a gradient, the add and the norm are one launch of the fused kernel, and the norm's own
+    kernel does not run; with one, the add and the op, so that the norm's backward has its input."""
+    from lockstep.backends.triton import rms_norm as triton_norm
+
+    launches = []
+
+    class Counted:
+        def __init__(self, name, kernel):
+            self.name, self.kernel = name, kernel
+
+        def __getitem__(self, grid):
+            launches.append(self.name)
+            return self.kernel[grid]
+
+    for name in ("add_rms_norm_fwd_kernel", "rms_norm_fwd_kernel"):
+        monkeypatch.setattr(triton_norm, name, Counted(name, getattr(triton_norm, name)))
+    residual, delta = torch.randn(3, 64), torch.randn(3, 64)
+    weight = torch.randn(64, requires_grad=True)
+    with lockstep.use_backend("triton"):
+        with torch.no_grad():
+            ops.add_rms_norm(residual, delta, weight)
+        assert launches == ["add_rms_norm_fwd_kernel"]
+        total, y = ops.add_rms_norm(residual, delta, weight)
+        y.sum().backward()
+    assert launches == ["add_rms_norm_fwd_kernel", "rms_norm_fwd_kernel"] and weight.grad is not None
 
 
 @pytest.mark.parametrize("make, message", [

@@ -194,10 +194,11 @@ def cached_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: 
 
     q: [T, Hq, D]; k, v: [T, Hkv, D]; k_cache, v_cache: [num_blocks, block_size, Hkv, D]; step: a
     paged_cache.CacheStep. rope: q and k as given are first rotated as `ops.rope` rotates them by
-    rope's positions, theta, style and scaling, with its bits; a backend whose rope carries an `into_cache` form (the native one) rotates and writes
-    the cache in one call. When `build_step` made the step, its checked host copy (step.host)
-    stands for the step's values and nothing is read back from the device; otherwise (or when the
-    step's block table or slot mapping is not the one build_step made) write_kv and paged_attention
+    rope's positions, theta, style and scaling, with its bits; a backend whose rope carries an
+    `into_cache` form (the native and Triton ones) rotates and writes the cache in one call. When
+    `build_step` made the step, its checked host copy (step.host) stands for the step's values and
+    nothing is read back from the device; otherwise (or when the step's block table or slot
+    mapping is not the one build_step made) write_kv and paged_attention
     check them. Returns [T, Hq, D] in q's dtype."""
     if rope is not None and not isinstance(rope, Rotation):
         raise TypeError(f"rope: expected a lockstep.rotary.Rotation or None, got {type(rope).__name__}")

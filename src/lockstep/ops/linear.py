@@ -39,8 +39,9 @@ def linears(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor | None
 
     x: [..., K]; each weight [N_j, K] and bias [N_j] (or None), as `linear` takes them; returns a
     [..., N_j] tensor per weight. Where no gradient is recorded and autocast is off, a backend whose
-    `linear` carries a `group` form (the native one: `columns_at_any_width`, each column its own
-    dot) computes them in one kernel call; elsewhere, a `linear` call each.
+    `linear` carries a `group` form (the native and Triton ones: each product's columns are
+    computed as its own call computes them) makes them in one kernel call; elsewhere, a `linear`
+    call each.
     """
     biases = [None] * len(weights) if biases is None else list(biases)
     if len(biases) != len(weights):

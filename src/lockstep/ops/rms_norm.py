@@ -33,7 +33,8 @@ def add_rms_norm(residual: Tensor, delta: Tensor, weight: Tensor, eps: float = 1
     residual, delta: [..., H] float of one shape and device (the sum's dtype is PyTorch's promotion
     of theirs, as `+` gives it); weight: [H]. Returns both [..., H]. Where no gradient is recorded,
     autocast is off and residual, delta and weight share a dtype, a backend whose rms_norm carries
-    an `add` form (the native one) computes them in one pass; elsewhere, the add and `rms_norm`.
+    an `add` form (the native and Triton ones) computes them in one pass; elsewhere, the add and
+    `rms_norm`.
     """
     if not (isinstance(delta, Tensor) and isinstance(residual, Tensor) and residual.dtype in c.FLOAT_DTYPES
             and delta.dtype in c.FLOAT_DTYPES and delta.shape == residual.shape and delta.device == residual.device):

@@ -142,10 +142,17 @@ def _row_ops(ops, dtype, rows: int, hidden: int, vocab: int) -> Iterator[str]:
     x, w, b = _rand(rows, hidden, dtype=dtype), _rand(96, hidden, dtype=dtype), _rand(96, dtype=dtype)
     _backward(ops.linear(x, w, b), x, w, b)
     _backward(ops.linear(x, w, None, split_k=2, split_n=2), x, w)
+    yield "linears (the engine's grouped projections)"
+    with torch.no_grad():
+        ops.linears(x, [w, w[:32], w[:32]], [b, b[:32], b[:32]])     # Qwen2's q, k and v
+        ops.linears(x, [w, w[:32]], None)                             # gate and up
     yield "rms_norm"
     x, w = _rand(rows, hidden, dtype=dtype), _rand(hidden, dtype=dtype)
     _backward(ops.rms_norm(x, w, eps=1e-6), x, w)
     _backward(ops.rms_norm(x, w, eps=1e-6, offset=1.0), x, w)
+    yield "add_rms_norm (the engine's residual add and norm)"
+    with torch.no_grad():
+        ops.add_rms_norm(x, x, w, eps=1e-6)
     yield "rope"
     x, pos = _rand(rows, 2, 64, dtype=dtype), torch.arange(rows) * 3
     for style in ("neox", "gptj"):
@@ -202,6 +209,7 @@ def _attention_ops(ops, dtype, lengths: list[int], head_dim: int) -> Iterator[st
     yield "paged decode, the engine's step"
     # The engine's decode step (build_step's): the kernel reads the step's int64 metadata in place.
     from ..paged_cache import build_step
+    from ..rotary import Rotation
 
     spans = [(table[b, :nb].tolist(), n - 1, n) for b, (nb, n) in enumerate(zip(blocks, lengths))]
     step, _ = build_step(spans, block_size)
@@ -209,6 +217,8 @@ def _attention_ops(ops, dtype, lengths: list[int], head_dim: int) -> Iterator[st
     with torch.no_grad():
         for window in (None, 8):
             ops.cached_attention(q1, k1, v1, k_cache, v_cache, step, window=window)
+        for style in ("neox", "gptj"):          # rope and the cache write in one launch
+            ops.cached_attention(q1, k1, v1, k_cache, v_cache, step, rope=Rotation(step.host.positions, 1e4, style))
     yield "masked attention"
     width = max(lengths)
     visible = torch.zeros(len(lengths), width, width, dtype=torch.bool)

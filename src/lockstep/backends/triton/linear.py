@@ -1,4 +1,5 @@
-"""Triton linear: forward, dX and dW all through the fixed-tile GEMM."""
+"""Triton linear: forward, dX and dW all through the fixed-tile GEMM. Its `group` form
+(`forward_group`) makes the engine's projections of one input in one launch."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from ...numerics import grad_tree
 from ...numerics.fixed_order import split_sum
 from ...registry import register
 from ...numerics.second_order import first_order_only
-from .gemm import gemm, weight_grad
+from .gemm import GROUP_MAX, gemm, gemm_group, weight_grad
 from .reduce import column_sum
 
 
@@ -41,3 +42,18 @@ class _Linear(torch.autograd.Function):
 @register("triton", "linear")
 def linear(x, weight, bias, split_k=1, split_n=1):
     return _Linear.apply(x.contiguous(), weight, bias, split_k, split_n)
+
+
+def forward_group(x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor | None]) -> list[torch.Tensor]:
+    """[linear(x, w, b) for w, b in zip(weights, biases)] without a gradient (x [M, K], each w [N_j, K]
+    -> [M, N_j] in x's dtype): one launch of gemm_group where the weights share a layout and all or
+    none have a bias (every model's q/k/v and gate/up), with each product's own tiles and so its
+    bits; else a launch each."""
+    if 1 <= len(weights) <= GROUP_MAX and all(w.stride() == weights[0].stride() for w in weights) \
+            and len({b is None for b in biases}) == 1:
+        return gemm_group(x, [w.t() for w in weights], biases)
+    return [gemm(x, w.t(), b) for w, b in zip(weights, biases)]
+
+
+# ops.linears' form of this backend (docs/adr/0042): the engine's projections of one input in one launch.
+linear.group = forward_group

@@ -1,4 +1,5 @@
-"""Triton rms_norm: one program per row; dweight by a fixed two-pass column sum."""
+"""Triton rms_norm: one program per row; dweight by a fixed two-pass column sum. Its `add` form
+(`add_forward`) takes a decoder layer's residual add before the norm in the same launch."""
 
 from __future__ import annotations
 
@@ -28,6 +29,32 @@ def rms_norm_fwd_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, H, eps, offset, BLOCK: tl
     for h0 in range(0, H, BLOCK):
         m = h0 + lanes < H
         x = tl.load(x_ptr + row * H + h0 + lanes, mask=m, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + h0 + lanes, mask=m, other=0.0).to(tl.float32)
+        tl.store(y_ptr + row * H + h0 + lanes, cast_out(((x * rstd) * (w + offset)), y_ptr), mask=m)
+
+
+@triton.jit(do_not_specialize=["H", "eps", "offset"])
+def add_rms_norm_fwd_kernel(r_ptr, d_ptr, w_ptr, sum_ptr, y_ptr, H, eps, offset, BLOCK: tl.constexpr):
+    """Program r: s = residual + delta of row r, widened exactly, added in fp32 and rounded to the
+    dtype as ATen's add is, stored; then rms_norm_fwd_kernel's operations on s. The second pass
+    recomputes s rather than reading back what this program stored."""
+    row = tl.program_id(0)
+    lanes = tl.arange(0, BLOCK)
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for h0 in range(0, H, BLOCK):
+        m = h0 + lanes < H
+        a = tl.load(r_ptr + row * H + h0 + lanes, mask=m, other=0.0).to(tl.float32)
+        b = tl.load(d_ptr + row * H + h0 + lanes, mask=m, other=0.0).to(tl.float32)
+        s = cast_out(a + b, sum_ptr)
+        tl.store(sum_ptr + row * H + h0 + lanes, s, mask=m)
+        x = s.to(tl.float32)
+        acc += x * x
+    rstd = 1.0 / tl.sqrt(tl.sum(acc, axis=0) / H + eps)
+    for h0 in range(0, H, BLOCK):
+        m = h0 + lanes < H
+        a = tl.load(r_ptr + row * H + h0 + lanes, mask=m, other=0.0).to(tl.float32)
+        b = tl.load(d_ptr + row * H + h0 + lanes, mask=m, other=0.0).to(tl.float32)
+        x = cast_out(a + b, sum_ptr).to(tl.float32)
         w = tl.load(w_ptr + h0 + lanes, mask=m, other=0.0).to(tl.float32)
         tl.store(y_ptr + row * H + h0 + lanes, cast_out(((x * rstd) * (w + offset)), y_ptr), mask=m)
 
@@ -96,3 +123,21 @@ class _RMSNorm(torch.autograd.Function):
 @register("triton", "rms_norm")
 def rms_norm(x, weight, eps, offset):
     return _RMSNorm.apply(x.contiguous(), weight.contiguous(), eps, offset)
+
+
+def add_forward(residual: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float,
+                offset: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(residual + delta, rms_norm of that sum), both [rows, H] in residual's dtype, from residual
+    and delta [rows, H] of that dtype (fp32, bf16 or fp16): one launch, with the bits of ATen's add
+    and this backend's rms_norm. The forward alone: for callers that record no graph."""
+    residual, delta = residual.contiguous(), delta.contiguous()
+    m, h = residual.shape
+    total, y = torch.empty_like(residual), torch.empty_like(residual)
+    if m:
+        add_rms_norm_fwd_kernel[(m,)](residual, delta, weight.contiguous(), total, y, h, eps, offset,
+                                      BLOCK=lane_block(h))
+    return total, y
+
+
+# ops.add_rms_norm's form of this backend (docs/adr/0042): a residual add and the next RMSNorm in one launch.
+rms_norm.add = add_forward
