@@ -4,7 +4,8 @@ transformers `generate`, on models so narrow that their arithmetic costs next to
 per layer: Python, dispatch and the kernels' call paths.
 
 Host time per layer-step is the slope of a decode step's time between a 4-layer and a 12-layer model
-of one family, 4 rows decoding (the median of 24 steps per depth). transformers' decode step is
+of one family, 4 rows decoding (the median of 24 steps per depth), with the engine's decode steps
+replayed (engine/step_graph.py, the default) and run eagerly (cpu_graphs=False). transformers' decode step is
 the slope of `generate`'s time over the tokens it draws (greedy, 4 left-padded rows, its cache).
 Also counted, per decode step of the 12-layer model: reads of tensor data back to the host and
 non-view aten ops (lockstep.tools.host_work).
@@ -38,9 +39,10 @@ def _model(family: str, layers: int) -> Transformer:
                                                     vocab_size=300))
 
 
-def engine_step(model: Transformer) -> tuple[float, HostWork]:
-    """The median decode step's seconds, and one decode step's host work."""
-    engine = Engine(model, max_num_seqs=ROWS, block_size=16)
+def engine_step(model: Transformer, cpu_graphs: bool = True) -> tuple[float, HostWork]:
+    """The median decode step's seconds, and one decode step's host work; with cpu_graphs, the
+    steps after each bucket's first two are replays (engine/step_graph.py)."""
+    engine = Engine(model, max_num_seqs=ROWS, block_size=16, cpu_graphs=cpu_graphs)
     for p in PROMPTS:
         engine.add_request(p, SamplingParams(temperature=0, max_new_tokens=STEPS + 4))
     engine.step()                               # the prompts
@@ -81,9 +83,9 @@ def main() -> None:
     if args.rounds < 1:
         parser.error(f"--rounds: expected at least 1, got {args.rounds}")
     print(f"machine: {machine()}; {ROWS} rows decoding; the median of {args.rounds} alternating rounds")
-    print("| family | lockstep us / layer-step | transformers us / layer-step | the rounds' ratio: median (min-max) "
-          "| reads / step | ops / layer-step |")
-    print("|---|---|---|---|---|---|")
+    print("| family | lockstep us / layer-step: replayed (eager) | transformers us / layer-step | the rounds' ratio, "
+          "replayed: median (min-max) | eager | reads / step | ops / layer-step, eager |")
+    print("|---|---|---|---|---|---|---|")
     span = DEPTHS[1] - DEPTHS[0]
     for family in args.families.split(","):
         models = {layers: _model(family, layers) for layers in DEPTHS}
@@ -92,17 +94,18 @@ def main() -> None:
         # lockstep and transformers alternate, round after round, so that a slower spell of a shared
         # machine falls on both; each round's ratio is of two slopes measured minutes apart at most.
         for _ in range(args.rounds):
-            ours, stock = {}, {}
+            ours, eager, stock = {}, {}, {}
             for layers in DEPTHS:
-                ours[layers], works[layers] = engine_step(models[layers])
+                ours[layers], _ = engine_step(models[layers])
+                eager[layers], works[layers] = engine_step(models[layers], cpu_graphs=False)
                 stock[layers] = transformers_step(hf[layers])
-            lock, base = ((d[DEPTHS[1]] - d[DEPTHS[0]]) / span * 1e6 for d in (ours, stock))
-            rounds.append((lock, base, lock / base))
-        lock, base, ratio = (statistics.median(r[i] for r in rounds) for i in range(3))
-        low, high = min(r[2] for r in rounds), max(r[2] for r in rounds)
+            lock, slow, base = ((d[DEPTHS[1]] - d[DEPTHS[0]]) / span * 1e6 for d in (ours, eager, stock))
+            rounds.append((lock, slow, base, lock / base, slow / base))
+        lock, slow, base, ratio, eager_ratio = (statistics.median(r[i] for r in rounds) for i in range(5))
+        low, high = min(r[3] for r in rounds), max(r[3] for r in rounds)
         ops = (works[DEPTHS[1]].total_ops - works[DEPTHS[0]].total_ops) / span
-        print(f"| {family} | {lock:.0f} | {base:.0f} | {ratio:.2f} ({low:.2f}-{high:.2f}) | "
-              f"{works[DEPTHS[1]].total_reads} | {ops:.1f} |", flush=True)
+        print(f"| {family} | {lock:.0f} ({slow:.0f}) | {base:.0f} | {ratio:.2f} ({low:.2f}-{high:.2f}) | "
+              f"{eager_ratio:.2f} | {works[DEPTHS[1]].total_reads} | {ops:.1f} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,8 @@ ROOT = Path(__file__).resolve().parent.parent
 BACKENDS = sorted(contract.load()["backends"])
 # Backend modules that hold shared kernels rather than one op (the Triton and native GEMMs, column sums, tile
 # helpers, the native build and its recorded bits).
-SHARED = {"triton": {"common", "gemm", "interpreter", "reduce"}, "native": {"bits", "build", "calls", "cpu", "gemm", "rows", "silu", "unary"}}
+SHARED = {"triton": {"common", "gemm", "interpreter", "reduce"}, "native": {"bits", "build", "calls", "cpu", "gemm", "program", "rows", "silu",
+                                                                    "unary"}}
 
 
 def face(op: str) -> str:

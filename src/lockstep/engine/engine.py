@@ -41,12 +41,15 @@ class Engine:
     batch-size bucket, padded with rows in scratch blocks (engine.model_runner.DecodeBuffers); the
     bits are the same either way. cuda_graphs: on a CUDA device, each bucket's decode forward is
     captured in a CUDA graph and replayed (needs static_decode; not for sparse MoE models, whose
-    layers read their experts' token counts)."""
+    layers read their experts' token counts). cpu_graphs: on the CPU, with static_decode, each
+    bucket's decode forward is recorded on its second step and its kernel calls replayed after, with
+    the same bits and without the Python around them; a step that cannot be replayed runs eagerly
+    (engine.step_graph)."""
 
     def __init__(self, model: Transformer, max_num_seqs: int = 8, max_num_batched_tokens: int = 256,
                  block_size: int = 16, num_blocks: int | None = None, prefix_caching: bool = True,
                  on_token: Callable[[RequestOutput, Draw], None] | None = None, static_decode: bool = True,
-                 cuda_graphs: bool = False):
+                 cuda_graphs: bool = False, cpu_graphs: bool = True):
         for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens),
                             ("block_size", block_size)):
             checks.int_at_least(name, value)
@@ -57,8 +60,9 @@ class Engine:
         checks.int_at_least("num_blocks", num_blocks)
         if not isinstance(static_decode, bool):
             raise ValueError(f"static_decode: expected True or False, got {static_decode!r}")
-        if not isinstance(cuda_graphs, bool):
-            raise ValueError(f"cuda_graphs: expected True or False, got {cuda_graphs!r}")
+        for name, flag in (("cuda_graphs", cuda_graphs), ("cpu_graphs", cpu_graphs)):
+            if not isinstance(flag, bool):
+                raise ValueError(f"{name}: expected True or False, got {flag!r}")
         if cuda_graphs and (model.device.type != "cuda" or not static_decode or model.config.num_experts):
             why = (f"the model is on {model.device.type}, and they need a CUDA device" if model.device.type != "cuda"
                    else "they replay static decode steps: pass static_decode=True" if not static_decode
@@ -70,7 +74,7 @@ class Engine:
         self.scheduler = Scheduler(BlockManager(num_blocks, block_size, prefix_caching), max_num_seqs,
                                    max_num_batched_tokens)
         self.runner = ModelRunner(model, num_blocks, block_size, max_num_seqs if static_decode else None,
-                                  self.max_len, cuda_graphs)
+                                  self.max_len, cuda_graphs, cpu_graphs)
         self.on_token = on_token
         # Finished since the last `step()` returned; the engine keeps no output after handing it out.
         self._done: list[RequestOutput] = []

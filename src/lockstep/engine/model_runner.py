@@ -20,6 +20,7 @@ from ..paged_cache import CacheStep, build_step, step_size
 from ..rotary import MAX_POSITION, TablePositions
 from ..sampling import Draw, sample
 from .sequence import Sequence
+from .step_graph import StepGraphs
 
 
 class DecodeBuffers:
@@ -71,10 +72,11 @@ def unremembered(step: CacheStep) -> CacheStep:
 
 class ModelRunner:
     def __init__(self, model: Transformer, num_blocks: int, block_size: int, max_num_seqs: int | None = None,
-                 max_len: int | None = None, cuda_graphs: bool = False):
+                 max_len: int | None = None, cuda_graphs: bool = False, cpu_graphs: bool = False):
         """With max_num_seqs and max_len, decode steps run on static buffers (DecodeBuffers); with
         cuda_graphs as well, each bucket's decode forward is captured in a CUDA graph on its first
-        step and replayed after."""
+        step and replayed after; with cpu_graphs, on the CPU, each bucket's decode forward is
+        captured on its second step and replayed after, where it can be (step_graph.py)."""
         self.model, self.block_size = model, block_size
         self.decode = DecodeBuffers(max_num_seqs, max_len, block_size, num_blocks) if max_num_seqs else None
         scratch = self.decode.scratch_blocks if self.decode else 0
@@ -82,6 +84,7 @@ class ModelRunner:
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = None
         self.cuda_graphs = cuda_graphs and self.decode is not None
+        self.step_graphs = StepGraphs() if cpu_graphs and self.decode is not None else None
 
     def _decode_forward(self, step, positions) -> torch.Tensor:
         """The forward of a static decode step: eager, or its bucket's graph. A bucket's first step
@@ -90,7 +93,12 @@ class ModelRunner:
         bucket copy their metadata into the same buffer (build_step) and replay."""
         ids = step.host.input_ids
         if not self.cuda_graphs:
-            return self.model.forward_cached(ids, positions, step, self.cache)
+            if self.step_graphs is None or ids.device.type != "cpu":
+                return self.model.forward_cached(ids, positions, step, self.cache)
+            return self.step_graphs.forward(
+                ids.shape[0], lambda: self.model.forward_cached(ids, positions, step, self.cache),
+                lambda: self.model.forward_cached(ids, positions, unremembered(step), self.cache), self.model,
+                self.cache)
         rows = ids.shape[0]
         entry = self.graphs.get(rows)
         if entry is not None:

@@ -9,6 +9,7 @@ give the same bits for the same token.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -149,6 +150,15 @@ class Block(nn.Module):
         return x + delta
 
 
+@functools.cache
+def _embed_scale(hidden: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """Gemma's embedding scale, sqrt(hidden) rounded to fp32 (IEEE, unlike pow) and then to `dtype`:
+    one tensor per dtype and device, made once (so that a captured step reads it rather than
+    making a tensor of a Python value; engine/step_graph.py)."""
+    with torch.inference_mode(False):     # a tensor a later training step may save for backward
+        return torch.tensor(math.sqrt(hidden), dtype=torch.float32).to(dtype=dtype, device=device)
+
+
 class Decoder(nn.Module):
     def __init__(self, c: ModelConfig):
         super().__init__()
@@ -240,7 +250,7 @@ class Transformer(nn.Module):
             self._check_ids(input_ids)
         x = ops.embedding(input_ids, self.model.embed_tokens.weight, ids_checked=ids_checked)
         if self.config.embed_scale:
-            x = x * torch.tensor(math.sqrt(self.config.hidden_size), dtype=torch.float32).to(x.dtype)  # IEEE, unlike pow
+            x = x * _embed_scale(self.config.hidden_size, x.dtype, x.device)
         return x
 
     def forward(self, input_ids: Tensor | None, cu_seqlens: Tensor, positions: Tensor | None = None,

@@ -154,7 +154,7 @@ def paged_attention(q, k_cache, v_cache, block_table, seq_lens, cu_q, scale, cau
                                         kernels=cpu.KERNELS)
     with torch.no_grad():
         out, _, _ = attention_forward(q, k_cache, v_cache, cu_q, seq_lens, None, block_table, scale, causal, window,
-                                      indices=_step_indices(cu_q, seq_lens))
+                                      indices=_step_indices(cu_q, seq_lens, on_device))
     return out.to(q.dtype)
 
 
@@ -164,14 +164,20 @@ _last_indices: tuple = ((), (), None)
 _last_indices_lock = threading.Lock()
 
 
-def _step_indices(cu_q: Sequence[int], seq_lens: Sequence[int]) -> tuple[Tensor, Tensor]:
-    """cu_q and seq_lens as int64 tensors, reused for the same tuples."""
+def _step_indices(cu_q: Sequence[int], seq_lens: Sequence[int],
+                  on_device: tuple[Tensor, Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
+    """cu_q and seq_lens as int64 tensors, reused for the same tuples: widened from build_step's
+    int32 copies (`on_device`, paged_cache.StepHost.indices32) where the step has them, so that a
+    captured step (engine/step_graph.py) makes them again from its buffer; else from the tuples."""
     global _last_indices
     with _last_indices_lock:
         last_cu, last_lens, made = _last_indices
     if made is not None and cu_q is last_cu and seq_lens is last_lens:
         return made
-    made = (_int64(list(cu_q)), _int64([int(n) for n in seq_lens]))
+    if on_device is not None and on_device[0].device.type == "cpu":
+        made = (on_device[0].to(torch.int64), on_device[1].to(torch.int64))
+    else:
+        made = (_int64(list(cu_q)), _int64([int(n) for n in seq_lens]))
     if isinstance(cu_q, tuple) and isinstance(seq_lens, tuple):
         with _last_indices_lock:
             _last_indices = (cu_q, seq_lens, made)

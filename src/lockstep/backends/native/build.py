@@ -35,6 +35,12 @@ import sys
 import tempfile
 from pathlib import Path
 
+try:
+    from .program import active as _recording
+except ImportError:     # build.py run alone (bits.py as a script, under QEMU): no thread records there
+    def _recording():
+        return None
+
 SOURCE = Path(__file__).with_name("kernels.c")
 # What the cache key reads: kernels.c is one translation unit with the files it includes, so a
 # change to any of them is a change to the library.
@@ -233,10 +239,16 @@ def _compile(cc: list[str], folder: Path | None = None, rebuild: bool = False) -
     return target
 
 
-@functools.cache
 def library():
     """The loaded kernel library (built on first use), its entry points called through a compiled
-    extension where one builds (calls.py; else ctypes'); raises NativeUnavailable."""
+    extension where one builds (calls.py; else ctypes'); raises NativeUnavailable. A thread that
+    records its kernel calls (program.py) gets it wrapped, each call kept."""
+    recording = _recording()
+    return _library() if recording is None else recording.wrap(_library())
+
+
+@functools.cache
+def _library():
     if sys.platform == "win32":
         raise NativeUnavailable("the native kernels are built for Linux and macOS only")
     cc = compiler()
