@@ -80,7 +80,7 @@ def replay_entry(func, args: tuple, kwargs: dict, out) -> tuple[tuple | None, st
     """(the entry that makes `func`'s call again, or None where it needs none; why it cannot be
     replayed, or None)."""
     if func.namespace != "aten":
-        return None, f"is not an aten op"
+        return None, "is not an aten op"
     if func in REFUSED:
         return None, REFUSED[func]
     for tag, why in REFUSED_TAGS.items():
@@ -171,16 +171,14 @@ class StepGraph:
                 entry[1](*entry[2], **entry[3])
         return self.out
 
-    @property
-    def calls(self) -> int:
-        """The kernel calls and aten ops a replay makes."""
-        return len(self.entries)
+
+def _global_hooks() -> bool:
+    return bool(torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks)
 
 
 def hooked(model: nn.Module) -> bool:
     """Whether a call of `model` would run hooks that a replay would not."""
-    return bool(torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks) or any(
-        m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+    return _global_hooks() or any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
 
 
 def capture(forward: Callable[[], Tensor], model: nn.Module, cache,
@@ -188,10 +186,15 @@ def capture(forward: Callable[[], Tensor], model: nn.Module, cache,
     """Runs `forward` (a static decode step's, whose tensors stay where they are) and records it:
     (its output, the graph that replays it or None, why not). cache: the KVCache the step reads
     and writes; context: `_context(model)`."""
-    why = _unrecordable(model) if context is not None else "an op of the registry has no implementation here"
+    why = _unrecordable(model, context[0]) if context is not None else \
+        "an op of the registry has no implementation here"
+    if why is None:
+        try:
+            from ..backends.native import program
+        except ImportError as e:
+            why = f"the native backend is not available ({e})"
     if why is not None:
         return forward(), None, why
-    from ..backends.native import program
 
     with program.recording() as recording, _Capture(recording.entries) as watched:
         out = forward()
@@ -212,8 +215,7 @@ def _context(model: nn.Module) -> tuple | None:
         impls = tuple(resolve(op, torch.device("cpu")) for op in OPS)
     except (NotImplementedError, ImportError):
         return None
-    global_hooks = bool(torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks)
-    return impls, torch.is_autocast_enabled("cpu"), torch.is_inference_mode_enabled(), global_hooks
+    return impls, torch.is_autocast_enabled("cpu"), torch.is_inference_mode_enabled(), _global_hooks()
 
 
 # The backends whose work a capture sees: the native kernels' calls, and aten ops.
@@ -221,9 +223,10 @@ RECORDABLE = ("lockstep.backends.native", "lockstep.backends.portable", "lockste
               "lockstep.backends.reference")
 
 
-def _unrecordable(model: nn.Module) -> str | None:
-    """Why a step of `model` on the CPU cannot be recorded, or None."""
-    from ..registry import OPS, resolve
+def _unrecordable(model: nn.Module, impls: tuple) -> str | None:
+    """Why a step of `model` on the CPU cannot be recorded, or None; impls: what each op of the
+    registry resolves to (`_context`)."""
+    from ..registry import OPS
 
     if hooked(model):
         return "a module of the model has a forward hook, which a replay would not call"
@@ -233,14 +236,9 @@ def _unrecordable(model: nn.Module) -> str | None:
                 "host (a read that Python makes, tolist or numpy, is not an op a capture sees)")
     if torch.is_autocast_enabled("cpu"):
         return "autocast is on"
-    for op in OPS:
-        where = resolve(op, torch.device("cpu")).__module__
-        if not where.startswith(RECORDABLE):
-            return f"{op} runs on {where}, whose kernel launches a capture does not see"
-    try:
-        from ..backends.native import program  # noqa: F401
-    except ImportError as e:
-        return f"the native backend is not available ({e})"
+    for op, impl in zip(OPS, impls):
+        if not impl.__module__.startswith(RECORDABLE):
+            return f"{op} runs on {impl.__module__}, whose kernel launches a capture does not see"
     return None
 
 
